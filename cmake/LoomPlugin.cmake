@@ -1,0 +1,15 @@
+# loom_add_plugin(<name> SOURCES ... [LINK ...]): one technique, one shared library named
+# loom_<name>.so in the plugin folder, linked against the core SDK only.
+function(loom_add_plugin name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LINK" ${ARGN})
+  set(target loom_plugin_${name})
+  add_library(${target} MODULE ${ARG_SOURCES})
+  target_link_libraries(${target} PRIVATE loom::core ${ARG_LINK})
+  set_target_properties(${target} PROPERTIES
+    PREFIX "" OUTPUT_NAME "loom_${name}"
+    LIBRARY_OUTPUT_DIRECTORY ${LOOM_PLUGIN_OUTPUT_DIRECTORY}
+    CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+  if(COMMAND loom_plugin_install_hook)
+    loom_plugin_install_hook(${target})
+  endif()
+endfunction()

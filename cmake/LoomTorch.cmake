@@ -1,0 +1,34 @@
+# Finds LibTorch inside the project's Python venv (the PyPI torch wheel) and wraps it once into
+# the interface target loom::torch that everything else links. The wheel is the CUDA 13.0 build:
+# with the CUDA toolkit present, CUDA code compiles and links even where no GPU exists.
+set(LOOM_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+    "Python of the venv that holds the torch wheel (scripts/setup makes it)")
+if(NOT EXISTS "${LOOM_PYTHON}")
+  message(FATAL_ERROR "loom: no Python at LOOM_PYTHON=${LOOM_PYTHON}. Run scripts/setup first, "
+                      "or pass -DLOOM_PYTHON=/path/to/venv/bin/python.")
+endif()
+execute_process(
+  COMMAND "${LOOM_PYTHON}" -c "import torch.utils; print(torch.utils.cmake_prefix_path, end='')"
+  OUTPUT_VARIABLE LOOM_TORCH_PREFIX RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "loom: ${LOOM_PYTHON} cannot import torch. Run scripts/setup.")
+endif()
+list(APPEND CMAKE_PREFIX_PATH "${LOOM_TORCH_PREFIX}")
+# Torch's config warns about a deprecated variable; the arch list only matters for .cu files.
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
+endif()
+find_package(Torch REQUIRED)
+
+add_library(loom_torch INTERFACE)
+add_library(loom::torch ALIAS loom_torch)
+target_link_libraries(loom_torch INTERFACE ${TORCH_LIBRARIES})
+separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+target_compile_options(loom_torch INTERFACE ${_torch_flags})
+if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
+  set(LOOM_WITH_CUDA ON)
+  target_compile_definitions(loom_torch INTERFACE LOOM_WITH_CUDA=1)
+else()
+  set(LOOM_WITH_CUDA OFF)
+endif()
+message(STATUS "loom: LibTorch from ${LOOM_TORCH_PREFIX} (CUDA build: ${LOOM_WITH_CUDA})")

@@ -1,0 +1,63 @@
+// loom/comm.h — collective communication between ranks, behind one interface.
+// Backends: `local` (one rank; here), `mpi`, `gloo`, `nccl` (the multi-process issue). Every
+// collective may run asynchronously and returns a Work handle; every wait has a timeout, and a
+// dead peer is an error naming the rank, never a hang.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom {
+
+enum class ReduceOp { sum, avg, max, min };
+
+class Work {
+ public:
+  virtual ~Work();
+  virtual void wait() = 0;  // throws loom::Error on failure or timeout
+  virtual bool completed() = 0;
+};
+
+struct CommOptions {
+  std::string backend = "auto";
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+class Comm {
+ public:
+  virtual ~Comm();
+  virtual std::string backend() const = 0;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual int local_rank() const = 0;
+  virtual int local_world_size() const = 0;
+
+  // In place on `tensor`.
+  virtual std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) = 0;
+  // input (world*n) -> output (n): output = reduce(input's rank-th chunk over ranks).
+  virtual std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                               ReduceOp op) = 0;
+  // input (n) -> output (world*n), rank r's input at chunk r.
+  virtual std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) = 0;
+  virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) = 0;
+  // input (world*n): chunk j goes to rank j; output (world*n): chunk j came from rank j.
+  virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) = 0;
+  virtual void barrier() = 0;
+};
+
+// Backends register a factory by name; "local" is built in. The multi-process issue adds
+// mpi / gloo / nccl here without touching the engine.
+using CommFactory = std::function<std::unique_ptr<Comm>(const CommOptions&)>;
+void register_comm_backend(const std::string& name, CommFactory factory);
+std::unique_ptr<Comm> make_comm(const CommOptions& options);
+
+}  // namespace loom
+
+#pragma GCC visibility pop

@@ -1,0 +1,108 @@
+// loom/data.h — datasets (index -> sample), the rank-sharded deterministic sampler, and the
+// DataSource the engine pulls micro-batches from. Preloading (worker threads) wraps a
+// DataSource; it does not change which samples come in which order.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/batch.h"
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom {
+
+// One example. input_ids (T) int64; labels (T) for LM or a 0-d int64 for classification.
+struct Sample {
+  at::Tensor input_ids;
+  at::Tensor labels;
+  int64_t index = -1;
+};
+
+// Random access to samples. get() must be deterministic and thread-safe: the same index gives
+// the same sample whatever order or thread asks.
+class Dataset {
+ public:
+  virtual ~Dataset();
+  virtual int64_t size() const = 0;
+  virtual Sample get(int64_t index) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// Where a rank is in the data: the epoch and how many of its samples of that epoch it consumed.
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t cursor = 0;
+  bool operator==(const DataPosition&) const = default;
+};
+
+struct SamplerOptions {
+  int64_t batch_size = 1;
+  bool shuffle = true;
+  bool drop_last = true;
+  uint64_t seed = 0;
+  int rank = 0;
+  int world_size = 1;
+};
+
+// The epoch's order: a permutation seeded by (seed, epoch), split round-robin over ranks
+// (rank r takes positions r, r+W, ...) after trimming to a multiple of world_size, as
+// torch's DistributedSampler does with drop_last.
+class Sampler {
+ public:
+  Sampler(int64_t dataset_size, SamplerOptions options);
+  // The dataset indices of the batch at `position`; advances nothing.
+  std::vector<int64_t> batch_at(const DataPosition& position) const;
+  // Position after taking one batch at `position` (rolls over to the next epoch).
+  DataPosition advance(const DataPosition& position) const;
+  int64_t samples_per_rank() const { return per_rank_; }
+  int64_t batches_per_epoch() const;
+  const SamplerOptions& options() const { return options_; }
+
+ private:
+  const std::vector<int64_t>& order(int64_t epoch) const;
+  int64_t dataset_size_, per_rank_;
+  SamplerOptions options_;
+  mutable int64_t cached_epoch_ = -1;
+  mutable std::vector<int64_t> cached_order_;
+};
+
+// Stacks samples into a Batch (all samples must have one sequence length).
+Batch collate(const std::vector<Sample>& samples);
+
+// What the engine pulls micro-batches from.
+class DataSource {
+ public:
+  virtual ~DataSource();
+  virtual Batch next() = 0;
+  virtual DataPosition position() const = 0;  // of the next batch next() returns
+  virtual void seek(const DataPosition& position) = 0;
+  virtual const Sampler& sampler() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// The plain, synchronous source: sampler + dataset + collate on the calling thread.
+class SampledSource : public DataSource {
+ public:
+  SampledSource(std::shared_ptr<const Dataset> dataset, SamplerOptions options);
+  Batch next() override;
+  DataPosition position() const override { return position_; }
+  void seek(const DataPosition& position) override { position_ = position; }
+  const Sampler& sampler() const override { return sampler_; }
+  std::string describe() const override;
+  const std::shared_ptr<const Dataset>& dataset() const { return dataset_; }
+
+ private:
+  std::shared_ptr<const Dataset> dataset_;
+  Sampler sampler_;
+  DataPosition position_;
+};
+
+}  // namespace loom
+
+#pragma GCC visibility pop

@@ -1,0 +1,121 @@
+// loom/engine.h — what a plugin sees of the engine: the events it can handle, the training
+// state it can read and steer, and the objects of the run (model, data, comm, parameters,
+// checkpoint contents). The loop itself lives in core/src/engine.cpp.
+//
+// Event order (Note [Event order], also in docs/architecture.md):
+//   setup → model_built → params_ready → [load, when resuming]
+//   per optimizer step:
+//     per micro-batch k = 0..A-1:  batch → before_forward → after_forward
+//                                  → before_backward → grad_ready(param)* → after_backward
+//     before_update → (update, unless skipped) → after_update → step_end → [save]
+//   teardown (also after an error, best effort)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/batch.h"
+#include "loom/config.h"
+#include "loom/update_rule.h"
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom {
+
+class Model;
+class DataSource;
+class Comm;
+namespace nn {
+class UnitInterceptor;
+class UnitList;
+}  // namespace nn
+
+enum class Event {
+  setup, model_built, params_ready, batch, before_forward, after_forward, before_backward,
+  grad_ready, after_backward, before_update, after_update, step_end, save, load, teardown
+};
+const char* to_string(Event event);
+
+// The loop's state. Plugins read it and may steer through the marked fields.
+struct TrainState {
+  int64_t step = 0;                 // optimizer steps completed
+  int64_t max_steps = 0;
+  int64_t micro_step = 0;           // index in the accumulation window
+  int64_t accumulation_steps = 1;
+  int64_t window_targets = 0;       // loss targets in the whole window (all ranks)
+  double lr = 0.0;                  // this step's base learning rate
+  double loss = 0.0;                // mean loss of the last completed window
+  double grad_norm = 0.0;           // global norm before clipping, of the last update
+  int64_t skipped_updates = 0;      // total updates skipped (e.g. fp16 overflow)
+  // Steering:
+  double loss_scale = 1.0;          // backward runs on loss * loss_scale (fp16 scaler)
+  bool skip_update = false;         // set in before_update to skip this update
+  bool grads_scaled = false;        // grads are still multiplied by loss_scale
+  bool sync_grads = true;           // false on micro-steps where grad_sync must not communicate
+  bool is_last_micro_step() const { return micro_step + 1 == accumulation_steps; }
+};
+
+// A parameter as the step driver sees it.
+struct Param {
+  std::string name;
+  at::Tensor tensor;  // the model's parameter
+  int group = 0;      // 0: weight decay, 1: no weight decay
+};
+
+// What save/load handlers add to or read from a checkpoint: extra safetensors files and
+// string values in the manifest (under the plugin's own key prefix).
+struct CheckpointData {
+  std::map<std::string, NamedTensors> files;       // file stem -> tensors ("precision")
+  std::map<std::string, std::string> values;       // "precision.scale" -> "65536"
+};
+
+class Engine {
+ public:
+  using Handler = std::function<void(Engine&)>;
+  using GradHandler = std::function<void(Engine&, const Param&)>;
+  virtual ~Engine();
+
+  // Handlers of one event run in plugin-priority order, then in registration order.
+  virtual void on(Event event, Handler handler) = 0;
+  // After param.grad accumulated this micro-batch's gradient (an autograd post-accumulate hook),
+  // so gradient sync can start while backward goes on.
+  virtual void on_grad_ready(GradHandler handler) = 0;
+  virtual void add_unit_interceptor(std::shared_ptr<nn::UnitInterceptor> interceptor) = 0;
+
+  virtual const ConfigSection& section(const std::string& table) const = 0;
+  // A path from the job file, made absolute relative to the job file's folder.
+  virtual std::string resolve_path(const std::string& path) const = 0;
+  virtual c10::Device device() const = 0;
+  virtual uint64_t seed() const = 0;
+  virtual TrainState& state() = 0;
+
+  virtual Model& model() = 0;
+  virtual std::shared_ptr<Model> model_ptr() = 0;
+  // In model_built: swap the model for a transformed one.
+  virtual void set_model(std::shared_ptr<Model> model) = 0;
+  virtual std::vector<nn::UnitList*> unit_lists() = 0;
+
+  virtual DataSource& data() = 0;
+  // In setup: wrap the data source (preloading). take_data() hands the current one over.
+  virtual std::unique_ptr<DataSource> take_data() = 0;
+  virtual void set_data(std::unique_ptr<DataSource> data) = 0;
+
+  virtual Comm& comm() = 0;
+  // Trainable parameters, from params_ready on.
+  virtual const std::vector<Param>& params() const = 0;
+  virtual Batch& batch() = 0;    // the current micro-batch (from batch on)
+  virtual Output& output() = 0;  // the current forward's output (from after_forward on)
+  // During save and load.
+  virtual CheckpointData& checkpoint() = 0;
+};
+
+}  // namespace loom
+
+#pragma GCC visibility pop

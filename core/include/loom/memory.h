@@ -1,0 +1,52 @@
+// loom/memory.h — memory accounting: a tracking CPU allocator (current and peak bytes of every
+// tensor allocation on the CPU), the CUDA caching allocator's stats on CUDA builds, peak RSS,
+// and the model-state report in bytes (params, grads, master weights, optimizer state) that the
+// seed documents reason with.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom::memory {
+
+struct Stats {
+  int64_t current_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t allocations = 0;  // live allocations
+};
+
+// Installs the tracker as LibTorch's CPU allocator (idempotent). Allocations made before are
+// not counted, their frees are not either.
+void install_cpu_tracker();
+bool cpu_tracker_installed();
+Stats cpu_stats();
+void reset_cpu_peak();  // peak := current
+
+// The device's numbers: the tracker for the CPU, the caching allocator for CUDA.
+Stats device_stats(c10::Device device);
+void reset_device_peak(c10::Device device);
+
+int64_t peak_rss_bytes();     // the process's high-water mark (VmHWM)
+int64_t current_rss_bytes();  // VmRSS
+
+// Model state in bytes on this rank.
+struct ModelState {
+  int64_t param_count = 0, trainable_count = 0;
+  int64_t param_bytes = 0;      // the model's weights as stored (compute dtype)
+  int64_t master_bytes = 0;     // fp32 master copies kept apart from the weights
+  int64_t grad_bytes = 0;
+  int64_t optimizer_bytes = 0;  // update-rule state
+  int64_t total() const { return param_bytes + master_bytes + grad_bytes + optimizer_bytes; }
+  std::string describe() const;
+};
+
+std::string format_bytes(int64_t bytes);
+
+}  // namespace loom::memory
+
+#pragma GCC visibility pop

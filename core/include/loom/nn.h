@@ -1,0 +1,161 @@
+// loom/nn.h — the building blocks a model uses to get every plugin: Linear (with an adapter
+// slot for LoRA), Embedding, LayerNorm, RMSNorm, Attention (LibTorch's
+// scaled_dot_product_attention, so fused kernels are used where the build has them),
+// FeedForward (replaceable, e.g. by MoE), TransformerBlock, and UnitList, which runs the
+// repeated layers through the plugins' interceptor chain (checkpointing, ZeRO-3 gather).
+// Shapes: B batch, T sequence, C channels, H heads.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom::nn {
+
+// Something added to a Linear's output: out = base_out + adapter(x, base_out). LoRA is one.
+class LinearAdapter : public torch::nn::Module {
+ public:
+  // x is (..., in_features), base_out (..., out_features); returns the (..., out_features) delta.
+  virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) = 0;
+};
+
+class Linear : public torch::nn::Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true);
+  at::Tensor forward(const at::Tensor& x);  // (..., in) -> (..., out)
+  void set_adapter(std::shared_ptr<LinearAdapter> adapter);  // nullptr removes it
+  LinearAdapter* adapter() const { return adapter_.get(); }
+  int64_t in_features, out_features;
+  at::Tensor weight;  // (out, in)
+  at::Tensor bias;    // (out) or undefined
+
+ private:
+  std::shared_ptr<LinearAdapter> adapter_;
+};
+
+class Embedding : public torch::nn::Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim);
+  at::Tensor forward(const at::Tensor& ids);  // (...) int64 -> (..., dim)
+  at::Tensor weight;  // (num, dim)
+};
+
+class LayerNorm : public torch::nn::Module {
+ public:
+  explicit LayerNorm(int64_t dim, double eps = 1e-5, bool bias = true);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+  double eps;
+};
+
+class RMSNorm : public torch::nn::Module {
+ public:
+  explicit RMSNorm(int64_t dim, double eps = 1e-6);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  double eps;
+};
+
+// Multi-head self-attention. x (B,T,C); padding_mask, when defined, is (B,T) with 1 = keep.
+class Attention : public torch::nn::Module {
+ public:
+  Attention(int64_t dim, int64_t n_heads, bool causal, double dropout, bool bias = true);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& padding_mask = {});
+  int64_t n_heads;
+  bool causal;
+  double dropout;
+  std::shared_ptr<Linear> qkv, proj;
+};
+
+// What a block's MLP must be; MoE replaces FeedForward with another implementation.
+class FeedForwardBase : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& x) = 0;  // (B,T,C) -> (B,T,C)
+};
+
+class FeedForward : public FeedForwardBase {
+ public:
+  enum class Activation { gelu, gelu_tanh, relu };
+  FeedForward(int64_t dim, int64_t hidden, Activation activation, double dropout, bool bias = true);
+  at::Tensor forward(const at::Tensor& x) override;
+  std::shared_ptr<Linear> fc_in, fc_out;
+  Activation activation;
+  double dropout;
+};
+
+// Arguments a unit needs besides the activation; fixed for one forward.
+struct UnitArgs {
+  at::Tensor padding_mask;  // (B,T) or undefined
+};
+
+// One repeated layer.
+class Unit : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& x, const UnitArgs& args) = 0;
+};
+
+// A transformer layer: pre-norm (GPT-2) or post-norm (BERT).
+class TransformerBlock : public Unit {
+ public:
+  struct Options {
+    int64_t dim = 768, n_heads = 12, hidden = 3072;
+    bool causal = true, pre_norm = true, bias = true;
+    double dropout = 0.0, attention_dropout = 0.0, norm_eps = 1e-5;
+    FeedForward::Activation activation = FeedForward::Activation::gelu_tanh;
+  };
+  explicit TransformerBlock(const Options& options);
+  at::Tensor forward(const at::Tensor& x, const UnitArgs& args) override;
+  void set_feed_forward(std::shared_ptr<FeedForwardBase> ffn);  // MoE's hook
+  std::shared_ptr<LayerNorm> norm1, norm2;
+  std::shared_ptr<Attention> attn;
+  std::shared_ptr<FeedForwardBase> ffn;
+  Options options;
+};
+
+using UnitFn = std::function<at::Tensor(const at::Tensor&)>;
+
+// Wraps the running of one unit. Calls next(x) to run the rest of the chain (and finally the
+// unit), or runs it differently (recompute in backward, gather sharded params first...).
+class UnitInterceptor {
+ public:
+  virtual ~UnitInterceptor();
+  virtual std::string name() const = 0;
+  // index: the unit's position in its UnitList; x: its input activation.
+  virtual at::Tensor intercept(int64_t index, Unit& unit, const at::Tensor& x,
+                               const UnitFn& next) = 0;
+};
+
+// The repeated layers. Units run in order; each through the interceptors (first added is the
+// outermost).
+class UnitList : public torch::nn::Module {
+ public:
+  UnitList() = default;
+  void push_back(std::shared_ptr<Unit> unit);
+  at::Tensor forward(const at::Tensor& x, const UnitArgs& args = {});
+  size_t size() const { return units_.size(); }
+  Unit& operator[](size_t i) { return *units_.at(i); }
+  std::shared_ptr<Unit> unit_ptr(size_t i) const { return units_.at(i); }
+  void set_interceptors(std::vector<std::shared_ptr<UnitInterceptor>> interceptors);
+  const std::vector<std::shared_ptr<UnitInterceptor>>& interceptors() const {
+    return interceptors_;
+  }
+
+ private:
+  std::vector<std::shared_ptr<Unit>> units_;
+  std::vector<std::shared_ptr<UnitInterceptor>> interceptors_;
+};
+
+// GPT-2's initialisation: weights N(0, std), biases 0, norms 1/0. Deterministic given the
+// global generator's state.
+void init_normal_(torch::nn::Module& module, double std = 0.02);
+
+}  // namespace loom::nn
+
+#pragma GCC visibility pop

@@ -1,0 +1,102 @@
+// loom/plugin.h — the plugin contract and its C entry point.
+// A plugin .so exports one extern "C" function, loom_plugin_entry(), returning a
+// loom_plugin_info whose first field is the API version: the host reads that before anything
+// else, then the build string (LibTorch version, C++ ABI, CUDA), and only then calls into C++.
+// Loaded libraries are never unloaded (see Note [Plugins stay loaded] in plugin_host.cpp).
+#pragma once
+
+#include <torch/headeronly/version.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/config.h"
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+// Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
+#define LOOM_PLUGIN_API_VERSION 1u
+
+#define LOOM_STR2(x) #x
+#define LOOM_STR(x) LOOM_STR2(x)
+#ifdef LOOM_WITH_CUDA
+#define LOOM_BUILD_CUDA "cuda"
+#else
+#define LOOM_BUILD_CUDA "cpu"
+#endif
+// What must match between host and plugin (everything before "compiler=").
+#define LOOM_BUILD_STRING                                                              \
+  "torch=" LOOM_STR(TORCH_VERSION_MAJOR) "." LOOM_STR(TORCH_VERSION_MINOR) "." LOOM_STR( \
+      TORCH_VERSION_PATCH) " cxx11abi=" LOOM_STR(_GLIBCXX_USE_CXX11_ABI) " device=" LOOM_BUILD_CUDA \
+      " compiler=gcc-" __VERSION__
+
+namespace loom {
+
+class Engine;
+class Model;
+class Dataset;
+class UpdateRule;
+
+// The exclusive slots: each is filled by at most one active plugin.
+enum class Slot { model, data, precision, update_rule, grad_sync };
+const char* to_string(Slot slot);
+
+class Plugin {
+ public:
+  virtual ~Plugin();
+  // The plugin's name; also the job-file table that switches it on ([lora] -> "lora").
+  virtual std::string name() const = 0;
+  virtual std::string description() const = 0;
+  // Slots this plugin fills when switched on by its own table ([precision] -> precision).
+  virtual std::vector<Slot> slots() const { return {}; }
+  // The tables it reads. Schema(name()) for its own table; for choices of a selector table,
+  // Schema("model", "gpt"), Schema("data", "text"), Schema("optimizer", "adamw") — each makes
+  // this plugin a provider of that choice for the slot model / data / update_rule.
+  virtual std::vector<Schema> schemas() const { return {}; }
+  // Handlers of lower priority run first for every event.
+  virtual int priority() const { return 100; }
+  // Switched on by its own table: receives that validated table.
+  virtual void configure(const ConfigSection& table);
+  // Once everything is configured: register event handlers and unit interceptors.
+  virtual void attach(Engine& engine);
+
+  // Providers: called with the chosen name and its validated selector table.
+  virtual std::shared_ptr<Model> create_model(const std::string& name,
+                                              const ConfigSection& table, Engine& engine);
+  virtual std::shared_ptr<const Dataset> create_dataset(const std::string& name,
+                                                        const ConfigSection& table,
+                                                        Engine& engine);
+  virtual std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
+                                                         const ConfigSection& table);
+};
+
+}  // namespace loom
+
+extern "C" {
+// The C face of a plugin. api_version stays the first field in every future version.
+struct loom_plugin_info {
+  uint32_t api_version;
+  const char* name;
+  const char* version;
+  const char* build;  // LOOM_BUILD_STRING of the plugin's build
+  loom::Plugin* (*create)();
+  void (*destroy)(loom::Plugin*);
+};
+}
+
+#define LOOM_PLUGIN_EXPORT __attribute__((visibility("default")))
+
+// In exactly one .cpp of a plugin: LOOM_DEFINE_PLUGIN(MyPlugin, "myplugin", "1.0.0")
+#define LOOM_DEFINE_PLUGIN(Class, NAME, VERSION)                                           \
+  extern "C" LOOM_PLUGIN_EXPORT const loom_plugin_info* loom_plugin_entry() {              \
+    static const loom_plugin_info info{                                                    \
+        LOOM_PLUGIN_API_VERSION, NAME, VERSION, LOOM_BUILD_STRING,                         \
+        []() -> ::loom::Plugin* { return new Class(); },                                   \
+        [](::loom::Plugin* plugin) { delete plugin; }};                                    \
+    return &info;                                                                          \
+  }
+
+#pragma GCC visibility pop

@@ -1,0 +1,58 @@
+// loom/trainer.h — running a job: what the `loom` CLI calls, and what tests and embedding
+// programs use to drive training step by step.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/engine.h"
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+#define LOOM_VERSION "0.1.0"
+
+namespace loom {
+
+struct RunSummary {
+  int64_t steps = 0;              // optimizer steps completed in total
+  double final_loss = 0.0;        // mean loss of the last step
+  std::string output_dir;
+  std::string last_checkpoint;    // folder, or empty
+  int64_t peak_memory_bytes = 0;  // device peak (tracked allocator on CPU)
+};
+
+class Trainer {
+ public:
+  // Parses and resolves the job (plugins found, every table validated). Throws ConfigError /
+  // PluginError with file:line and what to do.
+  static std::unique_ptr<Trainer> from_file(const std::filesystem::path& job,
+                                            const std::vector<std::string>& overrides = {});
+  // The same from TOML text; relative paths start at `dir`.
+  static std::unique_ptr<Trainer> from_text(const std::string& toml,
+                                            const std::filesystem::path& dir,
+                                            const std::vector<std::string>& overrides = {});
+  virtual ~Trainer();
+
+  // A human-readable summary of the resolved job (what `loom check` prints).
+  virtual std::string describe() const = 0;
+  // Builds everything: setup → model_built → params_ready (→ load when resuming).
+  virtual void setup() = 0;
+  // One optimizer step (A micro-batches). Returns false, doing nothing, once max_steps is done.
+  virtual bool step() = 0;
+  // setup (if not done), steps to max_steps, the final checkpoint, teardown.
+  virtual RunSummary run() = 0;
+  // Writes a checkpoint of the current step now; returns its folder.
+  virtual std::string save_checkpoint() = 0;
+  virtual Engine& engine() = 0;
+};
+
+// `loom plugins`: every plugin on the search path (plus the core's), its slots and keys.
+// extra_path: folders searched first. Load failures are listed, not thrown.
+std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path = {});
+
+}  // namespace loom
+
+#pragma GCC visibility pop

@@ -1,0 +1,68 @@
+// loom/update_rule.h — optimizers as update rules over flat fp32 segments.
+// Not a torch::optim::Optimizer: a rule sees a contiguous 1-D slice of one parameter (param,
+// grad, its own state) plus the full tensor's shape and the slice's offset. The same rule thus
+// runs unsharded (one segment per tensor), on a ZeRO shard, on a CPU-offloaded shard, or on
+// NVMe chunks streamed through memory; the driver cuts segments only at the rule's
+// partitioning granularity.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom {
+
+enum class Granularity {
+  element,  // any cut is fine (Adam, SGD, Lion)
+  block,    // cuts only at multiples of `block` elements of the flattened tensor (8-bit Adam)
+  row,      // cuts only between rows of the tensor viewed as (shape[0], rest) (Adafactor)
+  tensor,   // never cut a tensor
+};
+
+struct Partitioning {
+  Granularity granularity = Granularity::element;
+  int64_t block = 1;  // for Granularity::block
+};
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// One contiguous slice of a parameter. param and grad are 1-D fp32 views of the same numel;
+// the rule updates param in place and owns `state` (made by init_state).
+struct Segment {
+  std::string name;             // the parameter's name
+  at::Tensor param;             // (n) fp32, updated in place
+  at::Tensor grad;              // (n) fp32
+  std::vector<int64_t> shape;   // the whole tensor's shape
+  int64_t offset = 0;           // where this slice starts in the flattened whole tensor
+  int group = 0;                // parameter group
+  NamedTensors state;
+
+  at::Tensor& state_at(const std::string& key);
+};
+
+// Per-update values, already resolved for the segment's group.
+struct UpdateContext {
+  int64_t step = 1;          // 1-based count of this update (bias correction)
+  double lr = 0.0;
+  double weight_decay = 0.0;
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule();
+  virtual std::string name() const = 0;
+  virtual Partitioning partitioning() const { return {}; }
+  // State tensors for a new segment (e.g. Adam's exp_avg, exp_avg_sq), on param's device.
+  virtual NamedTensors init_state(const Segment& segment) const = 0;
+  virtual void update(Segment& segment, const UpdateContext& context) const = 0;
+};
+
+}  // namespace loom
+
+#pragma GCC visibility pop

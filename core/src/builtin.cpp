@@ -1,0 +1,308 @@
+// The core's built-in plugin: the data sources random_tokens, text and tokens, and the AdamW
+// update rule (a fused CPU kernel plus a tensor-op path for other devices).
+#include "builtin.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "loom/data.h"
+#include "loom/engine.h"
+#include "loom/error.h"
+#include "loom/update_rule.h"
+
+namespace loom {
+namespace {
+
+// A generator for sample `index`, independent of order and thread.
+at::Generator sample_generator(uint64_t seed, int64_t index) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(index) + 0x632BE59BD9B4E019ull);
+  s ^= s >> 31;
+  return at::make_generator<at::CPUGeneratorImpl>(s);
+}
+
+// The benchmark's dummy data: ids uniform in [low, high), a binary (num_labels) label per
+// sample, or next-token labels for language models.
+class RandomTokens final : public Dataset {
+ public:
+  RandomTokens(const ConfigSection& c, uint64_t seed)
+      : samples_(c.get_int("num_samples")), seq_len_(c.get_int("seq_len")),
+        low_(c.get_int("vocab_low")), high_(c.get_int("vocab_high")),
+        labels_(c.get_int("num_labels")), lm_(c.get_string("task") == "lm"), seed_(seed) {
+    LOOM_CHECK_AS(ConfigError, samples_ > 0 && seq_len_ > 0, c.where("num_samples"),
+                  ": [data] num_samples and seq_len must be positive");
+    LOOM_CHECK_AS(ConfigError, 0 <= low_ && low_ < high_, c.where("vocab_low"),
+                  ": [data] needs 0 <= vocab_low < vocab_high, got ", low_, " and ", high_);
+    const auto task = c.get_string("task");
+    LOOM_CHECK_AS(ConfigError, task == "lm" || task == "classification", c.where("task"),
+                  ": [data] task must be \"classification\" or \"lm\", not \"", task, "\"");
+    LOOM_CHECK_AS(ConfigError, labels_ >= 1, c.where("num_labels"),
+                  ": [data] num_labels must be at least 1");
+  }
+  int64_t size() const override { return samples_; }
+  Sample get(int64_t index) const override {
+    auto generator = sample_generator(seed_, index);
+    Sample s;
+    s.index = index;
+    if (lm_) {
+      at::Tensor ids = at::randint(low_, high_, {seq_len_ + 1}, generator, at::kLong);
+      s.input_ids = ids.slice(0, 0, seq_len_).clone();
+      s.labels = ids.slice(0, 1, seq_len_ + 1).clone();
+    } else {
+      s.input_ids = at::randint(low_, high_, {seq_len_}, generator, at::kLong);
+      s.labels = at::randint(0, labels_, {}, generator, at::kLong);
+    }
+    return s;
+  }
+  std::string describe() const override {
+    return detail::cat("random_tokens(", samples_, " samples x ", seq_len_, " ids in [", low_,
+                       ", ", high_, "), ", lm_ ? "next-token labels" : "class labels", ")");
+  }
+
+ private:
+  int64_t samples_, seq_len_, low_, high_, labels_;
+  bool lm_;
+  uint64_t seed_;
+};
+
+// Windows of seq_len+1 tokens over a token stream: input = window[:-1], labels = window[1:].
+class WindowedTokens : public Dataset {
+ public:
+  int64_t size() const override {
+    return total_ <= seq_len_ ? 0 : (total_ - seq_len_ - 1) / stride_ + 1;
+  }
+  Sample get(int64_t index) const override {
+    LOOM_INTERNAL_ASSERT(index >= 0 && index < size(), "sample index ", index, " out of range");
+    at::Tensor window = at::empty({seq_len_ + 1}, at::kLong);
+    int64_t* out = window.data_ptr<int64_t>();
+    const int64_t start = index * stride_;
+    for (int64_t i = 0; i <= seq_len_; ++i) out[i] = token(start + i);
+    Sample s;
+    s.index = index;
+    s.input_ids = window.slice(0, 0, seq_len_).clone();
+    s.labels = window.slice(0, 1, seq_len_ + 1).clone();
+    return s;
+  }
+
+ protected:
+  void init(int64_t total, int64_t seq_len, int64_t stride, const std::string& what) {
+    total_ = total;
+    seq_len_ = seq_len;
+    stride_ = stride > 0 ? stride : seq_len;
+    LOOM_CHECK_AS(DataError, seq_len_ > 0, "[data] seq_len must be positive");
+    LOOM_CHECK_AS(DataError, size() > 0, what, " has ", total, " tokens: too few for one sample ",
+                  "of seq_len ", seq_len_, " (+1); use a bigger file or a smaller seq_len");
+  }
+  virtual int64_t token(int64_t i) const = 0;
+  int64_t total_ = 0, seq_len_ = 0, stride_ = 0;
+};
+
+// Byte-level tokens (ids 0..255) of one or more text files.
+class TextBytes final : public WindowedTokens {
+ public:
+  TextBytes(const ConfigSection& c, Engine& engine) {
+    for (const auto& raw : c.get_strings("path")) {
+      const std::string path = engine.resolve_path(raw);
+      std::ifstream in(path, std::ios::binary);
+      LOOM_CHECK_AS(DataError, in.good(), c.where("path"), ": [data] path '", raw,
+                    "': cannot read '", path,
+                    "' (missing or unreadable); point path at a text file");
+      std::stringstream buffer;
+      buffer << in.rdbuf();
+      bytes_ += buffer.str();
+      files_.push_back(path);
+    }
+    LOOM_CHECK_AS(ConfigError, !files_.empty(), c.where("path"),
+                  ": [data] source = \"text\" needs path = \"file.txt\" (or a list of files)");
+    init(static_cast<int64_t>(bytes_.size()), c.get_int("seq_len"), c.get_int("stride"),
+         "the text");
+  }
+  std::string describe() const override {
+    return detail::cat("text(", files_.size(), " file(s), ", bytes_.size(), " bytes, ", size(),
+                       " windows of ", seq_len_, ")");
+  }
+
+ private:
+  int64_t token(int64_t i) const override { return static_cast<unsigned char>(bytes_[i]); }
+  std::string bytes_;
+  std::vector<std::string> files_;
+};
+
+// A flat binary file of uint16 or uint32 token ids, memory-mapped.
+class MappedTokens final : public WindowedTokens {
+ public:
+  MappedTokens(const ConfigSection& c, Engine& engine) {
+    const auto raw = c.get_strings("path");
+    LOOM_CHECK_AS(ConfigError, raw.size() == 1, c.where("path"),
+                  ": [data] source = \"tokens\" needs one path = \"file.bin\"");
+    path_ = engine.resolve_path(raw.front());
+    const std::string dtype = c.get_string("dtype");
+    LOOM_CHECK_AS(ConfigError, dtype == "uint16" || dtype == "uint32", c.where("dtype"),
+                  ": [data] dtype must be \"uint16\" or \"uint32\", not \"", dtype, "\"");
+    width_ = dtype == "uint16" ? 2 : 4;
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    LOOM_CHECK_AS(DataError, fd >= 0, c.where("path"), ": [data] path '", raw.front(),
+                  "': cannot open '", path_, "': ", std::strerror(errno));
+    struct stat st {};
+    ::fstat(fd, &st);
+    bytes_ = static_cast<size_t>(st.st_size);
+    if (bytes_ > 0) {
+      map_ = ::mmap(nullptr, bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+      ::close(fd);
+      LOOM_CHECK_AS(DataError, map_ != MAP_FAILED, "cannot map '", path_, "': ",
+                    std::strerror(errno));
+    } else {
+      ::close(fd);
+    }
+    LOOM_CHECK_AS(DataError, bytes_ % width_ == 0, "'", path_, "' has ", bytes_,
+                  " bytes, not a multiple of ", width_, " (", dtype,
+                  "); is [data] dtype right?");
+    init(static_cast<int64_t>(bytes_ / width_), c.get_int("seq_len"), c.get_int("stride"),
+         "'" + path_ + "'");
+  }
+  ~MappedTokens() override {
+    if (map_ && map_ != MAP_FAILED) ::munmap(map_, bytes_);
+  }
+  std::string describe() const override {
+    return detail::cat("tokens(", path_, ", ", total_, " ids of ", width_ * 8, " bits, ",
+                       size(), " windows of ", seq_len_, ")");
+  }
+
+ private:
+  int64_t token(int64_t i) const override {
+    if (width_ == 2) {
+      uint16_t v;
+      std::memcpy(&v, static_cast<const char*>(map_) + i * 2, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, static_cast<const char*>(map_) + i * 4, 4);
+    return v;
+  }
+  std::string path_;
+  void* map_ = nullptr;
+  size_t bytes_ = 0;
+  int width_ = 2;
+};
+
+// AdamW (Loshchilov & Hutter), with torch.optim.AdamW's arithmetic: decoupled decay, then
+// m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g², p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+class AdamW final : public UpdateRule {
+ public:
+  explicit AdamW(const ConfigSection& c)
+      : beta1_(c.get_float("beta1")), beta2_(c.get_float("beta2")), eps_(c.get_float("eps")) {
+    LOOM_CHECK_AS(ConfigError, beta1_ >= 0 && beta1_ < 1, c.where("beta1"),
+                  ": [optimizer] beta1 must be in [0, 1), got ", beta1_);
+    LOOM_CHECK_AS(ConfigError, beta2_ >= 0 && beta2_ < 1, c.where("beta2"),
+                  ": [optimizer] beta2 must be in [0, 1), got ", beta2_);
+    LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
+  }
+  std::string name() const override { return "adamw"; }
+  NamedTensors init_state(const Segment& s) const override {
+    return {{"exp_avg", at::zeros_like(s.param)}, {"exp_avg_sq", at::zeros_like(s.param)}};
+  }
+  void update(Segment& s, const UpdateContext& ctx) const override {
+    at::Tensor& m = s.state_at("exp_avg");
+    at::Tensor& v = s.state_at("exp_avg_sq");
+    const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
+    const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2_, static_cast<double>(ctx.step)));
+    const double step_size = ctx.lr / bc1;
+    if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+        s.grad.is_contiguous()) {
+      float* p = s.param.data_ptr<float>();
+      const float* g = s.grad.data_ptr<float>();
+      float* mp = m.data_ptr<float>();
+      float* vp = v.data_ptr<float>();
+      const float decay = static_cast<float>(1.0 - ctx.lr * ctx.weight_decay);
+      const float w1 = static_cast<float>(1.0 - beta1_), b2 = static_cast<float>(beta2_),
+                  w2 = static_cast<float>(1.0 - beta2_), eps = static_cast<float>(eps_),
+                  bc2s = static_cast<float>(bc2_sqrt), lr = static_cast<float>(step_size);
+      // One pass over param, grad, m, v; split over threads in cache-friendly chunks.
+      at::parallel_for(0, s.param.numel(), 32768, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const float gi = g[i];
+          const float pi = p[i] * decay;
+          const float mi = mp[i] + w1 * (gi - mp[i]);
+          const float vi = b2 * vp[i] + w2 * gi * gi;
+          mp[i] = mi;
+          vp[i] = vi;
+          p[i] = pi - lr * (mi / (std::sqrt(vi) / bc2s + eps));
+        }
+      });
+      return;
+    }
+    // Any other device: the same arithmetic as tensor ops.
+    s.param.mul_(1.0 - ctx.lr * ctx.weight_decay);
+    m.lerp_(s.grad, 1.0 - beta1_);
+    v.mul_(beta2_).addcmul_(s.grad, s.grad, 1.0 - beta2_);
+    s.param.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps_), -step_size);
+  }
+
+ private:
+  double beta1_, beta2_, eps_;
+};
+
+class CorePlugin final : public Plugin {
+ public:
+  std::string name() const override { return "core"; }
+  std::string description() const override {
+    return "built into libloom_core: data sources random_tokens, text, tokens; optimizer adamw";
+  }
+  std::vector<Schema> schemas() const override {
+    Schema random("data", "random_tokens");
+    random.key_int("num_samples", 512, "samples in the dataset")
+        .key_int("seq_len", 128, "tokens per sample")
+        .key_int("vocab_low", 100, "smallest token id drawn")
+        .key_int("vocab_high", 30000, "token ids are drawn below this")
+        .key_int("num_labels", 2, "classes of the per-sample label")
+        .key_string("task", "classification",
+                    "classification (one label per sample) | lm (next-token labels)");
+    Schema text("data", "text");
+    text.key_required("path", ValueType::Any, "text file(s), relative to the job file")
+        .key_int("seq_len", 128, "tokens (bytes) per sample")
+        .key_int("stride", 0, "tokens between sample starts (0 = seq_len)");
+    Schema tokens("data", "tokens");
+    tokens.key_required("path", ValueType::String, "flat binary file of token ids")
+        .key_string("dtype", "uint16", "uint16 | uint32")
+        .key_int("seq_len", 128, "tokens per sample")
+        .key_int("stride", 0, "tokens between sample starts (0 = seq_len)");
+    Schema adamw("optimizer", "adamw");
+    adamw.key_float("beta1", 0.9, "first-moment decay")
+        .key_float("beta2", 0.999, "second-moment decay")
+        .key_float("eps", 1e-8, "added to the denominator")
+        .key_float("weight_decay", 0.0, "decoupled weight decay (not applied to biases/norms)");
+    return {random, text, tokens, adamw};
+  }
+  std::shared_ptr<const Dataset> create_dataset(const std::string& name, const ConfigSection& c,
+                                                Engine& engine) override {
+    if (name == "random_tokens") return std::make_shared<RandomTokens>(c, engine.seed());
+    if (name == "text") return std::make_shared<TextBytes>(c, engine);
+    if (name == "tokens") return std::make_shared<MappedTokens>(c, engine);
+    throw InternalError("core has no data source " + name);
+  }
+  std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
+                                                 const ConfigSection& c) override {
+    LOOM_INTERNAL_ASSERT(name == "adamw", "core has no optimizer ", name);
+    return std::make_unique<AdamW>(c);
+  }
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Plugin>> make_builtin_plugins() {
+  std::vector<std::unique_ptr<Plugin>> plugins;
+  plugins.push_back(std::make_unique<CorePlugin>());
+  return plugins;
+}
+
+}  // namespace loom

@@ -1,0 +1,717 @@
+// The engine: resolves a job, builds model / data / update rule from the active plugins, runs
+// the training loop and fires the events in the order documented in loom/engine.h, and writes
+// metrics and checkpoints.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "checkpoint_io.h"
+#include "job.h"
+#include "loom/comm.h"
+#include "loom/data.h"
+#include "loom/log.h"
+#include "loom/memory.h"
+#include "loom/model.h"
+#include "loom/nn.h"
+#include "loom/trainer.h"
+#include "plugin_host.h"
+#include "resolve.h"
+#include "step_driver.h"
+
+namespace loom {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double schedule(const std::string& kind, double base, int64_t step, int64_t warmup,
+                int64_t total) {
+  // Hugging Face's schedules, step counted from 0 at the first update.
+  if (step < warmup) return base * static_cast<double>(step) / std::max<int64_t>(1, warmup);
+  if (kind == "constant") return base;
+  const double progress =
+      static_cast<double>(step - warmup) / std::max<int64_t>(1, total - warmup);
+  if (kind == "linear") return base * std::max(0.0, 1.0 - progress);
+  return base * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));  // cosine
+}
+
+struct Registered {
+  int priority;
+  size_t order;
+  Engine::Handler handler;
+};
+
+class EngineImpl;
+
+// Fires grad_ready once a parameter's .grad holds this micro-batch's contribution.
+class GradReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradReadyHook(EngineImpl* engine, size_t index) : engine_(engine), index_(index) {}
+  void operator()(const torch::autograd::Variable&) override;
+
+ private:
+  EngineImpl* engine_;
+  size_t index_;
+};
+
+class EngineImpl final : public Engine, public Trainer {
+ public:
+  EngineImpl(Job job) : job_(std::move(job)) {
+    resolved_ = resolve(job_, host_);
+    const auto& train = resolved_.section("train");
+    LOOM_CHECK_AS(ConfigError, train.get_int("max_steps") >= 0, train.where("max_steps"),
+                  ": [train] max_steps must be >= 0");
+    LOOM_CHECK_AS(ConfigError, train.get_int("per_device_train_batch_size") > 0,
+                  train.where("per_device_train_batch_size"),
+                  ": [train] per_device_train_batch_size must be positive");
+    LOOM_CHECK_AS(ConfigError, train.get_int("gradient_accumulation_steps") > 0,
+                  train.where("gradient_accumulation_steps"),
+                  ": [train] gradient_accumulation_steps must be positive");
+    LOOM_CHECK_AS(ConfigError, train.get_float("learning_rate") >= 0,
+                  train.where("learning_rate"), ": [train] learning_rate must be >= 0, got ",
+                  train.get_float("learning_rate"));
+    LOOM_CHECK_AS(ConfigError, train.get_float("max_grad_norm") >= 0,
+                  train.where("max_grad_norm"), ": [train] max_grad_norm must be >= 0");
+    const auto sched = train.get_string("lr_scheduler_type");
+    LOOM_CHECK_AS(ConfigError, sched == "constant" || sched == "linear" || sched == "cosine",
+                  train.where("lr_scheduler_type"), ": [train] lr_scheduler_type '", sched,
+                  "' is unknown; use constant, linear or cosine");
+    log_level_ = log::parse_level(train.get_string("log_level"));
+  }
+
+  ~EngineImpl() override {
+    // Plugins' handlers may hold plugin code; drop them before the host destroys plugins.
+    for (auto& list : handlers_) list.clear();
+    grad_handlers_.clear();
+    interceptors_.clear();
+  }
+
+  // ---- Trainer ----
+  std::string describe() const override {
+    std::ostringstream out;
+    const auto& train = resolved_.section("train");
+    out << "job " << job_.file.string() << " (config hash " << job_.hash() << ")\n";
+    out << "  model      " << resolved_.model.name << "  (plugin "
+        << plugin_label(resolved_.model.provider) << ")\n";
+    out << "  data       " << resolved_.data.name << "  (plugin "
+        << plugin_label(resolved_.data.provider) << ")\n";
+    out << "  optimizer  " << resolved_.update_rule.name << "  (plugin "
+        << plugin_label(resolved_.update_rule.provider) << ")\n";
+    out << "  plugins    ";
+    if (resolved_.table_plugins.empty()) out << "(none besides the above)";
+    for (auto* p : resolved_.table_plugins) out << p->name << " ";
+    out << "\n  steps      " << train.get_int("max_steps") << " x "
+        << train.get_int("per_device_train_batch_size") << " samples x "
+        << train.get_int("gradient_accumulation_steps") << " micro-batches per rank\n";
+    for (const auto& [name, section] : resolved_.sections) {
+      if (section.values().empty()) continue;
+      out << "  [" << name << "]";
+      for (const auto& [key, value] : section.values()) out << " " << key << "=" << value.to_text();
+      out << "\n";
+    }
+    return out.str();
+  }
+
+  void setup() override {
+    if (setup_done_) return;
+    const auto& train = resolved_.section("train");
+    memory::install_cpu_tracker();
+    CommOptions comm_options;
+    comm_options.backend = resolved_.section("distributed").get_string("backend");
+    comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(
+        resolved_.section("distributed").get_float("timeout_seconds") * 1000));
+    comm_ = make_comm(comm_options);
+    log::configure(comm_->rank(), comm_->world_size(), train.get_bool("log_all_ranks"),
+                   log_level_);
+
+    int threads = static_cast<int>(train.get_int("num_threads"));
+    LOOM_CHECK_AS(ConfigError, threads >= 0, train.where("num_threads"),
+                  ": [train] num_threads must be >= 0 (0 = all cores)");
+    if (threads == 0) {
+      // The cores this process may use, shared among the ranks of this node.
+      cpu_set_t set;
+      int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                              : static_cast<int>(std::thread::hardware_concurrency());
+      threads = std::max(1, cores / std::max(1, comm_->local_world_size()));
+    }
+    at::set_num_threads(threads);
+    device_ = pick_device(train.get_string("device"), train.where("device"));
+    seed_ = static_cast<uint64_t>(train.get_int("seed"));
+    state_.max_steps = train.get_int("max_steps");
+    state_.accumulation_steps = train.get_int("gradient_accumulation_steps");
+    output_dir_ = resolve_path(train.get_string("output_dir"));
+
+    log::info("loom ", LOOM_VERSION, " | torch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
+              ".", TORCH_VERSION_PATCH, " (", LOOM_BUILD_CUDA, " build) | device ", device_.str(),
+              " | intra-op threads ", at::get_num_threads(), " | ranks ", comm_->world_size(),
+              " (", comm_->backend(), ")");
+    log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
+
+    for (auto* plugin : resolved_.table_plugins)
+      plugin->plugin->configure(resolved_.section(plugin->name));
+    for (auto* plugin : resolved_.active) {
+      current_priority_ = plugin->plugin->priority();
+      plugin->plugin->attach(*this);
+    }
+    current_priority_ = 1000;
+
+    // Data first, so setup handlers can wrap it (preloading).
+    SamplerOptions sampler;
+    sampler.batch_size = train.get_int("per_device_train_batch_size");
+    sampler.shuffle = resolved_.section("data").get_bool("shuffle");
+    sampler.drop_last = resolved_.section("data").get_bool("drop_last");
+    sampler.seed = seed_;
+    sampler.rank = comm_->rank();
+    sampler.world_size = comm_->world_size();
+    auto dataset = resolved_.data.provider->plugin->create_dataset(
+        resolved_.data.name, resolved_.section("data"), *this);
+    data_ = std::make_unique<SampledSource>(std::move(dataset), sampler);
+    fire(Event::setup);
+
+    // The model is built right after seeding, so its initial weights depend on the seed only.
+    at::manual_seed(seed_);
+    model_ = resolved_.model.provider->plugin->create_model(resolved_.model.name,
+                                                             resolved_.section("model"), *this);
+    LOOM_INTERNAL_ASSERT(model_, "plugin ", resolved_.model.provider->name, " made no model");
+    model_->to(device_);
+    model_->train();
+    fire(Event::model_built);
+    for (auto* list : unit_lists()) list->set_interceptors(interceptors_);
+    if (!interceptors_.empty() && unit_lists().empty())
+      log::warn("unit interceptors were added (", interceptors_.front()->name(),
+                "...) but model '", resolved_.model.name,
+                "' has no loom::nn::UnitList: they have nothing to wrap");
+
+    collect_params();
+    const auto& opt = resolved_.section("optimizer");
+    const double weight_decay =
+        opt.schema().find("weight_decay") ? opt.get_float("weight_decay") : 0.0;
+    LOOM_CHECK_AS(ConfigError, weight_decay >= 0, opt.where("weight_decay"),
+                  ": [optimizer] weight_decay must be >= 0");
+    rule_ = resolved_.update_rule.provider->plugin->create_update_rule(resolved_.update_rule.name,
+                                                                       opt);
+    driver_ = std::make_unique<StepDriver>(params_, *rule_, weight_decay);
+    install_grad_hooks();
+    fire(Event::params_ready);
+
+    prepare_output_dir(train);
+    log::info("model ", resolved_.model.name, ": ", model_state().describe());
+    log::info("data ", data_->describe(), "; ", sampler.batch_size, " samples x ",
+              state_.accumulation_steps, " micro-batches x ", comm_->world_size(),
+              " rank(s) = ", sampler.batch_size * state_.accumulation_steps * comm_->world_size(),
+              " samples per step");
+    log::info("optimizer ", rule_->name(), ", lr ", train.get_float("learning_rate"), " (",
+              train.get_string("lr_scheduler_type"), ", warm-up ", train.get_int("warmup_steps"),
+              "), max_grad_norm ", train.get_float("max_grad_norm"));
+    setup_done_ = true;
+  }
+
+  bool step() override {
+    setup();
+    if (state_.step >= state_.max_steps) return false;
+    const auto start = Clock::now();
+    const auto& train = resolved_.section("train");
+    state_.lr = schedule(train.get_string("lr_scheduler_type"), train.get_float("learning_rate"),
+                         state_.step, train.get_int("warmup_steps"), state_.max_steps);
+    driver_->zero_grad();
+    state_.skip_update = false;
+    state_.grads_scaled = false;
+
+    // Note [Loss normalisation]: a token-level loss is the mean over every target of the whole
+    // accumulation window (and of all ranks), not the mean of per-micro-batch means — those
+    // weight a short micro-batch's tokens more (the bug Hugging Face fixed in late 2024). So the
+    // window's micro-batches are drawn first, their targets counted, and each micro-batch's
+    // summed loss is divided by that count.
+    std::vector<Batch> window;
+    int64_t local_targets = 0, samples = 0, tokens = 0;
+    for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
+      window.push_back(data_->next());
+      local_targets += window.back().num_loss_targets();
+      samples += window.back().num_samples();
+      tokens += window.back().num_tokens();
+    }
+    at::Tensor counts = at::tensor({static_cast<double>(local_targets)}, at::kDouble);
+    if (comm_->world_size() > 1) comm_->all_reduce(counts, ReduceOp::sum)->wait();
+    state_.window_targets = static_cast<int64_t>(counts.item<double>());
+    LOOM_CHECK_AS(DataError, state_.window_targets > 0, "step ", state_.step + 1,
+                  ": the accumulation window has no loss targets (every label is ",
+                  kIgnoreIndex, ")");
+    // Grad sync averages over ranks, so each rank scales by world / global targets.
+    const double normaliser =
+        static_cast<double>(comm_->world_size()) / static_cast<double>(state_.window_targets);
+
+    double loss_sum = 0.0;
+    for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
+      state_.micro_step = k;
+      state_.sync_grads = state_.is_last_micro_step();
+      batch_ = window[k].to(device_);
+      fire(Event::batch);
+      fire(Event::before_forward);
+      output_ = model_->forward(batch_);
+      LOOM_INTERNAL_ASSERT(output_.loss_sum.defined(), "model ", resolved_.model.name,
+                           " returned no loss");
+      fire(Event::after_forward);
+      fire(Event::before_backward);
+      at::Tensor loss = output_.loss_sum.to(at::kFloat) * normaliser;
+      if (state_.loss_scale != 1.0) {
+        loss = loss * state_.loss_scale;
+        state_.grads_scaled = true;
+      }
+      loss.backward();
+      loss_sum += output_.loss_sum.detach().to(at::kDouble).item<double>();
+      fire(Event::after_backward);
+    }
+    state_.loss = loss_sum / std::max<int64_t>(1, local_targets);
+
+    fire(Event::before_update);
+    if (state_.skip_update) {
+      ++state_.skipped_updates;
+      log::warn("step ", state_.step + 1, ": update skipped (", state_.skipped_updates,
+                " so far)");
+    } else {
+      LOOM_INTERNAL_ASSERT(!state_.grads_scaled,
+                           "gradients are still scaled by the loss scale at update time; the "
+                           "precision plugin must unscale them in before_update");
+      state_.grad_norm = std::sqrt(driver_->grad_norm_squared());
+      LOOM_CHECK(std::isfinite(state_.grad_norm), "step ", state_.step + 1,
+                 ": the gradient norm is ", state_.grad_norm, " (loss ", state_.loss,
+                 "): training diverged; lower [train] learning_rate, or use [precision] with "
+                 "loss scaling for fp16");
+      const double max_norm = train.get_float("max_grad_norm");
+      if (max_norm > 0) {
+        const double coefficient = max_norm / (state_.grad_norm + 1e-6);
+        if (coefficient < 1.0) driver_->scale_grads(coefficient);
+      }
+      driver_->update(state_.step + 1, state_.lr);
+    }
+    ++state_.step;
+    fire(Event::after_update);
+
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    write_metrics(seconds, samples, tokens);
+    fire(Event::step_end);
+    const int64_t every = train.get_int("save_steps");
+    if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps)
+      save_checkpoint();
+    return true;
+  }
+
+  RunSummary run() override {
+    RunSummary summary;
+    try {
+      setup();
+      const auto start = Clock::now();
+      const int64_t first = state_.step;
+      while (step()) {
+      }
+      end_progress();
+      const auto& train = resolved_.section("train");
+      if (train.get_bool("save_final") && state_.step > first) summary.last_checkpoint = save_checkpoint();
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      log::info("done: ", state_.step, " steps, final loss ", state_.loss, ", ",
+                state_.step - first, " steps in ", seconds, " s, peak memory ",
+                memory::format_bytes(memory::device_stats(device_).peak_bytes), " (peak RSS ",
+                memory::format_bytes(memory::peak_rss_bytes()), ")");
+      fire(Event::teardown);
+    } catch (...) {
+      end_progress();
+      try {
+        if (setup_done_) fire(Event::teardown);
+      } catch (const std::exception& error) {
+        log::warn("teardown after an error failed too: ", error.what());
+      }
+      throw;
+    }
+    summary.steps = state_.step;
+    summary.final_loss = state_.loss;
+    summary.output_dir = output_dir_;
+    summary.peak_memory_bytes = memory::device_stats(device_).peak_bytes;
+    return summary;
+  }
+
+  std::string save_checkpoint() override {
+    setup();
+    checkpoint_ = CheckpointData{};
+    fire(Event::save);
+    CheckpointContents contents;
+    contents.step = state_.step;
+    contents.seed = seed_;
+    contents.config_hash = job_.hash();
+    contents.update_rule = rule_->name();
+    contents.world_size = comm_->world_size();
+    contents.data = data_->position();
+    contents.skipped_updates = state_.skipped_updates;
+    contents.loss_scale = state_.loss_scale;
+    contents.model = named_state();
+    contents.optimizer = driver_->state_tensors();
+    contents.rng_cpu = cpu_generator_state();
+    contents.plugin = checkpoint_;
+    std::string folder;
+    if (comm_->rank() == 0) {
+      folder = write_checkpoint(output_dir_, contents,
+                                resolved_.section("train").get_int("save_total_limit"));
+      log::info("saved checkpoint ", folder);
+    }
+    if (comm_->world_size() > 1) comm_->barrier();
+    return folder;
+  }
+
+  Engine& engine() override { return *this; }
+
+  // ---- Engine ----
+  void on(Event event, Handler handler) override {
+    LOOM_CHECK(event != Event::grad_ready,
+               "register grad_ready handlers with on_grad_ready(): they receive the parameter");
+    handlers_[static_cast<size_t>(event)].push_back(
+        {current_priority_, handler_count_++, std::move(handler)});
+    auto& list = handlers_[static_cast<size_t>(event)];
+    std::stable_sort(list.begin(), list.end(), [](const Registered& a, const Registered& b) {
+      return a.priority < b.priority;
+    });
+  }
+  void on_grad_ready(GradHandler handler) override {
+    LOOM_CHECK(!setup_done_, "on_grad_ready must be called before params_ready");
+    grad_handlers_.push_back(std::move(handler));
+  }
+  void add_unit_interceptor(std::shared_ptr<nn::UnitInterceptor> interceptor) override {
+    LOOM_CHECK(interceptor, "add_unit_interceptor needs an interceptor");
+    interceptors_.push_back(std::move(interceptor));
+    if (model_)
+      for (auto* list : unit_lists()) list->set_interceptors(interceptors_);
+  }
+  const ConfigSection& section(const std::string& table) const override {
+    return resolved_.section(table);
+  }
+  std::string resolve_path(const std::string& path) const override {
+    std::filesystem::path p(path);
+    return (p.is_absolute() ? p : job_.dir / p).lexically_normal().string();
+  }
+  c10::Device device() const override { return device_; }
+  uint64_t seed() const override {
+    return seed_ ? seed_ : static_cast<uint64_t>(resolved_.section("train").get_int("seed"));
+  }
+  TrainState& state() override { return state_; }
+  Model& model() override {
+    LOOM_CHECK(model_, "the model is built after the setup event");
+    return *model_;
+  }
+  std::shared_ptr<Model> model_ptr() override { return model_; }
+  void set_model(std::shared_ptr<Model> model) override {
+    LOOM_CHECK(model && params_.empty(), "set_model only in model_built, with a model");
+    model_ = std::move(model);
+  }
+  std::vector<nn::UnitList*> unit_lists() override {
+    std::vector<nn::UnitList*> lists;
+    if (!model_) return lists;
+    for (const auto& module : model_->modules(/*include_self=*/true))
+      if (auto* list = dynamic_cast<nn::UnitList*>(module.get())) lists.push_back(list);
+    return lists;
+  }
+  DataSource& data() override {
+    LOOM_CHECK(data_, "no data source: it was taken and not given back");
+    return *data_;
+  }
+  std::unique_ptr<DataSource> take_data() override { return std::move(data_); }
+  void set_data(std::unique_ptr<DataSource> data) override { data_ = std::move(data); }
+  Comm& comm() override { return *comm_; }
+  const std::vector<Param>& params() const override { return params_; }
+  Batch& batch() override { return batch_; }
+  Output& output() override { return output_; }
+  CheckpointData& checkpoint() override { return checkpoint_; }
+
+  void fire_grad_ready(size_t index) {
+    for (auto& handler : grad_handlers_) handler(*this, params_[index]);
+  }
+
+ private:
+  static std::string plugin_label(const LoadedPlugin* p) {
+    return p->builtin() ? "core (built in)" : p->name + " " + p->version + ", " + p->file.string();
+  }
+
+  void fire(Event event) {
+    for (auto& registered : handlers_[static_cast<size_t>(event)]) registered.handler(*this);
+  }
+
+  c10::Device pick_device(const std::string& name, const std::string& where) {
+    const bool cuda = at::hasCUDA();
+    if (name == "auto") return cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+    c10::Device device(c10::kCPU);
+    try {
+      device = c10::Device(name);
+    } catch (const std::exception&) {
+      throw ConfigError(detail::cat(where, ": [train] device '", name,
+                                    "' is not a device; use cpu, cuda, cuda:N or auto"));
+    }
+    LOOM_CHECK_AS(ConfigError, device.is_cpu() || (device.is_cuda() && cuda), where,
+                  ": [train] device '", name, "' is not available here",
+                  cuda ? "" : " (no CUDA device found)", "; use cpu or auto");
+    return device;
+  }
+
+  void collect_params() {
+    params_.clear();
+    for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+      if (!item.value().requires_grad()) continue;
+      Param param;
+      param.name = item.key();
+      param.tensor = item.value();
+      param.group = model_->no_weight_decay(item.key(), item.value()) ? 1 : 0;
+      params_.push_back(param);
+    }
+    LOOM_CHECK(!params_.empty(), "model '", resolved_.model.name,
+               "' has no trainable parameters (all are frozen)");
+  }
+
+  void install_grad_hooks() {
+    if (grad_handlers_.empty()) return;
+    for (size_t i = 0; i < params_.size(); ++i)
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          params_[i].tensor, std::make_unique<GradReadyHook>(this, i));
+  }
+
+  memory::ModelState model_state() const {
+    memory::ModelState s;
+    for (const auto& item : model_->named_parameters(true)) {
+      s.param_count += item.value().numel();
+      s.param_bytes += item.value().numel() * item.value().element_size();
+      if (item.value().requires_grad()) {
+        s.trainable_count += item.value().numel();
+        s.grad_bytes += item.value().numel() * item.value().element_size();
+      }
+    }
+    s.master_bytes = driver_->master_bytes();
+    s.optimizer_bytes = driver_->state_bytes();
+    return s;
+  }
+
+  NamedTensors named_state() const {
+    NamedTensors out;
+    for (const auto& item : model_->named_parameters(true)) out.emplace_back(item.key(), item.value());
+    for (const auto& item : model_->named_buffers(true)) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+
+  static at::Tensor cpu_generator_state() {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  }
+
+  void prepare_output_dir(const ConfigSection& train) {
+    std::filesystem::create_directories(output_dir_);
+    const std::string resume = train.get_string("resume");
+    std::string folder;
+    if (resume == "latest") {
+      folder = latest_checkpoint(output_dir_);
+      if (folder.empty())
+        log::info("resume = \"latest\": no checkpoint in ", output_dir_, " yet, starting fresh");
+    } else if (!resume.empty()) {
+      folder = resolve_path(resume);
+    } else if (!latest_checkpoint(output_dir_).empty()) {
+      throw ConfigError(detail::cat(
+          train.where("output_dir"), ": output_dir ", output_dir_,
+          " already holds checkpoints of an earlier run; set [train] resume = \"latest\" to "
+          "continue it, or choose another output_dir (nothing was changed)"));
+    }
+    metrics_path_ = output_dir_ + "/metrics.jsonl";
+    if (!folder.empty()) {
+      load_checkpoint(folder);
+    } else if (comm_->rank() == 0) {
+      std::ofstream(metrics_path_, std::ios::trunc);
+    }
+  }
+
+  void load_checkpoint(const std::string& folder) {
+    CheckpointContents contents = read_checkpoint(folder);
+    if (contents.config_hash != job_.hash())
+      log::warn("checkpoint ", folder, " was written by a job with another configuration (hash ",
+                contents.config_hash, ", now ", job_.hash(), "); continuing with the new one");
+    LOOM_CHECK_AS(CheckpointError, contents.update_rule == rule_->name(), "checkpoint ", folder,
+                  " holds optimizer state of '", contents.update_rule, "' but the job uses '",
+                  rule_->name(), "'; resume with the same [optimizer] name");
+    LOOM_CHECK_AS(CheckpointError, contents.world_size == comm_->world_size(), "checkpoint ",
+                  folder, " was written by ", contents.world_size, " rank(s), this run has ",
+                  comm_->world_size());
+    {
+      at::NoGradGuard no_grad;
+      std::map<std::string, at::Tensor> by_name(contents.model.begin(), contents.model.end());
+      const std::string file = folder + "/model.safetensors";
+      for (auto& [name, tensor] : named_state()) {
+        auto it = by_name.find(name);
+        LOOM_CHECK_AS(CheckpointError, it != by_name.end(), "'", file, "' has no tensor '", name,
+                      "' that model '", resolved_.model.name, "' needs; it belongs to another model");
+        LOOM_CHECK_AS(CheckpointError, it->second.sizes() == tensor.sizes(), "'", file,
+                      "': tensor '", name, "' is ", it->second.sizes(), " but the model needs ",
+                      tensor.sizes(), "; the checkpoint belongs to another model shape");
+        at::Tensor target = tensor;
+        target.detach().copy_(it->second);
+        by_name.erase(it);
+      }
+      LOOM_CHECK_AS(CheckpointError, by_name.empty(), "'", file, "' holds tensor '",
+                    by_name.empty() ? "" : by_name.begin()->first,
+                    "' that model '", resolved_.model.name, "' does not have");
+    }
+    driver_->load_state(contents.optimizer, folder + "/optimizer.safetensors");
+    {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(contents.rng_cpu);
+    }
+    data_->seek(contents.data);
+    state_.step = contents.step;
+    state_.skipped_updates = contents.skipped_updates;
+    state_.loss_scale = contents.loss_scale;
+    checkpoint_ = contents.plugin;
+    fire(Event::load);
+    log::info("resumed from ", folder, " at step ", state_.step, " (epoch ", contents.data.epoch,
+              ", sample ", contents.data.cursor, ")");
+  }
+
+  void write_metrics(double seconds, int64_t samples, int64_t tokens) {
+    const auto memory_now = memory::device_stats(device_);
+    const double world = comm_->world_size();
+    if (comm_->rank() == 0) {
+      nlohmann::ordered_json line = {
+          {"step", state_.step},
+          {"loss", state_.loss},
+          {"lr", state_.lr},
+          {"grad_norm", state_.grad_norm},
+          {"step_time_s", seconds},
+          {"samples_per_s", samples * world / seconds},
+          {"tokens_per_s", tokens * world / seconds},
+          {"mem_current_bytes", memory_now.current_bytes},
+          {"mem_peak_bytes", memory_now.peak_bytes},
+          {"rss_peak_bytes", memory::peak_rss_bytes()},
+          {"skipped_updates", state_.skipped_updates},
+          {"loss_scale", state_.loss_scale}};
+      std::ofstream out(metrics_path_, std::ios::app);
+      out << line.dump() << "\n";
+    }
+    const auto& train = resolved_.section("train");
+    const bool bar = train.get_bool("progress_bar") && comm_->rank() == 0 && ::isatty(2) &&
+                     log::level() <= log::Level::info;
+    if (bar) {
+      const int width = 30;
+      const int filled = static_cast<int>(width * state_.step / std::max<int64_t>(1, state_.max_steps));
+      std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f lr %.2e %.1f samples/s",
+                   std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                   static_cast<long long>(state_.step), static_cast<long long>(state_.max_steps),
+                   state_.loss, state_.lr, samples * world / seconds);
+      progress_shown_ = true;
+    } else {
+      const int64_t every = std::max<int64_t>(1, train.get_int("logging_steps"));
+      if (state_.step % every == 0 || state_.step == state_.max_steps)
+        log::info("step ", state_.step, "/", state_.max_steps, " loss ", state_.loss, " lr ",
+                  state_.lr, " grad_norm ", state_.grad_norm, " ", samples * world / seconds,
+                  " samples/s ", tokens * world / seconds, " tokens/s, memory ",
+                  memory::format_bytes(memory_now.current_bytes), " (peak ",
+                  memory::format_bytes(memory_now.peak_bytes), ")");
+    }
+  }
+
+  void end_progress() {
+    if (progress_shown_) std::fprintf(stderr, "\n");
+    progress_shown_ = false;
+  }
+
+  Job job_;
+  PluginHost host_;
+  ResolvedJob resolved_;
+  log::Level log_level_ = log::Level::info;
+  std::unique_ptr<Comm> comm_;
+  c10::Device device_{c10::kCPU};
+  uint64_t seed_ = 0;
+  TrainState state_;
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<DataSource> data_;
+  std::unique_ptr<UpdateRule> rule_;
+  std::unique_ptr<StepDriver> driver_;
+  std::vector<Param> params_;
+  std::array<std::vector<Registered>, static_cast<size_t>(Event::teardown) + 1> handlers_;
+  std::vector<GradHandler> grad_handlers_;
+  std::vector<std::shared_ptr<nn::UnitInterceptor>> interceptors_;
+  int current_priority_ = 1000;
+  size_t handler_count_ = 0;
+  Batch batch_;
+  Output output_;
+  CheckpointData checkpoint_;
+  std::string output_dir_, metrics_path_;
+  bool setup_done_ = false, progress_shown_ = false;
+};
+
+void GradReadyHook::operator()(const torch::autograd::Variable&) {
+  engine_->fire_grad_ready(index_);
+}
+
+}  // namespace
+
+Trainer::~Trainer() = default;
+
+std::unique_ptr<Trainer> Trainer::from_file(const std::filesystem::path& job,
+                                            const std::vector<std::string>& overrides) {
+  return std::make_unique<EngineImpl>(Job::load(job, overrides));
+}
+
+std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
+                                            const std::filesystem::path& dir,
+                                            const std::vector<std::string>& overrides) {
+  return std::make_unique<EngineImpl>(Job::parse(toml, dir / "job.toml", overrides));
+}
+
+std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path) {
+  PluginHost host;
+  host.prepend_search_path(extra_path);
+  auto failures = host.load_all();
+  std::ostringstream out;
+  out << "plugin search path:";
+  for (const auto& folder : host.search_path()) out << " " << folder.string();
+  out << "\n";
+  auto print_schema = [&](const Schema& schema) {
+    out << "    [" << schema.table() << "]";
+    if (!schema.provider().empty())
+      out << " " << (schema.table() == "model"      ? "when [train] model = \""
+                     : schema.table() == "data"     ? "when source = \""
+                                                    : "when name = \"")
+          << schema.provider() << "\"";
+    out << "\n";
+    for (const auto& key : schema.keys()) {
+      out << "      " << key.name << " (" << to_string(key.type);
+      if (key.required) out << ", required";
+      else if (key.default_value) out << ", default " << key.default_value->to_text();
+      out << "): " << key.doc << "\n";
+    }
+  };
+  out << "\ncore tables\n";
+  for (const auto& schema : core_schemas()) print_schema(schema);
+  for (const auto& record : host.plugins()) {
+    out << "\n" << record->name << " " << record->version << " — "
+        << record->plugin->description() << "\n";
+    out << "    file: " << (record->builtin() ? "(built into libloom_core)" : record->file.string())
+        << "\n";
+    auto slots = record->plugin->slots();
+    for (const auto& schema : record->plugin->schemas())
+      if (!schema.provider().empty())
+        out << "    provides " << schema.table() << " '" << schema.provider() << "'\n";
+    if (!slots.empty()) {
+      out << "    fills slot(s):";
+      for (Slot slot : slots) out << " " << to_string(slot);
+      out << "\n";
+    }
+    for (const auto& schema : record->plugin->schemas()) print_schema(schema);
+  }
+  for (const auto& failure : failures) out << "\nFAILED TO LOAD: " << failure << "\n";
+  return out.str();
+}
+
+}  // namespace loom

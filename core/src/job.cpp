@@ -1,0 +1,157 @@
+// Parses job files with TOML++ into ConfigValue trees that remember file:line, and applies
+// --set overrides. No LibTorch here: this TU stays cheap to compile.
+#include "job.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+namespace loom {
+namespace {
+
+std::string where_of(const toml::node& node, const std::string& fallback) {
+  const auto& source = node.source();
+  if (source.begin.line == 0) return fallback;
+  return detail::cat(source.path ? *source.path : fallback, ":", source.begin.line);
+}
+
+ConfigValue convert(const toml::node& node, const std::string& file) {
+  ConfigValue out;
+  out.where = where_of(node, file);
+  if (auto v = node.as_integer()) {
+    out.value = v->get();
+  } else if (auto f = node.as_floating_point()) {
+    out.value = f->get();
+  } else if (auto b = node.as_boolean()) {
+    out.value = b->get();
+  } else if (auto s = node.as_string()) {
+    out.value = s->get();
+  } else if (auto a = node.as_array()) {
+    ConfigArray array;
+    for (const auto& item : *a) array.push_back(convert(item, file));
+    out.value = std::move(array);
+  } else if (auto t = node.as_table()) {
+    ConfigTable table;
+    for (const auto& [key, child] : *t) table.emplace_back(std::string(key.str()), convert(child, file));
+    out.value = std::move(table);
+  } else {
+    throw ConfigError(detail::cat(out.where, ": dates and times are not valid loom values"));
+  }
+  return out;
+}
+
+void apply_override(ConfigValue& root, const std::string& text) {
+  const auto eq = text.find('=');
+  LOOM_CHECK_AS(ConfigError, eq != std::string::npos && eq > 0,
+                "--set '", text, "' must look like table.key=value (e.g. train.max_steps=10)");
+  const std::string path = text.substr(0, eq);
+  const std::string raw = text.substr(eq + 1);
+  const auto dot = path.find('.');
+  LOOM_CHECK_AS(ConfigError, dot != std::string::npos && dot > 0 && dot + 1 < path.size(),
+                "--set '", text, "': the key must name its table, e.g. train.max_steps=10");
+  const std::string table_name = path.substr(0, dot), key = path.substr(dot + 1);
+  ConfigValue value;
+  // The value is TOML (10, 3e-4, true, "x", [1, 2]); anything that does not parse is a string.
+  try {
+    auto parsed = toml::parse("v = " + raw);
+    value = convert(*parsed.get("v"), "--set");
+  } catch (const toml::parse_error&) {
+    value.value = raw;
+  }
+  value.where = "--set " + text;
+  ConfigValue* table = root.find(table_name);
+  auto& tables = std::get<ConfigTable>(root.value);
+  if (!table) {
+    tables.emplace_back(table_name, ConfigValue{ConfigTable{}, "--set " + text});
+    table = &tables.back().second;
+  }
+  LOOM_CHECK_AS(ConfigError, table->is_table(), "--set ", text, ": '", table_name,
+                "' is not a table");
+  if (ConfigValue* existing = table->find(key))
+    *existing = std::move(value);
+  else
+    std::get<ConfigTable>(table->value).emplace_back(key, std::move(value));
+}
+
+Job from_toml(const toml::table& parsed, const std::filesystem::path& file,
+              const std::vector<std::string>& overrides) {
+  Job job;
+  job.file = file;
+  job.dir = file.has_parent_path() ? file.parent_path() : std::filesystem::path(".");
+  job.overrides = overrides;
+  ConfigTable tables;
+  for (const auto& [key, node] : parsed) {
+    LOOM_CHECK_AS(ConfigError, node.is_table(), where_of(node, file.string()),
+                  ": top-level key '", key.str(), "' must sit inside a table such as [train]");
+    tables.emplace_back(std::string(key.str()), convert(node, file.string()));
+  }
+  job.root.value = std::move(tables);
+  job.root.where = file.string();
+  for (const auto& text : overrides) apply_override(job.root, text);
+  return job;
+}
+
+}  // namespace
+
+Job Job::load(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
+  std::ifstream in(file);
+  LOOM_CHECK_AS(ConfigError, in.good(), "cannot read job file '", file.string(),
+                "': it does not exist or is not readable; pass the path of a .toml job file");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse(text.str(), file, overrides);
+}
+
+Job Job::parse(const std::string& text, const std::filesystem::path& name,
+               const std::vector<std::string>& overrides) {
+  try {
+    auto parsed = toml::parse(text, name.string());
+    return from_toml(parsed, name, overrides);
+  } catch (const toml::parse_error& error) {
+    const auto& source = error.source();
+    throw ConfigError(detail::cat(name.string(), ":", source.begin.line, ":",
+                                  source.begin.column, ": invalid TOML: ", error.description()));
+  }
+}
+
+std::vector<std::string> Job::table_names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, value] : std::get<ConfigTable>(root.value)) names.push_back(name);
+  return names;
+}
+
+std::string Job::canonical_text() const {
+  std::vector<std::string> lines;
+  std::function<void(const std::string&, const ConfigValue&)> walk =
+      [&](const std::string& prefix, const ConfigValue& value) {
+        if (const auto* table = std::get_if<ConfigTable>(&value.value)) {
+          for (const auto& [key, child] : *table)
+            walk(prefix.empty() ? key : prefix + "." + key, child);
+        } else {
+          lines.push_back(prefix + " = " + value.to_text());
+        }
+      };
+  walk("", root);
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& line : lines) out += line + "\n";
+  return out;
+}
+
+std::string Job::hash() const {
+  // FNV-1a 64: a fingerprint to notice a changed job on resume, not a security hash.
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : canonical_text()) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char buffer[17];
+  std::snprintf(buffer, sizeof buffer, "%016llx", static_cast<unsigned long long>(h));
+  return buffer;
+}
+
+}  // namespace loom

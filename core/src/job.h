@@ -1,0 +1,34 @@
+// job.h (core-internal) — a job file parsed from TOML (plus --set overrides) into loom's
+// ConfigValue tree, with every value's file:line. Validation against the plugins' schemas is
+// resolve.h's job.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "loom/config.h"
+
+namespace loom {
+
+struct Job {
+  std::filesystem::path file;           // as given
+  std::filesystem::path dir;            // the job file's folder (relative paths start here)
+  ConfigValue root;                     // a table of tables
+  std::vector<std::string> overrides;   // --set key=value, in order
+
+  // Throws ConfigError naming file:line for a syntax error, an unreadable file, or a top-level
+  // key outside a table; and for a malformed --set.
+  static Job load(const std::filesystem::path& file,
+                  const std::vector<std::string>& overrides = {});
+  static Job parse(const std::string& text, const std::filesystem::path& name,
+                   const std::vector<std::string>& overrides = {});
+
+  const ConfigValue* table(std::string_view name) const { return root.find(name); }
+  std::vector<std::string> table_names() const;
+  // Canonical text of all values (sorted), hashed into checkpoints' config_hash.
+  std::string canonical_text() const;
+  std::string hash() const;  // 16 hex digits
+};
+
+}  // namespace loom

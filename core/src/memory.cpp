@@ -1,0 +1,162 @@
+// Memory accounting: the tracking CPU allocator, CUDA caching-allocator stats, RSS, and
+// byte formatting.
+#include "loom/memory.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "loom/error.h"
+
+namespace loom::memory {
+namespace {
+
+// Wraps the default CPU allocator. Each allocation's size travels in its DataPtr's context, so
+// the free subtracts exactly what the allocation added, whichever thread frees it.
+class TrackingAllocator final : public c10::Allocator {
+ public:
+  explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* context = new Context{std::move(inner), static_cast<int64_t>(n), this};
+    const int64_t now = current_.fetch_add(context->bytes) + context->bytes;
+    live_.fetch_add(1);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, context, &release, device};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  Stats stats() const { return {current_.load(), peak_.load(), live_.load()}; }
+  void reset_peak() { peak_.store(current_.load()); }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;  // frees the memory through the wrapped allocator when destroyed
+    int64_t bytes;
+    TrackingAllocator* owner;
+  };
+  static void release(void* raw) {
+    auto* context = static_cast<Context*>(raw);
+    context->owner->current_.fetch_sub(context->bytes);
+    context->owner->live_.fetch_sub(1);
+    delete context;
+  }
+
+  c10::Allocator* inner_;
+  std::atomic<int64_t> current_{0}, peak_{0}, live_{0};
+};
+
+TrackingAllocator* g_tracker = nullptr;
+std::once_flag g_install_once;
+
+int64_t read_status_kib(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(field) + ":";
+  while (std::getline(status, line)) {
+    if (line.rfind(prefix, 0) == 0) {
+      std::istringstream in(line.substr(prefix.size()));
+      int64_t kib = 0;
+      in >> kib;
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void install_cpu_tracker() {
+  std::call_once(g_install_once, [] {
+    // Never freed: tensors alive at exit still hold contexts that point at it.
+    g_tracker = new TrackingAllocator(c10::GetDefaultCPUAllocator());
+    // Priority above the default (0) so later SetCPUAllocator calls of lower priority lose.
+    c10::SetCPUAllocator(g_tracker, /*priority=*/10);
+  });
+}
+
+bool cpu_tracker_installed() { return g_tracker != nullptr; }
+
+Stats cpu_stats() { return g_tracker ? g_tracker->stats() : Stats{}; }
+
+void reset_cpu_peak() {
+  if (g_tracker) g_tracker->reset_peak();
+}
+
+Stats device_stats(c10::Device device) {
+#ifdef LOOM_WITH_CUDA
+  if (device.is_cuda()) {
+    using namespace c10::CachingDeviceAllocator;
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto& bytes = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)];
+    const auto& count = stats.allocation[static_cast<size_t>(StatType::AGGREGATE)];
+    return {bytes.current, bytes.peak, count.current};
+  }
+#endif
+  LOOM_CHECK(device.is_cpu(), "memory statistics for ", device.str(),
+             " are not available in this build");
+  return cpu_stats();
+}
+
+void reset_device_peak(c10::Device device) {
+#ifdef LOOM_WITH_CUDA
+  if (device.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    return;
+  }
+#endif
+  reset_cpu_peak();
+}
+
+int64_t peak_rss_bytes() { return read_status_kib("VmHWM"); }
+int64_t current_rss_bytes() { return read_status_kib("VmRSS"); }
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::abs(value) >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return buffer;
+}
+
+std::string ModelState::describe() const {
+  auto per_param = [&](int64_t bytes) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.2f B/param",
+                  param_count ? static_cast<double>(bytes) / param_count : 0.0);
+    return std::string(buffer);
+  };
+  std::ostringstream out;
+  out << "params " << param_count << " (" << trainable_count << " trainable): weights "
+      << format_bytes(param_bytes) << " (" << per_param(param_bytes) << ")";
+  if (master_bytes) out << ", fp32 master " << format_bytes(master_bytes);
+  out << ", grads " << format_bytes(grad_bytes) << ", optimizer state "
+      << format_bytes(optimizer_bytes) << " (" << per_param(optimizer_bytes)
+      << "), total " << format_bytes(total()) << " (" << per_param(total()) << ")";
+  return out.str();
+}
+
+}  // namespace loom::memory

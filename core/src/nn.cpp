@@ -1,0 +1,175 @@
+// loom::nn building blocks, written on ATen's functional ops (no torch::nn module headers: they
+// cost compile time and would hide the adapter and interceptor slots loom needs).
+#include "loom/nn.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "loom/error.h"
+
+namespace loom::nn {
+
+Linear::Linear(int64_t in, int64_t out, bool with_bias) : in_features(in), out_features(out) {
+  LOOM_CHECK(in > 0 && out > 0, "Linear needs positive sizes, got ", in, "x", out);
+  // PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  weight = register_parameter("weight", at::empty({out, in}).uniform_(-bound, bound));
+  if (with_bias) bias = register_parameter("bias", at::empty({out}).uniform_(-bound, bound));
+}
+
+at::Tensor Linear::forward(const at::Tensor& x) {
+  at::Tensor out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias)
+                                                        : std::nullopt);
+  if (adapter_) out = out + adapter_->forward(x, out);
+  return out;
+}
+
+void Linear::set_adapter(std::shared_ptr<LinearAdapter> adapter) {
+  // register_module replaces a child of the same name, so the adapter's parameters appear as
+  // "<linear>.adapter.<name>" in named_parameters() and checkpoints.
+  if (adapter) {
+    adapter_ = register_module("adapter", std::move(adapter));
+  } else if (adapter_) {
+    unregister_module("adapter");
+    adapter_.reset();
+  }
+}
+
+Embedding::Embedding(int64_t num, int64_t dim) {
+  LOOM_CHECK(num > 0 && dim > 0, "Embedding needs positive sizes, got ", num, "x", dim);
+  weight = register_parameter("weight", at::randn({num, dim}));
+}
+
+at::Tensor Embedding::forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
+
+LayerNorm::LayerNorm(int64_t dim, double eps_, bool with_bias) : eps(eps_) {
+  weight = register_parameter("weight", at::ones({dim}));
+  if (with_bias) bias = register_parameter("bias", at::zeros({dim}));
+}
+
+at::Tensor LayerNorm::forward(const at::Tensor& x) {
+  return at::layer_norm(x, {weight.size(0)}, weight,
+                        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, eps);
+}
+
+RMSNorm::RMSNorm(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNorm::forward(const at::Tensor& x) {
+  return at::rms_norm(x, {weight.size(0)}, weight, eps);
+}
+
+Attention::Attention(int64_t dim, int64_t heads, bool causal_, double dropout_, bool bias)
+    : n_heads(heads), causal(causal_), dropout(dropout_) {
+  LOOM_CHECK(heads > 0 && dim % heads == 0, "attention width ", dim,
+             " must be divisible by the number of heads ", heads);
+  qkv = register_module("qkv", std::make_shared<Linear>(dim, 3 * dim, bias));
+  proj = register_module("proj", std::make_shared<Linear>(dim, dim, bias));
+}
+
+at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mask) {
+  // x is (B,T,C); q, k, v are (B,H,T,D).
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_heads;
+  auto parts = qkv->forward(x).view({B, T, 3, n_heads, D}).permute({2, 0, 3, 1, 4});
+  at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  std::optional<at::Tensor> mask;
+  if (padding_mask.defined()) {
+    at::Tensor keep = padding_mask.to(at::kBool).view({B, 1, 1, T});
+    if (causal) keep = keep & at::ones({T, T}, keep.options()).tril().view({1, 1, T, T});
+    mask = keep;
+  }
+  at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, is_training() ? dropout : 0.0,
+                                                  causal && !mask.has_value());
+  return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
+}
+
+FeedForward::FeedForward(int64_t dim, int64_t hidden, Activation act, double dropout_, bool bias)
+    : activation(act), dropout(dropout_) {
+  fc_in = register_module("fc_in", std::make_shared<Linear>(dim, hidden, bias));
+  fc_out = register_module("fc_out", std::make_shared<Linear>(hidden, dim, bias));
+}
+
+at::Tensor FeedForward::forward(const at::Tensor& x) {
+  at::Tensor h = fc_in->forward(x);
+  switch (activation) {
+    case Activation::gelu: h = at::gelu(h); break;
+    case Activation::gelu_tanh: h = at::gelu(h, "tanh"); break;
+    case Activation::relu: h = at::relu(h); break;
+  }
+  return at::dropout(fc_out->forward(h), dropout, is_training());
+}
+
+TransformerBlock::TransformerBlock(const Options& o) : options(o) {
+  norm1 = register_module("norm1", std::make_shared<LayerNorm>(o.dim, o.norm_eps, o.bias));
+  attn = register_module("attn",
+                         std::make_shared<Attention>(o.dim, o.n_heads, o.causal, o.attention_dropout, o.bias));
+  norm2 = register_module("norm2", std::make_shared<LayerNorm>(o.dim, o.norm_eps, o.bias));
+  ffn = register_module("ffn", std::make_shared<FeedForward>(o.dim, o.hidden, o.activation,
+                                                             o.dropout, o.bias));
+}
+
+void TransformerBlock::set_feed_forward(std::shared_ptr<FeedForwardBase> replacement) {
+  LOOM_CHECK(replacement, "set_feed_forward needs a module");
+  ffn = replace_module("ffn", std::move(replacement));
+}
+
+at::Tensor TransformerBlock::forward(const at::Tensor& x, const UnitArgs& args) {
+  const double p = is_training() ? options.dropout : 0.0;
+  if (options.pre_norm) {
+    at::Tensor h = x + at::dropout(attn->forward(norm1->forward(x), args.padding_mask), p, true);
+    return h + ffn->forward(norm2->forward(h));
+  }
+  at::Tensor h = norm1->forward(x + at::dropout(attn->forward(x, args.padding_mask), p, true));
+  return norm2->forward(h + ffn->forward(h));
+}
+
+void UnitList::push_back(std::shared_ptr<Unit> unit) {
+  units_.push_back(register_module(std::to_string(units_.size()), std::move(unit)));
+}
+
+void UnitList::set_interceptors(std::vector<std::shared_ptr<UnitInterceptor>> interceptors) {
+  interceptors_ = std::move(interceptors);
+}
+
+at::Tensor UnitList::forward(const at::Tensor& x, const UnitArgs& args) {
+  at::Tensor h = x;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    Unit& unit = *units_[i];
+    UnitFn run = [&unit, &args](const at::Tensor& input) { return unit.forward(input, args); };
+    // The first interceptor added is the outermost: wrap from the last one inwards.
+    for (auto it = interceptors_.rbegin(); it != interceptors_.rend(); ++it) {
+      UnitFn inner = std::move(run);
+      UnitInterceptor* interceptor = it->get();
+      const auto index = static_cast<int64_t>(i);
+      run = [interceptor, index, &unit, inner = std::move(inner)](const at::Tensor& input) {
+        return interceptor->intercept(index, unit, input, inner);
+      };
+    }
+    h = run(h);
+  }
+  return h;
+}
+
+void init_normal_(torch::nn::Module& module, double std) {
+  at::NoGradGuard no_grad;
+  // modules(include_self) needs the module in a shared_ptr; this runs in constructors too.
+  std::vector<torch::nn::Module*> all{&module};
+  for (const auto& child : module.modules(/*include_self=*/false)) all.push_back(child.get());
+  for (torch::nn::Module* child : all) {
+    if (auto* linear = dynamic_cast<Linear*>(child)) {
+      linear->weight.normal_(0.0, std);
+      if (linear->bias.defined()) linear->bias.zero_();
+    } else if (auto* embedding = dynamic_cast<Embedding*>(child)) {
+      embedding->weight.normal_(0.0, std);
+    } else if (auto* norm = dynamic_cast<LayerNorm*>(child)) {
+      norm->weight.fill_(1.0);
+      if (norm->bias.defined()) norm->bias.zero_();
+    } else if (auto* rms = dynamic_cast<RMSNorm*>(child)) {
+      rms->weight.fill_(1.0);
+    }
+  }
+}
+
+}  // namespace loom::nn

@@ -1,0 +1,296 @@
+// Job resolution: schemas, providers, slots. Every error names the file:line of the value and
+// says what to change.
+#include "resolve.h"
+
+#include <algorithm>
+#include <set>
+
+namespace loom {
+namespace {
+
+const char* kSelectorKey(const std::string& table) {
+  if (table == "data") return "source";
+  if (table == "optimizer") return "name";
+  return nullptr;
+}
+
+Slot slot_of_selector(const std::string& table) {
+  if (table == "model") return Slot::model;
+  if (table == "data") return Slot::data;
+  return Slot::update_rule;
+}
+
+bool type_matches(ValueType want, const ConfigValue& value) {
+  const ValueType got = value.type();
+  if (want == ValueType::Any) return true;
+  if (want == ValueType::Float) return got == ValueType::Float || got == ValueType::Int;
+  return want == got;
+}
+
+std::string hint(const std::string& word, const std::vector<std::string>& candidates) {
+  auto best = closest_match(word, candidates);
+  return best ? "; did you mean '" + *best + "'?" : "";
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out.empty() ? "(none)" : out;
+}
+
+// Providers of a selector table's choice among the loaded plugins.
+std::vector<LoadedPlugin*> providers_of(PluginHost& host, const std::string& table,
+                                        const std::string& choice) {
+  std::vector<LoadedPlugin*> found;
+  for (const auto& record : host.plugins())
+    for (const auto& schema : record->plugin->schemas())
+      if (schema.table() == table && schema.provider() == choice) found.push_back(record.get());
+  return found;
+}
+
+std::vector<std::string> choices_of(PluginHost& host, const std::string& table) {
+  std::vector<std::string> names;
+  for (const auto& record : host.plugins())
+    for (const auto& schema : record->plugin->schemas())
+      if (schema.table() == table && !schema.provider().empty())
+        names.push_back(schema.provider());
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
+const Schema& schema_for(LoadedPlugin& plugin, const std::string& table,
+                         const std::string& provider, std::vector<Schema>& storage) {
+  storage = plugin.plugin->schemas();
+  for (const auto& schema : storage)
+    if (schema.table() == table && schema.provider() == provider) return schema;
+  throw InternalError("schema vanished for " + table + "/" + provider);
+}
+
+ResolvedJob::Choice choose(PluginHost& host, const std::string& table, const std::string& choice,
+                           const std::string& where, const std::string& what) {
+  auto found = providers_of(host, table, choice);
+  if (found.empty()) {
+    // A plugin file named after the choice, then every plugin on the path.
+    host.find(choice);  // a broken file of that name is an error of its own (PluginError)
+    found = providers_of(host, table, choice);
+    if (found.empty()) {
+      auto failures = host.load_all();
+      found = providers_of(host, table, choice);
+      if (found.empty()) {
+        auto known = choices_of(host, table);
+        std::string note;
+        if (!failures.empty()) note = " (plugins that failed to load: " + failures.front() + ")";
+        throw ConfigError(detail::cat(where, ": no plugin provides ", what, " '", choice, "'",
+                                      hint(choice, known), " Available: ", joined(known),
+                                      note, ". `loom plugins` lists what was found."));
+      }
+    }
+  }
+  if (found.size() > 1) {
+    std::string names;
+    for (auto* p : found) names += " " + (p->builtin() ? "core" : p->file.string());
+    throw ConfigError(detail::cat(where, ": ", what, " '", choice,
+                                  "' is provided by several plugins:", names,
+                                  "; remove all but one from the plugin search path"));
+  }
+  return {found.front(), choice};
+}
+
+Schema merged(const Schema& common, const Schema& provider_schema) {
+  Schema out(common.table(), provider_schema.provider());
+  for (const auto& key : common.keys()) out.add(key);
+  for (const auto& key : provider_schema.keys()) out.add(key);
+  return out;
+}
+
+}  // namespace
+
+std::vector<Schema> core_schemas() {
+  std::vector<Schema> schemas;
+  Schema train("train");
+  train.key_required("model", ValueType::String, "the model plugin to train (gpt, bert, ...)")
+      .key_int("max_steps", 100, "optimizer steps to run")
+      .key_int("per_device_train_batch_size", 8, "samples per micro-batch on each rank")
+      .key_int("gradient_accumulation_steps", 1, "micro-batches per optimizer step")
+      .key_float("learning_rate", 5e-5, "peak learning rate")
+      .key_string("lr_scheduler_type", "constant", "constant | linear | cosine (after warm-up)")
+      .key_int("warmup_steps", 0, "steps of linear warm-up from 0 to learning_rate")
+      .key_float("max_grad_norm", 1.0, "clip the global gradient norm to this (0 = off)")
+      .key_int("seed", 42, "seed of every random number loom draws")
+      .key_int("num_threads", 0, "intra-op threads (0 = the cores available)")
+      .key_string("device", "auto", "cpu | cuda | cuda:N | auto (cuda when available)")
+      .key_string("output_dir", "runs/default", "checkpoints and metrics.jsonl go here")
+      .key_int("save_steps", 0, "save a checkpoint every N steps (0 = only at the end)")
+      .key_bool("save_final", true, "save a checkpoint after the last step")
+      .key_int("save_total_limit", 0, "keep only the newest N checkpoints (0 = all)")
+      .key_string("resume", "", "\"\" (fresh) | \"latest\" | path of a checkpoint folder")
+      .key_int("logging_steps", 10, "log a line every N steps (metrics.jsonl gets every step)")
+      .key_string("log_level", "info", "debug | info | warn | error")
+      .key_bool("log_all_ranks", false, "let every rank log, not only rank 0")
+      .key_bool("progress_bar", true, "show a progress bar when stderr is a terminal");
+  schemas.push_back(train);
+  Schema plugins("plugins");
+  plugins.key_optional("path", ValueType::Any,
+                       "extra plugin folders (string or array), relative to the job file");
+  schemas.push_back(plugins);
+  Schema distributed("distributed");
+  distributed.key_string("backend", "auto", "auto | local | mpi | gloo | nccl")
+      .key_float("timeout_seconds", 300, "a collective not done by then is an error");
+  schemas.push_back(distributed);
+  Schema data("data");
+  data.key_string("source", "random_tokens", "the data source: random_tokens | text | tokens")
+      .key_bool("shuffle", true, "shuffle the samples every epoch (seeded)")
+      .key_bool("drop_last", true, "drop the last incomplete batch of an epoch");
+  schemas.push_back(data);
+  Schema optimizer("optimizer");
+  optimizer.key_string("name", "adamw", "the update rule: adamw (core) or a plugin's");
+  schemas.push_back(optimizer);
+  return schemas;
+}
+
+const ConfigSection& ResolvedJob::section(const std::string& name) const {
+  auto it = sections.find(name);
+  LOOM_INTERNAL_ASSERT(it != sections.end(), "no section [", name, "]");
+  return it->second;
+}
+
+ConfigSection validate(const std::string& table_name, const ConfigValue* table,
+                       const Schema& schema, const std::string& file) {
+  ConfigTable values;
+  if (table) {
+    LOOM_CHECK_AS(ConfigError, table->is_table(), table->where, ": '", table_name,
+                  "' must be a table");
+    std::vector<std::string> known;
+    for (const auto& key : schema.keys()) known.push_back(key.name);
+    for (const auto& [key, value] : std::get<ConfigTable>(table->value)) {
+      const KeySpec* spec = schema.find(key);
+      if (!spec) {
+        throw ConfigError(detail::cat(value.where, ": unknown key '", key, "' in [", table_name,
+                                      "]", hint(key, known),
+                                      " (`loom plugins` lists every key)"));
+      }
+      LOOM_CHECK_AS(ConfigError, type_matches(spec->type, value), value.where, ": [",
+                    table_name, "] ", key, " must be ", to_string(spec->type), ", not ",
+                    value.to_text(), " (", spec->doc, ")");
+      values.emplace_back(key, value);
+    }
+  }
+  for (const auto& spec : schema.keys()) {
+    bool present = false;
+    for (const auto& [key, value] : values) present |= key == spec.name;
+    LOOM_CHECK_AS(ConfigError, present || !spec.required, file, ": [", table_name,
+                  "] needs '", spec.name, "' (", to_string(spec.type), "): ", spec.doc);
+  }
+  return ConfigSection(table_name, std::move(values), schema, file);
+}
+
+ResolvedJob resolve(const Job& job, PluginHost& host) {
+  ResolvedJob out;
+  const std::string file = job.file.string();
+  std::map<std::string, Schema> core;
+  for (auto& schema : core_schemas()) core.emplace(schema.table(), schema);
+
+  // [plugins] first: it extends the search path everything else is found on.
+  out.sections["plugins"] = validate("plugins", job.table("plugins"), core["plugins"], file);
+  std::vector<std::filesystem::path> extra;
+  for (const auto& folder : out.sections["plugins"].get_strings("path")) {
+    std::filesystem::path p(folder);
+    extra.push_back(p.is_absolute() ? p : job.dir / p);
+  }
+  host.prepend_search_path(extra);
+
+  LOOM_CHECK_AS(ConfigError, job.table("train"), file,
+                ": the job has no [train] table; it needs at least [train] model = \"gpt\"");
+  out.sections["train"] = validate("train", job.table("train"), core["train"], file);
+  out.sections["distributed"] =
+      validate("distributed", job.table("distributed"), core["distributed"], file);
+
+  const auto& train = out.sections["train"];
+  out.model = choose(host, "model", train.get_string("model"), train.where("model"), "model");
+  {
+    std::vector<Schema> storage;
+    const Schema& schema = schema_for(*out.model.provider, "model", out.model.name, storage);
+    out.sections["model"] = validate("model", job.table("model"), schema, file);
+  }
+  // The selector tables: the chosen provider's keys plus the core's common keys.
+  for (const std::string table : {"data", "optimizer"}) {
+    const ConfigValue* values = job.table(table);
+    const ConfigSection common_only =
+        validate(table, nullptr, core[table], file);  // for the selector's default
+    std::string choice = common_only.get_string(kSelectorKey(table));
+    std::string where = file + " [" + table + "] (default)";
+    if (values) {
+      LOOM_CHECK_AS(ConfigError, values->is_table(), values->where, ": '", table,
+                    "' must be a table");
+      if (const ConfigValue* chosen = values->find(kSelectorKey(table))) {
+        const auto* name = std::get_if<std::string>(&chosen->value);
+        LOOM_CHECK_AS(ConfigError, name, chosen->where, ": [", table, "] ",
+                      kSelectorKey(table), " must be a string");
+        choice = *name;
+        where = chosen->where;
+      }
+    }
+    auto picked = choose(host, table, choice, where, table == "data" ? "data source" : "optimizer");
+    std::vector<Schema> storage;
+    const Schema& schema = schema_for(*picked.provider, table, picked.name, storage);
+    out.sections[table] = validate(table, values, merged(core[table], schema), file);
+    (table == "data" ? out.data : out.update_rule) = picked;
+  }
+
+  // Every other table switches on the plugin of that name.
+  std::vector<std::string> reserved;
+  for (const auto& [name, schema] : core) reserved.push_back(name);
+  reserved.push_back("model");
+  for (const auto& table : job.table_names()) {
+    if (std::find(reserved.begin(), reserved.end(), table) != reserved.end()) continue;
+    LoadedPlugin* plugin = host.find(table);
+    if (!plugin) {
+      auto names = host.discoverable();
+      names.insert(names.end(), reserved.begin(), reserved.end());
+      throw ConfigError(detail::cat(job.table(table)->where, ": [", table,
+                                    "] names no known plugin or table", hint(table, names),
+                                    " Plugins found: ", joined(host.discoverable()),
+                                    ". Add its folder to [plugins] path or LOOM_PLUGIN_PATH."));
+    }
+    std::vector<Schema> schemas = plugin->plugin->schemas();
+    auto own = std::find_if(schemas.begin(), schemas.end(), [&](const Schema& s) {
+      return s.table() == table && s.provider().empty();
+    });
+    LOOM_CHECK_AS(ConfigError, own != schemas.end(), job.table(table)->where, ": plugin '",
+                  table, "' has no table of its own to switch it on");
+    out.sections[table] = validate(table, job.table(table), *own, file);
+    out.table_plugins.push_back(plugin);
+  }
+
+  // Slots: each filled by at most one plugin.
+  std::map<Slot, std::pair<LoadedPlugin*, std::string>> claims;
+  auto claim = [&](Slot slot, LoadedPlugin* plugin, const std::string& why) {
+    auto [it, fresh] = claims.emplace(slot, std::make_pair(plugin, why));
+    if (!fresh && it->second.first != plugin)
+      throw ConfigError(detail::cat(file, ": slot '", to_string(slot), "' is claimed twice: by ",
+                                    it->second.second, " and by ", why,
+                                    "; switch one of them off"));
+  };
+  claim(Slot::model, out.model.provider, "'" + out.model.provider->name + "' ([train] model)");
+  claim(Slot::data, out.data.provider, "'" + out.data.provider->name + "' ([data] source)");
+  claim(Slot::update_rule, out.update_rule.provider,
+        "'" + out.update_rule.provider->name + "' ([optimizer] name)");
+  for (auto* plugin : out.table_plugins)
+    for (Slot slot : plugin->plugin->slots())
+      claim(slot, plugin, "'" + plugin->name + "' ([" + plugin->name + "])");
+
+  // Active plugins by priority (stable: built-ins and providers first at equal priority).
+  std::vector<LoadedPlugin*> active = {out.model.provider, out.data.provider,
+                                       out.update_rule.provider};
+  active.insert(active.end(), out.table_plugins.begin(), out.table_plugins.end());
+  std::set<LoadedPlugin*> seen;
+  for (auto* p : active)
+    if (seen.insert(p).second) out.active.push_back(p);
+  std::stable_sort(out.active.begin(), out.active.end(), [](LoadedPlugin* a, LoadedPlugin* b) {
+    return a->plugin->priority() < b->plugin->priority();
+  });
+  return out;
+}
+
+}  // namespace loom

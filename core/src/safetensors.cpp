@@ -1,0 +1,160 @@
+// safetensors reader and writer. Format: 8 bytes little-endian u64 N, N bytes of JSON header,
+// then the data. Every bound in a file is checked before it is trusted.
+#include "loom/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "fsutil.h"
+#include "loom/error.h"
+
+namespace loom::safetensors {
+namespace {
+
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {
+    {at::kFloat, "F32"},  {at::kHalf, "F16"},  {at::kBFloat16, "BF16"}, {at::kDouble, "F64"},
+    {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"},     {at::kChar, "I8"},
+    {at::kByte, "U8"},    {at::kBool, "BOOL"},
+};
+
+const char* dtype_name(at::ScalarType type) {
+  for (const auto& d : kDtypes)
+    if (d.type == type) return d.name;
+  throw CheckpointError(detail::cat("safetensors cannot store dtype ", c10::toString(type)));
+}
+
+std::optional<at::ScalarType> dtype_of(const std::string& name) {
+  for (const auto& d : kDtypes)
+    if (name == d.name) return d.type;
+  return std::nullopt;
+}
+
+constexpr uint64_t kMaxHeader = 100ull << 20;  // the reference implementation's limit
+
+}  // namespace
+
+void save(const std::filesystem::path& file, const NamedTensors& tensors,
+          const Metadata& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> contiguous;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    LOOM_CHECK_AS(CheckpointError, tensor.defined(), "tensor '", name, "' is undefined");
+    LOOM_CHECK_AS(CheckpointError, !header.contains(name) && name != "__metadata__",
+                  "tensor name '", name, "' appears twice in ", file.string());
+    at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+    const uint64_t bytes = cpu.numel() * cpu.element_size();
+    header[name] = {{"dtype", dtype_name(cpu.scalar_type())},
+                    {"shape", cpu.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    contiguous.push_back(cpu);
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  fsutil::AtomicFile out(file);
+  uint64_t length = text.size();
+  unsigned char le[8];
+  for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(length >> (8 * i));
+  out.write(le, 8);
+  out.write(text.data(), text.size());
+  for (const auto& t : contiguous) out.write(t.data_ptr(), t.numel() * t.element_size());
+  out.commit();
+}
+
+Contents load(const std::filesystem::path& file) {
+  const std::string name = file.string();
+  std::ifstream in(file, std::ios::binary);
+  LOOM_CHECK_AS(CheckpointError, in.good(), "cannot open '", name, "'");
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  LOOM_CHECK_AS(CheckpointError, size >= 8, "'", name, "' is truncated (", size,
+                " bytes): not a safetensors file");
+  unsigned char le[8];
+  in.read(reinterpret_cast<char*>(le), 8);
+  uint64_t header_size = 0;
+  for (int i = 0; i < 8; ++i) header_size |= static_cast<uint64_t>(le[i]) << (8 * i);
+  LOOM_CHECK_AS(CheckpointError, header_size <= kMaxHeader && 8 + header_size <= size, "'",
+                name, "' is corrupt or truncated: its header claims ", header_size,
+                " bytes but the file has ", size);
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    throw CheckpointError(detail::cat("'", name, "' has a corrupt header: ", error.what()));
+  }
+  LOOM_CHECK_AS(CheckpointError, header.is_object(), "'", name,
+                "' has a corrupt header: not a JSON object");
+  const uint64_t data_size = size - 8 - header_size;
+  struct Entry {
+    std::string name;
+    at::ScalarType type;
+    std::vector<int64_t> shape;
+    uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
+  Contents contents;
+  try {
+    for (const auto& [key, value] : header.items()) {
+      if (key == "__metadata__") {
+        for (const auto& [mk, mv] : value.items())
+          contents.metadata[mk] = mv.get<std::string>();
+        continue;
+      }
+      Entry entry{key, at::kFloat, value.at("shape").get<std::vector<int64_t>>(),
+                  value.at("data_offsets").at(0).get<uint64_t>(),
+                  value.at("data_offsets").at(1).get<uint64_t>()};
+      auto type = dtype_of(value.at("dtype").get<std::string>());
+      LOOM_CHECK_AS(CheckpointError, type, "'", name, "': tensor '", key,
+                    "' has unsupported dtype ", value.at("dtype").dump());
+      entry.type = *type;
+      uint64_t numel = 1;
+      for (int64_t d : entry.shape) {
+        LOOM_CHECK_AS(CheckpointError, d >= 0, "'", name, "': tensor '", key,
+                      "' has a negative dimension");
+        numel *= static_cast<uint64_t>(d);
+      }
+      LOOM_CHECK_AS(CheckpointError,
+                    entry.begin <= entry.end && entry.end <= data_size &&
+                        entry.end - entry.begin == numel * c10::elementSize(entry.type),
+                    "'", name, "' is corrupt or truncated: tensor '", key, "' claims bytes [",
+                    entry.begin, ", ", entry.end, ") of ", data_size, " for ", numel,
+                    " elements");
+      entries.push_back(std::move(entry));
+    }
+  } catch (const nlohmann::json::exception& error) {
+    throw CheckpointError(detail::cat("'", name, "' has a malformed header: ", error.what()));
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < entries.size(); ++i)
+    LOOM_CHECK_AS(CheckpointError, entries[i - 1].end <= entries[i].begin, "'", name,
+                  "' is corrupt: tensors '", entries[i - 1].name, "' and '", entries[i].name,
+                  "' overlap");
+  for (const auto& entry : entries) {
+    at::Tensor tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.type));
+    in.seekg(static_cast<std::streamoff>(8 + header_size + entry.begin));
+    in.read(static_cast<char*>(tensor.data_ptr()),
+            static_cast<std::streamsize>(entry.end - entry.begin));
+    LOOM_CHECK_AS(CheckpointError, in.good(), "'", name, "': reading tensor '", entry.name,
+                  "' failed");
+    contents.tensors.emplace_back(entry.name, tensor);
+  }
+  return contents;
+}
+
+}  // namespace loom::safetensors

@@ -1,0 +1,103 @@
+// Small out-of-line pieces of the SDK: key functions of the interfaces (one vtable, in the
+// core), the default plugin behaviour, names of enums, batch helpers.
+#include <ATen/ATen.h>
+
+#include "loom/batch.h"
+#include "loom/comm.h"
+#include "loom/data.h"
+#include "loom/engine.h"
+#include "loom/model.h"
+#include "loom/nn.h"
+#include "loom/plugin.h"
+#include "loom/update_rule.h"
+
+namespace loom {
+
+const char* to_string(Slot slot) {
+  switch (slot) {
+    case Slot::model: return "model";
+    case Slot::data: return "data";
+    case Slot::precision: return "precision";
+    case Slot::update_rule: return "update_rule";
+    case Slot::grad_sync: return "grad_sync";
+  }
+  return "?";
+}
+
+const char* to_string(Event event) {
+  switch (event) {
+    case Event::setup: return "setup";
+    case Event::model_built: return "model_built";
+    case Event::params_ready: return "params_ready";
+    case Event::batch: return "batch";
+    case Event::before_forward: return "before_forward";
+    case Event::after_forward: return "after_forward";
+    case Event::before_backward: return "before_backward";
+    case Event::grad_ready: return "grad_ready";
+    case Event::after_backward: return "after_backward";
+    case Event::before_update: return "before_update";
+    case Event::after_update: return "after_update";
+    case Event::step_end: return "step_end";
+    case Event::save: return "save";
+    case Event::load: return "load";
+    case Event::teardown: return "teardown";
+  }
+  return "?";
+}
+
+Plugin::~Plugin() = default;
+void Plugin::configure(const ConfigSection&) {}
+void Plugin::attach(Engine&) {}
+std::shared_ptr<Model> Plugin::create_model(const std::string& name, const ConfigSection&,
+                                            Engine&) {
+  throw InternalError(detail::cat("plugin '", this->name(), "' declares model '", name,
+                                  "' but does not implement create_model"));
+}
+std::shared_ptr<const Dataset> Plugin::create_dataset(const std::string& name,
+                                                      const ConfigSection&, Engine&) {
+  throw InternalError(detail::cat("plugin '", this->name(), "' declares data source '", name,
+                                  "' but does not implement create_dataset"));
+}
+std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
+                                                       const ConfigSection&) {
+  throw InternalError(detail::cat("plugin '", this->name(), "' declares optimizer '", name,
+                                  "' but does not implement create_update_rule"));
+}
+
+Engine::~Engine() = default;
+UpdateRule::~UpdateRule() = default;
+Work::~Work() = default;
+Comm::~Comm() = default;
+Dataset::~Dataset() = default;
+DataSource::~DataSource() = default;
+nn::UnitInterceptor::~UnitInterceptor() = default;
+
+at::Tensor& Segment::state_at(const std::string& key) {
+  for (auto& [name, tensor] : state)
+    if (name == key) return tensor;
+  throw InternalError(detail::cat("segment '", name, "' has no state '", key, "'"));
+}
+
+bool Model::no_weight_decay(const std::string&, const at::Tensor& param) const {
+  return param.dim() < 2;
+}
+
+int64_t Batch::num_loss_targets() const {
+  if (!labels.defined()) return 0;
+  return labels.ne(kIgnoreIndex).sum().item<int64_t>();
+}
+
+Batch Batch::to(c10::Device device, bool non_blocking) const {
+  auto move = [&](const at::Tensor& t) {
+    return t.defined() ? t.to(device, /*non_blocking=*/non_blocking) : t;
+  };
+  Batch out;
+  out.input_ids = move(input_ids);
+  out.labels = move(labels);
+  out.attention_mask = move(attention_mask);
+  out.token_type_ids = move(token_type_ids);
+  out.sample_indices = sample_indices;
+  return out;
+}
+
+}  // namespace loom

@@ -1,0 +1,139 @@
+// The unsharded step driver. See step_driver.h.
+#include "step_driver.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "loom/error.h"
+
+namespace loom {
+
+StepDriver::StepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay)
+    : rule_(rule), weight_decay_(weight_decay) {
+  at::NoGradGuard no_grad;
+  for (auto& param : params) {
+    Entry entry;
+    entry.param = param;
+    at::Tensor data = param.tensor.detach();
+    LOOM_INTERNAL_ASSERT(data.is_contiguous(), "parameter ", param.name, " is not contiguous");
+    entry.separate_master = data.scalar_type() != at::kFloat;
+    entry.master = entry.separate_master ? data.to(at::kFloat).view(-1) : data.view(-1);
+    entry.segment.name = param.name;
+    entry.segment.param = entry.master;
+    entry.segment.shape = data.sizes().vec();
+    entry.segment.offset = 0;
+    entry.segment.group = param.group;
+    entry.segment.state = rule_.init_state(entry.segment);
+    entries_.push_back(std::move(entry));
+  }
+}
+
+void StepDriver::zero_grad() {
+  for (auto& entry : entries_) {
+    at::Tensor& grad = entry.param.tensor.mutable_grad();
+    if (grad.defined()) grad.zero_();
+  }
+}
+
+double StepDriver::grad_norm_squared() const {
+  double total = 0.0;
+  for (const auto& entry : entries_) {
+    const at::Tensor& grad = entry.param.tensor.grad();
+    if (!grad.defined()) continue;
+    total += grad.to(at::kFloat).pow(2).sum().to(at::kDouble).item<double>();
+  }
+  return total;
+}
+
+bool StepDriver::grads_finite() const {
+  for (const auto& entry : entries_) {
+    const at::Tensor& grad = entry.param.tensor.grad();
+    if (grad.defined() && !at::isfinite(grad).all().item<bool>()) return false;
+  }
+  return true;
+}
+
+void StepDriver::scale_grads(double factor) {
+  at::NoGradGuard no_grad;
+  for (auto& entry : entries_) {
+    at::Tensor& grad = entry.param.tensor.mutable_grad();
+    if (grad.defined()) grad.mul_(factor);
+  }
+}
+
+void StepDriver::update(int64_t step, double lr) {
+  at::NoGradGuard no_grad;
+  for (auto& entry : entries_) {
+    const at::Tensor& grad = entry.param.tensor.grad();
+    if (!grad.defined()) continue;  // unused this step (e.g. a frozen branch)
+    entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.view(-1)
+                                                          : grad.to(at::kFloat).view(-1);
+    UpdateContext context;
+    context.step = step;
+    context.lr = lr;
+    context.weight_decay = entry.param.group == 0 ? weight_decay_ : 0.0;
+    rule_.update(entry.segment, context);
+    if (entry.separate_master)
+      entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
+    entry.segment.grad = at::Tensor();
+  }
+}
+
+NamedTensors StepDriver::state_tensors() const {
+  NamedTensors out;
+  for (const auto& entry : entries_) {
+    for (const auto& [key, tensor] : entry.segment.state)
+      out.emplace_back("state/" + entry.param.name + "/" + key, tensor);
+    if (entry.separate_master) out.emplace_back("master/" + entry.param.name, entry.master);
+  }
+  return out;
+}
+
+void StepDriver::load_state(const NamedTensors& tensors, const std::string& file) {
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [name, tensor] : tensors) by_name[name] = &tensor;
+  at::NoGradGuard no_grad;
+  auto restore = [&](const std::string& name, at::Tensor& into) {
+    auto it = by_name.find(name);
+    LOOM_CHECK_AS(CheckpointError, it != by_name.end(), "'", file, "' has no tensor '", name,
+                  "' that the optimizer needs; was it saved by another optimizer or model?");
+    const at::Tensor& source = *it->second;
+    LOOM_CHECK_AS(CheckpointError,
+                  source.sizes() == into.sizes() && source.scalar_type() == into.scalar_type(),
+                  "'", file, "': tensor '", name, "' is ", source.sizes(), " ",
+                  c10::toString(source.scalar_type()), " but the job needs ", into.sizes(), " ",
+                  c10::toString(into.scalar_type()),
+                  "; the checkpoint belongs to another model shape or optimizer");
+    into.copy_(source);
+    by_name.erase(it);
+  };
+  for (auto& entry : entries_) {
+    for (auto& [key, tensor] : entry.segment.state)
+      restore("state/" + entry.param.name + "/" + key, tensor);
+    if (entry.separate_master) {
+      restore("master/" + entry.param.name, entry.master);
+      entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
+    }
+  }
+  LOOM_CHECK_AS(CheckpointError, by_name.empty(), "'", file, "' holds optimizer state '",
+                by_name.empty() ? "" : by_name.begin()->first,
+                "' that this job has no place for; it belongs to another model or optimizer");
+}
+
+int64_t StepDriver::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& entry : entries_)
+    for (const auto& [key, tensor] : entry.segment.state)
+      bytes += tensor.numel() * tensor.element_size();
+  return bytes;
+}
+
+int64_t StepDriver::master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& entry : entries_)
+    if (entry.separate_master) bytes += entry.master.numel() * 4;
+  return bytes;
+}
+
+}  // namespace loom

@@ -1,0 +1,46 @@
+// step_driver.h (core-internal) — the unsharded step driver (ZeRO stage 0): one segment per
+// trainable tensor, fp32 master copies for parameters stored in another dtype, gradient norm
+// and clipping, and the update rule applied segment by segment. Sharded drivers (ZeRO 1-3)
+// cut the same segments at the rule's granularity.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "loom/engine.h"
+#include "loom/update_rule.h"
+
+namespace loom {
+
+class StepDriver {
+ public:
+  StepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay);
+
+  void zero_grad();
+  // Sum of squared gradient entries over this rank's segments (fp32 grads, summed in double).
+  double grad_norm_squared() const;
+  void scale_grads(double factor);
+  bool grads_finite() const;
+  // Runs the rule on every segment; step is the 1-based update count.
+  void update(int64_t step, double lr);
+
+  // "state/<param>/<key>" and "master/<param>" tensors, for checkpoints.
+  NamedTensors state_tensors() const;
+  // Restores them; a missing or misshapen tensor is a CheckpointError naming it and `file`.
+  void load_state(const NamedTensors& tensors, const std::string& file);
+  int64_t state_bytes() const;
+  int64_t master_bytes() const;
+
+ private:
+  struct Entry {
+    Param param;
+    at::Tensor master;  // fp32 (n); aliases the parameter when it is fp32 already
+    bool separate_master = false;
+    Segment segment;
+  };
+  std::vector<Entry> entries_;
+  const UpdateRule& rule_;
+  double weight_decay_;
+};
+
+}  // namespace loom

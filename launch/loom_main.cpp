@@ -1,0 +1,111 @@
+// The `loom` command: run, check, plugins. Every error is one line naming the thing and what to
+// do, and a non-zero exit.
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "loom/error.h"
+#include "loom/plugin.h"
+#include "loom/log.h"
+#include "loom/trainer.h"
+
+namespace {
+
+const char* kUsage = R"(loom — a C++ training engine on LibTorch whose techniques are plugins.
+
+usage:
+  loom run JOB.toml [--set table.key=value ...]    train
+  loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
+  loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
+  loom --version | --help
+
+examples:
+  loom run examples/demo.toml --set train.max_steps=20
+  loom check examples/bert_seed.toml
+)";
+
+struct Args {
+  std::string command, job;
+  std::vector<std::string> overrides;
+  std::vector<std::filesystem::path> paths;
+};
+
+Args parse(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* flag) {
+      if (i + 1 >= argc) throw loom::ConfigError(std::string(flag) + " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (a == "--set") {
+      args.overrides.push_back(value("--set"));
+    } else if (a.rfind("--set=", 0) == 0) {
+      args.overrides.push_back(a.substr(6));
+    } else if (a == "--path") {
+      args.paths.emplace_back(value("--path"));
+    } else if (!a.empty() && a[0] == '-') {
+      throw loom::ConfigError("unknown option '" + a + "'; see loom --help");
+    } else if (args.command.empty()) {
+      args.command = a;
+    } else if (args.job.empty()) {
+      args.job = a;
+    } else {
+      throw loom::ConfigError("unexpected argument '" + a + "'; see loom --help");
+    }
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--version")) {
+      std::cout << "loom " << LOOM_VERSION << " (" << LOOM_BUILD_STRING << ")\n";
+      return 0;
+    }
+  }
+  try {
+    Args args = parse(argc, argv);
+    if (args.command == "plugins") {
+      std::cout << loom::describe_plugins(args.paths);
+      return 0;
+    }
+    if (args.command == "run" || args.command == "check") {
+      if (args.job.empty())
+        throw loom::ConfigError("loom " + args.command + " needs a job file: loom " +
+                                args.command + " JOB.toml");
+      auto trainer = loom::Trainer::from_file(args.job, args.overrides);
+      if (args.command == "check") {
+        std::cout << trainer->describe() << "ok: the job is valid\n";
+        return 0;
+      }
+      trainer->run();
+      return 0;
+    }
+    if (args.command.empty()) {
+      std::cerr << kUsage;
+      return 2;
+    }
+    throw loom::ConfigError("unknown command '" + args.command +
+                            "'; use run, check or plugins (loom --help)");
+  } catch (const loom::Error& error) {
+    std::cerr << "loom: error: " << error.what() << "\n";
+    return 1;
+  } catch (const c10::Error& error) {
+    std::cerr << "loom: error: " << error.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& error) {
+    std::cerr << "loom: error: " << error.what() << "\n";
+    return 1;
+  }
+}
