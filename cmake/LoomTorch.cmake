@@ -23,6 +23,11 @@ find_package(Torch REQUIRED)
 add_library(loom_torch INTERFACE)
 add_library(loom::torch ALIAS loom_torch)
 target_link_libraries(loom_torch INTERFACE ${TORCH_LIBRARIES})
+# Note [LibTorch's std::filesystem]: the wheel's libtorch.so exports its own copies of 64
+# std::filesystem functions, some broken (remove_all(path, error_code&) jumps to address 0).
+# The dynamic linker resolves symbols in load order, and libtorch normally loads before
+# libstdc++, so every loom binary lists libstdc++ first among its dependencies.
+target_link_options(loom_torch INTERFACE "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 target_compile_options(loom_torch INTERFACE ${_torch_flags})
 if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)

@@ -38,7 +38,11 @@ class RandomTokens final : public Dataset {
   RandomTokens(const ConfigSection& c, uint64_t seed)
       : samples_(c.get_int("num_samples")), seq_len_(c.get_int("seq_len")),
         low_(c.get_int("vocab_low")), high_(c.get_int("vocab_high")),
-        labels_(c.get_int("num_labels")), lm_(c.get_string("task") == "lm"), seed_(seed) {
+        labels_(c.get_int("num_labels")), lm_(c.get_string("task") == "lm"),
+        ignore_fraction_(c.get_float("ignore_label_fraction")), seed_(seed) {
+    LOOM_CHECK_AS(ConfigError, ignore_fraction_ >= 0 && ignore_fraction_ < 1,
+                  c.where("ignore_label_fraction"),
+                  ": [data] ignore_label_fraction must be in [0, 1), got ", ignore_fraction_);
     LOOM_CHECK_AS(ConfigError, samples_ > 0 && seq_len_ > 0, c.where("num_samples"),
                   ": [data] num_samples and seq_len must be positive");
     LOOM_CHECK_AS(ConfigError, 0 <= low_ && low_ < high_, c.where("vocab_low"),
@@ -58,6 +62,12 @@ class RandomTokens final : public Dataset {
       at::Tensor ids = at::randint(low_, high_, {seq_len_ + 1}, generator, at::kLong);
       s.input_ids = ids.slice(0, 0, seq_len_).clone();
       s.labels = ids.slice(0, 1, seq_len_ + 1).clone();
+      if (ignore_fraction_ > 0) {
+        // Documents of different lengths: up to that fraction of trailing labels is padding.
+        const auto most = static_cast<int64_t>(ignore_fraction_ * static_cast<double>(seq_len_));
+        const int64_t padded = at::randint(0, most + 1, {}, generator, at::kLong).item<int64_t>();
+        if (padded > 0) s.labels.slice(0, seq_len_ - padded).fill_(kIgnoreIndex);
+      }
     } else {
       s.input_ids = at::randint(low_, high_, {seq_len_}, generator, at::kLong);
       s.labels = at::randint(0, labels_, {}, generator, at::kLong);
@@ -72,6 +82,7 @@ class RandomTokens final : public Dataset {
  private:
   int64_t samples_, seq_len_, low_, high_, labels_;
   bool lm_;
+  double ignore_fraction_;
   uint64_t seed_;
 };
 
@@ -266,7 +277,9 @@ class CorePlugin final : public Plugin {
         .key_int("vocab_high", 30000, "token ids are drawn below this")
         .key_int("num_labels", 2, "classes of the per-sample label")
         .key_string("task", "classification",
-                    "classification (one label per sample) | lm (next-token labels)");
+                    "classification (one label per sample) | lm (next-token labels)")
+        .key_float("ignore_label_fraction", 0.0,
+                   "lm only: up to this fraction of each sample's trailing labels is padding");
     Schema text("data", "text");
     text.key_required("path", ValueType::Any, "text file(s), relative to the job file")
         .key_int("seq_len", 128, "tokens (bytes) per sample")
