@@ -9,6 +9,10 @@ function(loom_add_plugin name)
     PREFIX "" OUTPUT_NAME "loom_${name}"
     LIBRARY_OUTPUT_DIRECTORY ${LOOM_PLUGIN_OUTPUT_DIRECTORY}
     CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+  if(NOT TARGET loom_all_plugins)
+    add_custom_target(loom_all_plugins)
+  endif()
+  add_dependencies(loom_all_plugins ${target})
   if(COMMAND loom_plugin_install_hook)
     loom_plugin_install_hook(${target})
   endif()

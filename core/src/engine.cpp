@@ -480,7 +480,8 @@ class EngineImpl final : public Engine, public Trainer {
           params_[i].tensor, std::make_unique<GradReadyHook>(this, i));
   }
 
-  memory::ModelState model_state() const {
+  memory::ModelState model_state() const override {
+    LOOM_CHECK(driver_, "the model state is known from params_ready on");
     memory::ModelState s;
     for (const auto& item : model_->named_parameters(true)) {
       s.param_count += item.value().numel();

@@ -22,6 +22,7 @@
 
 #include "loom/batch.h"
 #include "loom/config.h"
+#include "loom/memory.h"
 #include "loom/update_rule.h"
 
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
@@ -114,6 +115,8 @@ class Engine {
   virtual Output& output() = 0;  // the current forward's output (from after_forward on)
   // During save and load.
   virtual CheckpointData& checkpoint() = 0;
+  // Bytes of weights, fp32 masters, grads and optimizer state on this rank (from params_ready).
+  virtual memory::ModelState model_state() const = 0;
 };
 
 }  // namespace loom
