@@ -2,9 +2,10 @@
 // update rule (a fused CPU kernel plus a tensor-op path for other devices).
 #include "builtin.h"
 
+#include "adamw.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "loom/data.h"
 #include "loom/engine.h"
@@ -23,6 +25,13 @@
 
 namespace loom {
 namespace {
+
+// Stand-in for per-sample preparation work (I/O, decoding, tokenising) in benchmarks: it
+// sleeps, as waiting on a disk or a decoder off the compute cores would.
+void simulate_preparation(double microseconds) {
+  if (microseconds > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(microseconds));
+}
 
 // A generator for sample `index`, independent of order and thread.
 at::Generator sample_generator(uint64_t seed, int64_t index) {
@@ -39,7 +48,10 @@ class RandomTokens final : public Dataset {
       : samples_(c.get_int("num_samples")), seq_len_(c.get_int("seq_len")),
         low_(c.get_int("vocab_low")), high_(c.get_int("vocab_high")),
         labels_(c.get_int("num_labels")), lm_(c.get_string("task") == "lm"),
-        ignore_fraction_(c.get_float("ignore_label_fraction")), seed_(seed) {
+        ignore_fraction_(c.get_float("ignore_label_fraction")),
+        cost_(c.get_float("sample_cost_us")), seed_(seed) {
+    LOOM_CHECK_AS(ConfigError, cost_ >= 0, c.where("sample_cost_us"),
+                  ": [data] sample_cost_us must be >= 0, got ", cost_);
     LOOM_CHECK_AS(ConfigError, ignore_fraction_ >= 0 && ignore_fraction_ < 1,
                   c.where("ignore_label_fraction"),
                   ": [data] ignore_label_fraction must be in [0, 1), got ", ignore_fraction_);
@@ -55,6 +67,7 @@ class RandomTokens final : public Dataset {
   }
   int64_t size() const override { return samples_; }
   Sample get(int64_t index) const override {
+    simulate_preparation(cost_);
     auto generator = sample_generator(seed_, index);
     Sample s;
     s.index = index;
@@ -82,7 +95,7 @@ class RandomTokens final : public Dataset {
  private:
   int64_t samples_, seq_len_, low_, high_, labels_;
   bool lm_;
-  double ignore_fraction_;
+  double ignore_fraction_, cost_;
   uint64_t seed_;
 };
 
@@ -206,63 +219,6 @@ class MappedTokens final : public WindowedTokens {
   int width_ = 2;
 };
 
-// AdamW (Loshchilov & Hutter), with torch.optim.AdamW's arithmetic: decoupled decay, then
-// m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g², p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
-class AdamW final : public UpdateRule {
- public:
-  explicit AdamW(const ConfigSection& c)
-      : beta1_(c.get_float("beta1")), beta2_(c.get_float("beta2")), eps_(c.get_float("eps")) {
-    LOOM_CHECK_AS(ConfigError, beta1_ >= 0 && beta1_ < 1, c.where("beta1"),
-                  ": [optimizer] beta1 must be in [0, 1), got ", beta1_);
-    LOOM_CHECK_AS(ConfigError, beta2_ >= 0 && beta2_ < 1, c.where("beta2"),
-                  ": [optimizer] beta2 must be in [0, 1), got ", beta2_);
-    LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
-  }
-  std::string name() const override { return "adamw"; }
-  NamedTensors init_state(const Segment& s) const override {
-    return {{"exp_avg", at::zeros_like(s.param)}, {"exp_avg_sq", at::zeros_like(s.param)}};
-  }
-  void update(Segment& s, const UpdateContext& ctx) const override {
-    at::Tensor& m = s.state_at("exp_avg");
-    at::Tensor& v = s.state_at("exp_avg_sq");
-    const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
-    const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2_, static_cast<double>(ctx.step)));
-    const double step_size = ctx.lr / bc1;
-    if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.is_contiguous()) {
-      float* p = s.param.data_ptr<float>();
-      const float* g = s.grad.data_ptr<float>();
-      float* mp = m.data_ptr<float>();
-      float* vp = v.data_ptr<float>();
-      const float decay = static_cast<float>(1.0 - ctx.lr * ctx.weight_decay);
-      const float w1 = static_cast<float>(1.0 - beta1_), b2 = static_cast<float>(beta2_),
-                  w2 = static_cast<float>(1.0 - beta2_), eps = static_cast<float>(eps_),
-                  bc2s = static_cast<float>(bc2_sqrt), lr = static_cast<float>(step_size);
-      // One pass over param, grad, m, v; split over threads in cache-friendly chunks.
-      at::parallel_for(0, s.param.numel(), 32768, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const float gi = g[i];
-          const float pi = p[i] * decay;
-          const float mi = mp[i] + w1 * (gi - mp[i]);
-          const float vi = b2 * vp[i] + w2 * gi * gi;
-          mp[i] = mi;
-          vp[i] = vi;
-          p[i] = pi - lr * (mi / (std::sqrt(vi) / bc2s + eps));
-        }
-      });
-      return;
-    }
-    // Any other device: the same arithmetic as tensor ops.
-    s.param.mul_(1.0 - ctx.lr * ctx.weight_decay);
-    m.lerp_(s.grad, 1.0 - beta1_);
-    v.mul_(beta2_).addcmul_(s.grad, s.grad, 1.0 - beta2_);
-    s.param.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps_), -step_size);
-  }
-
- private:
-  double beta1_, beta2_, eps_;
-};
-
 class CorePlugin final : public Plugin {
  public:
   std::string name() const override { return "core"; }
@@ -279,7 +235,10 @@ class CorePlugin final : public Plugin {
         .key_string("task", "classification",
                     "classification (one label per sample) | lm (next-token labels)")
         .key_float("ignore_label_fraction", 0.0,
-                   "lm only: up to this fraction of each sample's trailing labels is padding");
+                   "lm only: up to this fraction of each sample's trailing labels is padding")
+        .key_float("sample_cost_us", 0.0,
+                   "simulated preparation time per sample in microseconds (a sleep standing "
+                   "in for reading/decoding/tokenising), for preloading benchmarks");
     Schema text("data", "text");
     text.key_required("path", ValueType::Any, "text file(s), relative to the job file")
         .key_int("seq_len", 128, "tokens (bytes) per sample")
@@ -306,7 +265,7 @@ class CorePlugin final : public Plugin {
   std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
                                                  const ConfigSection& c) override {
     LOOM_INTERNAL_ASSERT(name == "adamw", "core has no optimizer ", name);
-    return std::make_unique<AdamW>(c);
+    return make_adamw(c);
   }
 };
 
