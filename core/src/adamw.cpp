@@ -1,5 +1,6 @@
-// The built-in AdamW update rule: a fused CPU kernel over flat fp32 segments plus a tensor-op
-// path for other devices.
+// The built-in AdamW update rule: a fused, vectorised, multi-threaded CPU kernel over flat fp32
+// segments plus a tensor-op path for other devices (CUDA). Not torch::optim: no param groups
+// here; the step driver resolves lr and weight decay per segment.
 #include "adamw.h"
 
 #include <ATen/ATen.h>
@@ -12,8 +13,35 @@
 namespace loom {
 namespace {
 
-// AdamW (Loshchilov & Hutter), with torch.optim.AdamW's arithmetic: decoupled decay, then
-// m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g², p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+struct AdamWCoefficients {
+  float decay;      // 1 - lr * weight_decay
+  float w1;         // 1 - beta1 (lerp weight)
+  float b2, w2;     // beta2, 1 - beta2
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float eps;
+  float step_size;  // lr / (1 - beta1^t)
+};
+
+// One pass over param, grad, m, v (all (n) fp32): 16 bytes read and 12 written per element,
+// the least any AdamW can move. A plain loop the compiler vectorises (see core/CMakeLists.txt:
+// no errno so sqrt vectorises, no FMA contraction so the vector body and the scalar tail round
+// alike); cloned for AVX-512 and AVX2 and picked at load time. The arithmetic is
+// torch.optim.AdamW's: p *= 1 - lr wd; m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g²;
+// p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restrict m,
+                  float* __restrict v, int64_t n, AdamWCoefficients c) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = m[i] + c.w1 * (gi - m[i]);
+    const float vi = c.b2 * v[i] + c.w2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
+  }
+}
+
+// AdamW (Loshchilov & Hutter) with torch.optim.AdamW's arithmetic and bias correction.
 class AdamW final : public UpdateRule {
  public:
   explicit AdamW(const ConfigSection& c)
@@ -35,26 +63,22 @@ class AdamW final : public UpdateRule {
     const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2_, static_cast<double>(ctx.step)));
     const double step_size = ctx.lr / bc1;
     if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.is_contiguous()) {
+        s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
+      const AdamWCoefficients c{static_cast<float>(1.0 - ctx.lr * ctx.weight_decay),
+                                static_cast<float>(1.0 - beta1_),
+                                static_cast<float>(beta2_),
+                                static_cast<float>(1.0 - beta2_),
+                                static_cast<float>(bc2_sqrt),
+                                static_cast<float>(eps_),
+                                static_cast<float>(step_size)};
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* mp = m.data_ptr<float>();
       float* vp = v.data_ptr<float>();
-      const float decay = static_cast<float>(1.0 - ctx.lr * ctx.weight_decay);
-      const float w1 = static_cast<float>(1.0 - beta1_), b2 = static_cast<float>(beta2_),
-                  w2 = static_cast<float>(1.0 - beta2_), eps = static_cast<float>(eps_),
-                  bc2s = static_cast<float>(bc2_sqrt), lr = static_cast<float>(step_size);
-      // One pass over param, grad, m, v; split over threads in cache-friendly chunks.
-      at::parallel_for(0, s.param.numel(), 32768, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const float gi = g[i];
-          const float pi = p[i] * decay;
-          const float mi = mp[i] + w1 * (gi - mp[i]);
-          const float vi = b2 * vp[i] + w2 * gi * gi;
-          mp[i] = mi;
-          vp[i] = vi;
-          p[i] = pi - lr * (mi / (std::sqrt(vi) / bc2s + eps));
-        }
+      // Chunks of 64K elements (1.75 MB of traffic) amortise the thread hand-off; results do
+      // not depend on the split since every element is independent.
+      at::parallel_for(0, s.param.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+        adamw_kernel(p + begin, g + begin, mp + begin, vp + begin, end - begin, c);
       });
       return;
     }

@@ -7,6 +7,8 @@
 #include <map>
 #include <mutex>
 
+#include "comm_backends.h"
+#include "dist_env.h"
 #include "loom/error.h"
 
 namespace loom {
@@ -58,9 +60,9 @@ class LocalComm final : public Comm {
 };
 
 std::mutex registry_mutex;
+// Backends added by plugins or embedding programs (the built-in ones are below).
 std::map<std::string, CommFactory>& registry() {
-  static std::map<std::string, CommFactory> factories{
-      {"local", [](const CommOptions&) { return std::make_unique<LocalComm>(); }}};
+  static std::map<std::string, CommFactory> factories;
   return factories;
 }
 
@@ -72,29 +74,42 @@ void register_comm_backend(const std::string& name, CommFactory factory) {
 }
 
 std::unique_ptr<Comm> make_comm(const CommOptions& options) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  const DistEnv env = detect_dist_env();
   std::string name = options.backend;
   if (name == "auto") {
-    // Launched as several processes (mpirun, srun, torchrun, loom-launch) but no multi-process
-    // backend is built in: say so instead of training N unrelated copies.
-    for (const char* var : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
-      const char* value = std::getenv(var);
-      if (value && std::atoi(value) > 1 && registry().size() == 1)
-        throw ConfigError(detail::cat(var, "=", value, " says this is one of several ranks, but "
-                                      "this loom has only the 'local' backend; build it with a "
-                                      "multi-process backend (mpi, gloo, nccl) or run one process"));
+    if (env.world_size == 1) name = "local";
+    else if (options.cuda && nccl_built()) name = "nccl";
+    else if (env.launcher == "openmpi") name = "mpi";
+    else name = "gloo";
+  }
+  std::unique_ptr<Comm> comm;
+  if (name == "local") {
+    LOOM_CHECK_AS(ConfigError, env.world_size == 1, "[distributed] backend = \"local\" is one "
+                  "process, but the launcher (", env.launcher, ") started ", env.world_size,
+                  " ranks; use backend = \"auto\", \"mpi\" or \"gloo\"");
+    comm = std::make_unique<LocalComm>();
+  } else if (name == "mpi") {
+    comm = make_mpi_comm(options);
+    LOOM_CHECK_AS(ConfigError, comm->world_size() == env.world_size, "[distributed] backend = "
+                  "\"mpi\" sees ", comm->world_size(), " rank(s) but the launcher (",
+                  env.launcher, ") started ", env.world_size,
+                  "; launch with mpirun (or srun with PMI) to use mpi, or use gloo");
+  } else if (name == "gloo") {
+    comm = make_gloo_comm(options, env);
+  } else if (name == "nccl") {
+    comm = make_nccl_comm(options, env);
+  } else {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry().find(name);
+    if (it == registry().end()) {
+      std::string known = "local, mpi, gloo, nccl";
+      for (const auto& [key, factory] : registry()) known += ", " + key;
+      throw ConfigError(detail::cat("[distributed] backend '", name,
+                                    "' is not built into this loom; available: ", known));
     }
-    name = registry().count("mpi") && std::getenv("OMPI_COMM_WORLD_SIZE") ? "mpi" : "local";
-    if (registry().count("gloo") && std::getenv("WORLD_SIZE")) name = "gloo";
+    comm = it->second(options);
   }
-  auto it = registry().find(name);
-  if (it == registry().end()) {
-    std::string known;
-    for (const auto& [key, factory] : registry()) known += (known.empty() ? "" : ", ") + key;
-    throw ConfigError(detail::cat("[distributed] backend '", name,
-                                  "' is not built into this loom; available: ", known));
-  }
-  return it->second(options);
+  return comm;
 }
 
 }  // namespace loom

@@ -129,6 +129,8 @@ class EngineImpl final : public Engine, public Trainer {
     memory::install_cpu_tracker();
     CommOptions comm_options;
     comm_options.backend = resolved_.section("distributed").get_string("backend");
+    const std::string device_name = train.get_string("device");
+    comm_options.cuda = device_name.rfind("cuda", 0) == 0 || (device_name == "auto" && at::hasCUDA());
     comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(
         resolved_.section("distributed").get_float("timeout_seconds") * 1000));
     comm_ = make_comm(comm_options);
@@ -146,7 +148,14 @@ class EngineImpl final : public Engine, public Trainer {
       threads = std::max(1, cores / std::max(1, comm_->local_world_size()));
     }
     at::set_num_threads(threads);
-    device_ = pick_device(train.get_string("device"), train.where("device"));
+    device_ = pick_device(device_name, train.where("device"));
+    // Several ranks need something that keeps their replicas in step.
+    bool synced = comm_->world_size() == 1;
+    for (auto* plugin : resolved_.table_plugins)
+      for (Slot slot : plugin->plugin->slots()) synced |= slot == Slot::grad_sync;
+    LOOM_CHECK_AS(ConfigError, synced, "this job runs on ", comm_->world_size(),
+                  " ranks but no plugin synchronises gradients, so each rank would train its "
+                  "own model; add a [ddp] table (data parallelism)");
     seed_ = static_cast<uint64_t>(train.get_int("seed"));
     state_.max_steps = train.get_int("max_steps");
     state_.accumulation_steps = train.get_int("gradient_accumulation_steps");
@@ -225,6 +234,7 @@ class EngineImpl final : public Engine, public Trainer {
     state_.lr = schedule(train.get_string("lr_scheduler_type"), train.get_float("learning_rate"),
                          state_.step, train.get_int("warmup_steps"), state_.max_steps);
     driver_->zero_grad();
+    state_.metrics.clear();
     state_.skip_update = false;
     state_.grads_scaled = false;
 
@@ -272,7 +282,14 @@ class EngineImpl final : public Engine, public Trainer {
       loss_sum += output_.loss_sum.detach().to(at::kDouble).item<double>();
       fire(Event::after_backward);
     }
-    state_.loss = loss_sum / std::max<int64_t>(1, local_targets);
+    if (comm_->world_size() > 1) {
+      // The reported loss is the window's mean over all ranks' targets.
+      at::Tensor total = at::tensor({loss_sum}, at::kDouble);
+      comm_->all_reduce(total, ReduceOp::sum)->wait();
+      state_.loss = total.item<double>() / static_cast<double>(state_.window_targets);
+    } else {
+      state_.loss = loss_sum / std::max<int64_t>(1, local_targets);
+    }
 
     fire(Event::before_update);
     if (state_.skip_update) {
@@ -445,7 +462,10 @@ class EngineImpl final : public Engine, public Trainer {
 
   c10::Device pick_device(const std::string& name, const std::string& where) {
     const bool cuda = at::hasCUDA();
-    if (name == "auto") return cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+    // Each rank of a node takes its own GPU.
+    if (name == "auto")
+      return cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(comm_->local_rank()))
+                  : c10::Device(c10::kCPU);
     c10::Device device(c10::kCPU);
     try {
       device = c10::Device(name);
@@ -511,7 +531,14 @@ class EngineImpl final : public Engine, public Trainer {
 
   void prepare_output_dir(const ConfigSection& train) {
     std::filesystem::create_directories(output_dir_);
-    const std::string resume = train.get_string("resume");
+    std::string resume = train.get_string("resume");
+    if (resume.empty() && std::getenv("TORCHELASTIC_RESTART_COUNT") &&
+        std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) > 0) {
+      // A launcher restarted this job after a failure: carry on from where it was.
+      log::info("restart ", std::getenv("TORCHELASTIC_RESTART_COUNT"),
+                " of this job: resuming from the latest checkpoint");
+      resume = "latest";
+    }
     std::string folder;
     if (resume == "latest") {
       folder = latest_checkpoint(output_dir_);
@@ -596,6 +623,7 @@ class EngineImpl final : public Engine, public Trainer {
           {"rss_peak_bytes", memory::peak_rss_bytes()},
           {"skipped_updates", state_.skipped_updates},
           {"loss_scale", state_.loss_scale}};
+      for (const auto& [key, value] : state_.metrics) line[key] = value;
       std::ofstream out(metrics_path_, std::ios::app);
       out << line.dump() << "\n";
     }

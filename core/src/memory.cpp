@@ -21,24 +21,38 @@
 namespace loom::memory {
 namespace {
 
-// Wraps the default CPU allocator. Each allocation's size travels in its DataPtr's context, so
-// the free subtracts exactly what the allocation added, whichever thread frees it.
+// Wraps the default CPU allocator. Note [Tracker header]: each allocation carries a 64-byte
+// header in front of the data (the wrapped allocation's context and deleter, and the size), so
+// the free subtracts exactly what the allocation added, whichever thread frees it — and the
+// DataPtr's context is its data pointer, as c10::Allocator::raw_allocate requires (oneDNN's
+// bf16 kernels allocate through it). 64 bytes keep the data as aligned as the wrapped
+// allocator made the block.
 class TrackingAllocator final : public c10::Allocator {
  public:
   explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
 
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = inner_->allocate(n);
-    void* data = inner.get();
+    if (n == 0) return inner_->allocate(0);  // no memory, nothing to count
+    c10::DataPtr inner = inner_->allocate(n + kHeaderBytes);
     const c10::Device device = inner.device();
-    auto* context = new Context{std::move(inner), static_cast<int64_t>(n), this};
-    const int64_t now = current_.fetch_add(context->bytes) + context->bytes;
+    char* base = static_cast<char*>(inner.get());
+    auto* header = reinterpret_cast<Header*>(base);
+    LOOM_INTERNAL_ASSERT(base != nullptr && inner.get_context() != nullptr,
+                         "the CPU allocator returned no memory for ", n, " bytes");
+    header->deleter = inner.get_deleter();
+    header->bytes = static_cast<int64_t>(n);
+    header->owner = this;
+    header->context = inner.release_context();
+    void* data = base + kHeaderBytes;
+    const int64_t now = current_.fetch_add(header->bytes) + header->bytes;
     live_.fetch_add(1);
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return {data, context, &release, device};
+    return {data, data, &release, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -48,16 +62,22 @@ class TrackingAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(current_.load()); }
 
  private:
-  struct Context {
-    c10::DataPtr inner;  // frees the memory through the wrapped allocator when destroyed
+  struct Header {
+    c10::DeleterFnPtr deleter;  // frees the block through the wrapped allocator
+    void* context;              // the wrapped allocation's context
     int64_t bytes;
     TrackingAllocator* owner;
   };
-  static void release(void* raw) {
-    auto* context = static_cast<Context*>(raw);
-    context->owner->current_.fetch_sub(context->bytes);
-    context->owner->live_.fetch_sub(1);
-    delete context;
+  static constexpr size_t kHeaderBytes = 64;
+  static_assert(sizeof(Header) <= kHeaderBytes);
+
+  static void release(void* data) {
+    auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeaderBytes);
+    header->owner->current_.fetch_sub(header->bytes);
+    header->owner->live_.fetch_sub(1);
+    const c10::DeleterFnPtr deleter = header->deleter;
+    void* context = header->context;
+    if (deleter) deleter(context);
   }
 
   c10::Allocator* inner_;

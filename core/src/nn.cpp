@@ -137,7 +137,9 @@ at::Tensor UnitList::forward(const at::Tensor& x, const UnitArgs& args) {
   at::Tensor h = x;
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& unit = *units_[i];
-    UnitFn run = [&unit, &args](const at::Tensor& input) { return unit.forward(input, args); };
+    // args by value: an interceptor may keep `next` and call it again after forward returned
+    // (checkpointing recomputes the unit in backward).
+    UnitFn run = [&unit, args](const at::Tensor& input) { return unit.forward(input, args); };
     // The first interceptor added is the outermost: wrap from the last one inwards.
     for (auto it = interceptors_.rbegin(); it != interceptors_.rend(); ++it) {
       UnitFn inner = std::move(run);

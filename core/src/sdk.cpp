@@ -6,6 +6,7 @@
 #include "loom/comm.h"
 #include "loom/data.h"
 #include "loom/engine.h"
+#include "loom/error.h"
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
@@ -76,6 +77,45 @@ at::Tensor& Segment::state_at(const std::string& key) {
   for (auto& [name, tensor] : state)
     if (name == key) return tensor;
   throw InternalError(detail::cat("segment '", name, "' has no state '", key, "'"));
+}
+
+at::Tensor UpdateRule::make_accumulator(const Segment&, int) const {
+  return at::zeros({0}, at::kDouble);
+}
+void UpdateRule::accumulate(const Segment&, const UpdateContext&, int, at::Tensor&) const {}
+
+void update_tensor(const UpdateRule& rule, const std::vector<Segment*>& segments,
+                   UpdateContext context) {
+  LOOM_INTERNAL_ASSERT(!segments.empty(), "update_tensor needs at least one segment");
+  // The cuts must fall where the rule allows (a driver bug otherwise, never a user's).
+  const Partitioning part = rule.partitioning();
+  const auto& shape = segments.front()->shape;
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const int64_t row = shape.empty() || shape[0] == 0 ? 1 : numel / shape[0];
+  int64_t expected_offset = segments.front()->offset;
+  for (const Segment* s : segments) {
+    LOOM_INTERNAL_ASSERT(s->offset == expected_offset, "segments of '", s->name,
+                         "' are not contiguous in offset order");
+    expected_offset += s->param.numel();
+    const bool whole = s->offset == 0 && s->param.numel() == numel;
+    const int64_t unit = part.granularity == Granularity::block ? part.block
+                         : part.granularity == Granularity::row ? row
+                         : part.granularity == Granularity::tensor ? numel
+                                                                   : 1;
+    LOOM_INTERNAL_ASSERT(whole || (s->offset % unit == 0 &&
+                                   (s->param.numel() % unit == 0 ||
+                                    s->offset + s->param.numel() == numel)),
+                         "segment of '", s->name, "' at offset ", s->offset, " (", s->param.numel(),
+                         " elements) cuts across the rule's ", rule.name(), " partitioning");
+  }
+  context.totals.clear();
+  for (int round = 0; round < rule.reduction_rounds(); ++round) {
+    at::Tensor accumulator = rule.make_accumulator(*segments.front(), round);
+    for (const Segment* s : segments) rule.accumulate(*s, context, round, accumulator);
+    context.totals.push_back(accumulator);
+  }
+  for (Segment* s : segments) rule.update(*s, context);
 }
 
 bool Model::no_weight_decay(const std::string&, const at::Tensor& param) const {

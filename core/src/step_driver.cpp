@@ -73,7 +73,7 @@ void StepDriver::update(int64_t step, double lr) {
     context.step = step;
     context.lr = lr;
     context.weight_decay = entry.param.group == 0 ? weight_decay_ : 0.0;
-    rule_.update(entry.segment, context);
+    update_tensor(rule_, {&entry.segment}, context);
     if (entry.separate_master)
       entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
     entry.segment.grad = at::Tensor();

@@ -26,7 +26,9 @@ class Work {
 };
 
 struct CommOptions {
+  // auto: one process -> local; several: nccl for CUDA jobs, mpi under mpirun, else gloo.
   std::string backend = "auto";
+  bool cuda = false;  // the job trains on CUDA devices
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };
 

@@ -60,6 +60,8 @@ struct TrainState {
   bool skip_update = false;         // set in before_update to skip this update
   bool grads_scaled = false;        // grads are still multiplied by loss_scale
   bool sync_grads = true;           // false on micro-steps where grad_sync must not communicate
+  // Extra numbers of this step for metrics.jsonl (plugins add; cleared when a step starts).
+  std::vector<std::pair<std::string, double>> metrics;
   bool is_last_micro_step() const { return micro_step + 1 == accumulation_steps; }
 };
 

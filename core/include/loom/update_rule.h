@@ -9,9 +9,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "loom/config.h"
 
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
 #pragma GCC visibility push(default)
@@ -51,6 +54,8 @@ struct UpdateContext {
   int64_t step = 1;          // 1-based count of this update (bias correction)
   double lr = 0.0;
   double weight_decay = 0.0;
+  // Whole-tensor reductions of the rounds done so far (see UpdateRule::reduction_rounds).
+  std::vector<at::Tensor> totals;
 };
 
 class UpdateRule {
@@ -61,7 +66,29 @@ class UpdateRule {
   // State tensors for a new segment (e.g. Adam's exp_avg, exp_avg_sq), on param's device.
   virtual NamedTensors init_state(const Segment& segment) const = 0;
   virtual void update(Segment& segment, const UpdateContext& context) const = 0;
+
+  // Whole-tensor statistics. A rule whose update of one segment needs statistics of its whole
+  // tensor (Adafactor: column means of g², RMS of the parameter and of the update) declares
+  // rounds. In round r every segment of the tensor adds its share into one fp64 accumulator
+  // (make_accumulator), segments in offset order; context.totals then holds rounds 0..r-1 for
+  // round r, and all rounds for update. Computing each row's share inside the row and folding
+  // rows in order makes a split run bit-identical to the unsplit one. A sharded driver folds
+  // its own segments and sums the accumulators over ranks.
+  virtual int reduction_rounds() const { return 0; }
+  virtual at::Tensor make_accumulator(const Segment& segment, int round) const;
+  virtual void accumulate(const Segment& segment, const UpdateContext& context, int round,
+                          at::Tensor& accumulator) const;
 };
+
+// Updates one tensor given as its segments in offset order (each with param and grad set):
+// runs the reduction rounds, then update() on every segment. Checks that the cuts respect
+// the rule's partitioning. Drivers and tests share it.
+void update_tensor(const UpdateRule& rule, const std::vector<Segment*>& segments,
+                   UpdateContext context);
+
+// The core's AdamW ([optimizer] name = "adamw"; keys beta1, beta2, eps), for drivers, tests
+// and benchmarks that build a rule themselves.
+std::unique_ptr<UpdateRule> make_adamw(const ConfigSection& table);
 
 }  // namespace loom
 

@@ -1,0 +1,24 @@
+// comm_backends.h (core-internal) — factories of the multi-process Comm backends, registered
+// by name in comm.cpp.
+#pragma once
+
+#include <memory>
+
+#include "dist_env.h"
+#include "loom/comm.h"
+
+namespace loom {
+std::unique_ptr<Comm> make_mpi_comm(const CommOptions& options);
+std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env);
+// Compiled in CUDA builds only; elsewhere it throws a ConfigError saying so.
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env);
+bool nccl_built();
+
+// Rendezvous helper shared by gloo and nccl: a socket bound to MASTER_ADDR:MASTER_PORT for
+// rank 0's store server (so the store listens on that address only — loopback by default —
+// and a port in use is our clear error, not a retry loop).
+int listen_on_master(const DistEnv& env);
+
+// Wraps a backend's failure into loom's error: the rank, the operation, what to check.
+[[noreturn]] void comm_failure(int rank, const char* op, const std::string& why);
+}  // namespace loom

@@ -1,0 +1,256 @@
+// The `gloo` (and, in CUDA builds, `nccl`) Comm backends: LibTorch's own c10d process groups
+// with a TCPStore rendezvous at MASTER_ADDR:MASTER_PORT. Rank 0 binds the store's socket
+// itself, to MASTER_ADDR only (loopback unless told otherwise).
+//
+// Note [Gloo headers]: the torch wheel ships ProcessGroupGloo.hpp but not the gloo headers it
+// includes; Debian's libgloo-dev provides them. Only declarations are used from them: every
+// gloo object is made and used inside libtorch (Options::create, createDeviceForHostname, the
+// ProcessGroupGloo constructor and its virtual collectives), and libgloo itself is not linked,
+// so no second copy of gloo's code enters the process.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef LOOM_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+
+#include "comm_backends.h"
+#include "loom/error.h"
+
+namespace loom {
+
+[[noreturn]] void comm_failure(int rank, const char* op, const std::string& why) {
+  throw Error(detail::cat("rank ", rank, ": ", op, " failed: ", why,
+                          " — a peer process died, or is unreachable; see that rank's log"));
+}
+
+int listen_on_master(const DistEnv& env) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  const std::string port = std::to_string(env.master_port);
+  LOOM_CHECK_AS(ConfigError, getaddrinfo(env.master_addr.c_str(), port.c_str(), &hints, &found) == 0 && found,
+                "MASTER_ADDR='", env.master_addr, "' does not resolve to an IPv4 address");
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  const int bound = ::bind(fd, found->ai_addr, found->ai_addrlen);
+  const int error = errno;
+  freeaddrinfo(found);
+  if (bound != 0) {
+    ::close(fd);
+    throw ConfigError(detail::cat("rank 0 cannot listen on MASTER_ADDR:MASTER_PORT = ",
+                                  env.master_addr, ":", env.master_port, ": ",
+                                  std::strerror(error),
+                                  error == EADDRINUSE ? "; the port is in use: choose another "
+                                                        "(loom-launch --master-port, or MASTER_PORT)"
+                                                      : "; is MASTER_ADDR an address of this host?"));
+  }
+  LOOM_CHECK_AS(ConfigError, ::listen(fd, 128) == 0, "cannot listen on ", env.master_addr, ":",
+                env.master_port, ": ", std::strerror(errno));
+  return fd;
+}
+
+namespace {
+
+class C10dWork final : public Work {
+ public:
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, const char* op, int rank,
+           std::chrono::milliseconds timeout, std::function<void()> finish)
+      : work_(std::move(work)), op_(op), rank_(rank), timeout_(timeout),
+        finish_(std::move(finish)) {}
+  void wait() override {
+    if (done_) return;
+    try {
+      work_->wait(timeout_);
+    } catch (const c10::Error& error) {
+      comm_failure(rank_, op_, error.what_without_backtrace());
+    } catch (const std::exception& error) {
+      comm_failure(rank_, op_, error.what());
+    }
+    done_ = true;
+    if (finish_) finish_();
+  }
+  bool completed() override {
+    if (!done_ && work_->isCompleted()) wait();
+    return done_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  const char* op_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::function<void()> finish_;
+  bool done_ = false;
+};
+
+c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = env.world_size;
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  options.useLibUV = false;
+  if (env.rank == 0) options.masterListenFd = listen_on_master(env);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& error) {
+    std::string why = error.what();
+    if (const auto* c10 = dynamic_cast<const c10::Error*>(&error)) why = c10->what_without_backtrace();
+    throw Error(detail::cat(
+        "rank ", env.rank, ": rendezvous at ", env.master_addr, ":", env.master_port,
+        " failed within ", timeout.count() / 1000.0, " s: ", why,
+        env.rank == 0 ? "; did all WORLD_SIZE=" + std::to_string(env.world_size) +
+                            " ranks start? check WORLD_SIZE"
+                      : "; is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?"));
+  }
+}
+
+class C10dComm final : public Comm {
+ public:
+  C10dComm(std::string name, c10::intrusive_ptr<c10d::Backend> backend, const DistEnv& env,
+           std::chrono::milliseconds timeout)
+      : name_(std::move(name)), backend_(std::move(backend)), env_(env), timeout_(timeout) {}
+  std::string backend() const override { return name_; }
+  int rank() const override { return env_.rank; }
+  int world_size() const override { return env_.world_size; }
+  int local_rank() const override { return env_.local_rank; }
+  int local_world_size() const override { return env_.local_world_size; }
+
+  std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) override {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_c10d(op);
+    const int world = env_.world_size;
+    return run("all_reduce", [&] { return backend_->allreduce(tensors, options); },
+               [tensor, op, world]() mutable {
+                 if (op == ReduceOp::avg) tensor.div_(world);
+               });
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                       ReduceOp op) override {
+    LOOM_CHECK(input.numel() == output.numel() * env_.world_size, "reduce_scatter: input has ",
+               input.numel(), " elements, needs world_size x output");
+    // Gloo has no fused reduce-scatter of flat buffers: all-reduce a copy, keep this rank's
+    // chunk (same result, twice the traffic; ZeRO's hot path will bring its own).
+    at::Tensor buffer = input.clone();
+    std::vector<at::Tensor> tensors{buffer};
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_c10d(op);
+    const int world = env_.world_size, rank = env_.rank;
+    return run("reduce_scatter", [&] { return backend_->allreduce(tensors, options); },
+               [output, buffer, op, world, rank]() mutable {
+                 const int64_t n = output.numel();
+                 output.copy_(buffer.view(-1).narrow(0, rank * n, n).view(output.sizes()));
+                 if (op == ReduceOp::avg) output.div_(world);
+               });
+  }
+  std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) override {
+    LOOM_CHECK(output.numel() == input.numel() * env_.world_size, "all_gather: output has ",
+               output.numel(), " elements, needs world_size x input");
+    at::Tensor in = input;
+    return run("all_gather", [&] { return backend_->_allgather_base(output, in); }, {});
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) override {
+    LOOM_CHECK(root >= 0 && root < env_.world_size, "broadcast root ", root, " is not a rank");
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    return run("broadcast", [&] { return backend_->broadcast(tensors, options); }, {});
+  }
+  std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) override {
+    LOOM_CHECK(input.numel() == output.numel() && input.numel() % env_.world_size == 0,
+               "all_to_all: input and output need the same numel, divisible by the world size");
+    at::Tensor in = input;
+    std::vector<int64_t> splits;
+    return run("all_to_all",
+               [&] { return backend_->alltoall_base(output, in, splits, splits); }, {});
+  }
+  void barrier() override {
+    run("barrier", [&] { return backend_->barrier(); }, {})->wait();
+  }
+
+ private:
+  static c10d::ReduceOp to_c10d(ReduceOp op) {
+    switch (op) {
+      case ReduceOp::max: return c10d::ReduceOp::MAX;
+      case ReduceOp::min: return c10d::ReduceOp::MIN;
+      default: return c10d::ReduceOp::SUM;  // avg: sum, then divide (gloo has no AVG)
+    }
+  }
+  std::shared_ptr<Work> run(const char* op,
+                            const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
+                            std::function<void()> finish) {
+    try {
+      return std::make_shared<C10dWork>(start(), op, env_.rank, timeout_, std::move(finish));
+    } catch (const c10::Error& error) {
+      comm_failure(env_.rank, op, error.what_without_backtrace());
+    }
+  }
+
+  std::string name_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  DistEnv env_;
+  std::chrono::milliseconds timeout_;
+};
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
+std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env) {
+  auto store = rendezvous(env, options.timeout);
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  // Each rank's gloo device: loopback when the job is on one host, else this host's interface.
+  gloo_options->devices = {is_loopback(env.master_addr)
+                               ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                               : c10d::ProcessGroupGloo::createDefaultDevice()};
+  try {
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
+                                                              gloo_options);
+    return std::make_unique<C10dComm>("gloo", group, env, options.timeout);
+  } catch (const c10::Error& error) {
+    comm_failure(env.rank, "gloo set-up", error.what_without_backtrace());
+  }
+}
+
+#ifdef LOOM_WITH_CUDA
+bool nccl_built() { return true; }
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env) {
+  LOOM_CHECK_AS(ConfigError, at::hasCUDA(),
+                "[distributed] backend = \"nccl\" needs CUDA devices, and none is visible; "
+                "use gloo or mpi on CPUs");
+  auto store = rendezvous(env, options.timeout);
+  auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+  nccl_options->timeout = options.timeout;
+  try {
+    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size,
+                                                              nccl_options);
+    return std::make_unique<C10dComm>("nccl", group, env, options.timeout);
+  } catch (const c10::Error& error) {
+    comm_failure(env.rank, "nccl set-up", error.what_without_backtrace());
+  }
+}
+#else
+bool nccl_built() { return false; }
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions&, const DistEnv&) {
+  throw ConfigError("[distributed] backend = \"nccl\" is not built into this loom (a CPU "
+                    "build); use gloo or mpi, or build against the CUDA LibTorch");
+}
+#endif
+
+}  // namespace loom

@@ -1,0 +1,62 @@
+// Rank and world detection from launcher environments.
+#include "dist_env.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "loom/error.h"
+
+namespace loom {
+namespace {
+
+bool has(const char* name) { return std::getenv(name) != nullptr; }
+
+int int_env(const char* name, int fallback) {
+  const char* raw = std::getenv(name);
+  if (!raw) return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(raw, &end, 10);
+  LOOM_CHECK_AS(ConfigError, end && *end == '\0' && end != raw && value >= 0, "environment ",
+                name, "='", raw, "' is not a non-negative integer; fix the launcher's settings");
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+DistEnv detect_dist_env() {
+  DistEnv env;
+  if (has("RANK") && has("WORLD_SIZE")) {
+    env.launcher = "torchrun";
+    env.rank = int_env("RANK", 0);
+    env.world_size = int_env("WORLD_SIZE", 1);
+    env.local_rank = int_env("LOCAL_RANK", env.rank);
+    env.local_world_size = int_env("LOCAL_WORLD_SIZE", env.world_size);
+  } else if (has("OMPI_COMM_WORLD_SIZE")) {
+    env.launcher = "openmpi";
+    env.rank = int_env("OMPI_COMM_WORLD_RANK", 0);
+    env.world_size = int_env("OMPI_COMM_WORLD_SIZE", 1);
+    env.local_rank = int_env("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    env.local_world_size = int_env("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  } else if (has("SLURM_PROCID") && has("SLURM_NTASKS")) {
+    env.launcher = "slurm";
+    env.rank = int_env("SLURM_PROCID", 0);
+    env.world_size = int_env("SLURM_NTASKS", 1);
+    env.local_rank = int_env("SLURM_LOCALID", 0);
+    env.local_world_size = int_env("SLURM_NTASKS_PER_NODE", int_env("SLURM_TASKS_PER_NODE", 1));
+  }
+  if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
+  env.master_port = int_env("MASTER_PORT", env.master_port);
+  env.restart_count = int_env("TORCHELASTIC_RESTART_COUNT", 0);
+  LOOM_CHECK_AS(ConfigError, env.world_size >= 1, "the launcher says the world has ",
+                env.world_size, " ranks");
+  LOOM_CHECK_AS(ConfigError, env.rank < env.world_size, "the launcher (", env.launcher,
+                ") gives rank ", env.rank, " in a world of ", env.world_size,
+                " ranks; check RANK/WORLD_SIZE");
+  LOOM_CHECK_AS(ConfigError, env.local_rank < std::max(1, env.local_world_size), "local rank ",
+                env.local_rank, " >= local world size ", env.local_world_size);
+  LOOM_CHECK_AS(ConfigError, env.master_port > 0 && env.master_port < 65536, "MASTER_PORT=",
+                env.master_port, " is not a TCP port");
+  return env;
+}
+
+}  // namespace loom

@@ -1,0 +1,22 @@
+// dist_env.h (core-internal) — who this process is among the ranks of a job, read from the
+// environment its launcher set: torchrun / loom-launch (RANK, WORLD_SIZE, ...), Open MPI's
+// mpirun (OMPI_COMM_WORLD_*), or Slurm's srun (SLURM_PROCID, ...). No environment: one rank.
+#pragma once
+
+#include <string>
+
+namespace loom {
+
+struct DistEnv {
+  int rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string launcher = "none";  // torchrun | openmpi | slurm | none
+  int restart_count = 0;          // TORCHELASTIC_RESTART_COUNT (loom-launch restarts)
+};
+
+// Throws ConfigError naming the variable when a value is malformed or inconsistent
+// (RANK >= WORLD_SIZE...).
+DistEnv detect_dist_env();
+
+}  // namespace loom

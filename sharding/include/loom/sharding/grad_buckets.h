@@ -1,0 +1,66 @@
+// loom/sharding/grad_buckets.h — gradients packed into flat buckets that are reduced across
+// ranks as soon as every gradient of a bucket is ready, so communication overlaps the rest of
+// backward. DDP all-reduces the buckets; ZeRO-2/3 will reduce-scatter the same buckets.
+// Not a scheduler of its own: it reacts to the engine's grad_ready events.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/engine.h"
+
+#pragma GCC visibility push(default)
+
+namespace loom::sharding {
+
+struct BucketStats {
+  double comm_seconds = 0.0;       // wall time from each launch to its completion, summed
+  double exposed_seconds = 0.0;    // time spent waiting in finish(): communication not hidden
+  int64_t buckets = 0, bytes = 0;  // per synchronisation
+};
+
+class GradBuckets {
+ public:
+  // Buckets are filled in reverse parameter order (the order backward produces gradients),
+  // each holding up to bucket_bytes (at least one tensor). overlap = false launches every
+  // bucket only in finish(), for comparison.
+  GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes, Comm& comm, bool overlap);
+
+  // A parameter's grad is complete for this backward: copy it into its bucket; launch the
+  // bucket's all-reduce once all its gradients are in.
+  void grad_ready(const Param& param);
+  // Launches what is left, waits for every bucket, writes the rank-averaged gradients back.
+  void finish();
+  const BucketStats& last_stats() const { return stats_; }
+  size_t bucket_count() const { return buckets_.size(); }
+
+ private:
+  struct Slot {
+    at::Tensor param;
+    int64_t offset = 0, numel = 0;
+    bool ready = false;
+  };
+  struct Bucket {
+    at::Tensor flat;  // fp32 (n)
+    std::vector<Slot> slots;
+    size_t pending = 0;
+    std::shared_ptr<Work> work;
+    std::chrono::steady_clock::time_point launched;
+  };
+  void launch(Bucket& bucket);
+
+  Comm& comm_;
+  bool overlap_;
+  std::vector<Bucket> buckets_;
+  std::unordered_map<const void*, std::pair<size_t, size_t>> where_;  // impl -> (bucket, slot)
+  BucketStats stats_;
+};
+
+}  // namespace loom::sharding
+
+#pragma GCC visibility pop

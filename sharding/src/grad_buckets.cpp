@@ -1,0 +1,94 @@
+// Gradient buckets for data-parallel reduction. See grad_buckets.h.
+#include "loom/sharding/grad_buckets.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "loom/error.h"
+
+namespace loom::sharding {
+
+using Clock = std::chrono::steady_clock;
+
+GradBuckets::GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes, Comm& comm,
+                         bool overlap)
+    : comm_(comm), overlap_(overlap) {
+  LOOM_CHECK_AS(ConfigError, bucket_bytes > 0, "the gradient bucket size must be positive");
+  std::vector<std::vector<const Param*>> groups(1);
+  int64_t filled = 0;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    const int64_t bytes = it->tensor.numel() * 4;
+    if (!groups.back().empty() && filled + bytes > bucket_bytes) {
+      groups.emplace_back();
+      filled = 0;
+    }
+    groups.back().push_back(&*it);
+    filled += bytes;
+  }
+  for (const auto& group : groups) {
+    Bucket bucket;
+    int64_t offset = 0;
+    for (const Param* p : group) {
+      where_[p->tensor.unsafeGetTensorImpl()] = {buckets_.size(), bucket.slots.size()};
+      bucket.slots.push_back({p->tensor, offset, p->tensor.numel(), false});
+      offset += p->tensor.numel();
+    }
+    bucket.flat = at::zeros({offset}, at::TensorOptions().dtype(at::kFloat).device(
+                                          group.front()->tensor.device()));
+    bucket.pending = bucket.slots.size();
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+void GradBuckets::grad_ready(const Param& param) {
+  auto found = where_.find(param.tensor.unsafeGetTensorImpl());
+  LOOM_INTERNAL_ASSERT(found != where_.end(), "grad_ready for unknown parameter ", param.name);
+  Bucket& bucket = buckets_[found->second.first];
+  Slot& slot = bucket.slots[found->second.second];
+  if (slot.ready) return;  // a parameter used twice in one graph reports twice
+  at::NoGradGuard no_grad;
+  bucket.flat.narrow(0, slot.offset, slot.numel).copy_(param.tensor.grad().reshape(-1));
+  slot.ready = true;
+  if (--bucket.pending == 0 && overlap_) launch(bucket);
+}
+
+void GradBuckets::launch(Bucket& bucket) {
+  bucket.launched = Clock::now();
+  bucket.work = comm_.all_reduce(bucket.flat, ReduceOp::sum);
+}
+
+void GradBuckets::finish() {
+  stats_ = {};
+  const double world = comm_.world_size();
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (!bucket.work) {
+      // Parameters without a gradient this step contribute zeros, so every rank launches the
+      // same buckets in the same order.
+      for (auto& slot : bucket.slots)
+        if (!slot.ready) bucket.flat.narrow(0, slot.offset, slot.numel).zero_();
+      launch(bucket);
+    }
+  }
+  for (auto& bucket : buckets_) {
+    const auto waited = Clock::now();
+    bucket.work->wait();
+    const auto done = Clock::now();
+    stats_.exposed_seconds += std::chrono::duration<double>(done - waited).count();
+    stats_.comm_seconds += std::chrono::duration<double>(done - bucket.launched).count();
+    stats_.buckets += 1;
+    stats_.bytes += bucket.flat.numel() * 4;
+    bucket.flat.div_(world);
+    for (auto& slot : bucket.slots) {
+      at::Tensor& grad = slot.param.mutable_grad();
+      at::Tensor averaged = bucket.flat.narrow(0, slot.offset, slot.numel).view(slot.param.sizes());
+      if (grad.defined()) grad.copy_(averaged);
+      else grad = averaged.to(slot.param.scalar_type()).clone();
+      slot.ready = false;
+    }
+    bucket.pending = bucket.slots.size();
+    bucket.work.reset();
+  }
+}
+
+}  // namespace loom::sharding

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Multi-process tests with real processes: every collective of mpi (mpirun) and gloo
+# (loom-launch) against a single-process reference; N ranks with batch b end with the
+# parameters of 1 rank with batch N*b (N = 1, 2, 4); a killed rank makes the others stop with a
+# clear error within the timeout; --max-restarts resumes to the same final parameters; bad
+# launches (wrong WORLD_SIZE, port in use, unreachable master, missing backend) are clear errors.
+# usage: distributed_test.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+build=$1 src=$2 python=$3
+loom=$build/bin/loom launch=$build/bin/loom-launch check=$build/bin/loom_comm_check
+job=$src/tests/distributed/ddp_job.toml
+work=$(mktemp -d)
+trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+mpirun=(mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH)
+export LOOM_PLUGIN_PATH=$build/tests/plugins
+port=$((20000 + RANDOM % 20000))
+passed=0 failed=0
+ok() { echo "ok: $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
+next_port() { port=$((port + 1)); }
+
+# --- every collective against the reference
+for n in 2 4; do
+  if out=$(timeout 120 "${mpirun[@]}" -np $n "$check" mpi 2>&1) && [ "$(grep -c 'every collective matches' <<<"$out")" -eq $n ]; then
+    ok "mpi collectives, $n ranks"; else fail "mpi collectives, $n ranks: $out"; fi
+  next_port
+  if out=$(timeout 120 "$launch" --nproc-per-node $n --master-port $port "$check" gloo 2>&1) && [ "$(grep -c 'every collective matches' <<<"$out")" -eq $n ]; then
+    ok "gloo collectives, $n ranks"; else fail "gloo collectives, $n ranks: $out"; fi
+done
+
+# --- N ranks x batch b == 1 rank x batch N*b
+same_params() {  # same_params DIR_A DIR_B TOLERANCE
+  "$python" - "$1/checkpoint-20/model.safetensors" "$2/checkpoint-20/model.safetensors" "$3" <<'PY'
+import sys
+from safetensors.torch import load_file
+a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
+assert a.keys() == b.keys()
+worst = max(float((a[k] - b[k]).norm() / max(a[k].norm(), 1e-12)) for k in a)
+print(f"worst relative difference {worst:.2e}")
+sys.exit(0 if worst <= tol else 1)
+PY
+}
+run_single() {  # run_single OUT BATCH
+  "$loom" run "$job" --set "train.output_dir=$1" --set "train.per_device_train_batch_size=$2" >"$1.log" 2>&1
+}
+for n in 1 2 4; do
+  run_single "$work/ref$n" $((2 * n)) || fail "reference run for $n: $(tail -3 "$work/ref$n.log")"
+done
+for n in 1 2 4; do
+  next_port
+  if timeout 300 "$launch" --nproc-per-node $n --master-port $port "$loom" run "$job" \
+      --set "train.output_dir=$work/gloo$n" >"$work/gloo$n.log" 2>&1 &&
+     d=$(same_params "$work/ref$n" "$work/gloo$n" 1e-6); then
+    ok "gloo: $n ranks x batch 2 == 1 rank x batch $((2 * n)) ($d)"
+  else fail "gloo ddp $n ranks: ${d:-} $(tail -5 "$work/gloo$n.log")"; fi
+done
+for n in 2 4; do
+  if timeout 300 "${mpirun[@]}" -np $n "$loom" run "$job" --set "train.output_dir=$work/mpi$n" \
+      >"$work/mpi$n.log" 2>&1 && d=$(same_params "$work/ref$n" "$work/mpi$n" 1e-6); then
+    ok "mpi: $n ranks x batch 2 == 1 rank x batch $((2 * n)) ($d)"
+  else fail "mpi ddp $n ranks: ${d:-} $(tail -5 "$work/mpi$n.log")"; fi
+done
+
+# --- a rank killed mid-step
+next_port
+start=$SECONDS
+timeout 120 "$launch" --nproc-per-node 2 --master-port $port "$loom" run "$job" \
+  --set "train.output_dir=$work/killed" --set chaos.step=3 >"$work/killed.log" 2>&1
+code=$?
+if [ $code -eq 137 ] && grep -q "rank 1 failed (killed by signal" "$work/killed.log" && [ $((SECONDS - start)) -lt 60 ]; then
+  ok "loom-launch: a killed rank stops the job with its exit code (137) in $((SECONDS - start)) s"
+else fail "killed rank: exit $code: $(tail -5 "$work/killed.log")"; fi
+# Without a launcher to stop it, the surviving rank must notice by itself and fail clearly.
+next_port
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    timeout 120 "$loom" run "$job" --set "train.output_dir=$work/alone" --set chaos.step=3 \
+    --set distributed.timeout_seconds=20 >"$work/alone$r.log" 2>&1 &
+  eval "pid$r=$!"
+done
+start=$SECONDS
+wait $pid0; code0=$?
+wait $pid1
+if [ $code0 -eq 1 ] && grep -q "rank 0: .*failed" "$work/alone0.log" && [ $((SECONDS - start)) -lt 60 ]; then
+  ok "the surviving rank fails with a clear error in $((SECONDS - start)) s: $(grep -o 'rank 0: [^—]*' "$work/alone0.log" | head -1 | cut -c1-90)"
+else fail "surviving rank: exit $code0: $(tail -3 "$work/alone0.log")"; fi
+start=$SECONDS
+timeout 120 "${mpirun[@]}" -np 2 "$loom" run "$job" --set "train.output_dir=$work/mpikill" \
+  --set chaos.step=3 >"$work/mpikill.log" 2>&1
+code=$?
+if [ $code -ne 0 ] && [ $code -ne 124 ] && [ $((SECONDS - start)) -lt 60 ]; then
+  ok "mpirun: a killed rank ends the job (exit $code) in $((SECONDS - start)) s"
+else fail "mpirun killed rank: exit $code: $(tail -5 "$work/mpikill.log")"; fi
+
+# --- --max-restarts 1: the group restarts, resumes and ends where an uninterrupted run ends
+next_port
+if timeout 300 "$launch" --nproc-per-node 2 --max-restarts 1 --master-port $port "$loom" run "$job" \
+    --set "train.output_dir=$work/restart" --set chaos.step=5 --set train.save_steps=2 \
+    --set train.log_level=info \
+    >"$work/restart.log" 2>&1 && grep -q "restart 1 of 1" "$work/restart.log" &&
+   grep -q "resumed from .*checkpoint-4" "$work/restart.log" &&
+   d=$(same_params "$work/gloo2" "$work/restart" 0); then
+  ok "--max-restarts 1: resumed from checkpoint-4 and ended bitwise equal ($d)"
+else fail "restart: ${d:-} $(grep -v '^\[rank' "$work/restart.log" | tail -5)"; fi
+
+# --- bad launches
+expect_error() {  # NAME TEXT COMMAND...
+  local name=$1 text=$2; shift 2
+  local out; out=$("$@" 2>&1); local rc=$?
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF -- "$text" <<<"$out"; then ok "$name"; else
+    fail "$name (exit $rc): $(tail -3 <<<"$out")"; fi
+}
+next_port
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=3 LOCAL_RANK=$r MASTER_PORT=$port timeout 60 "$loom" run "$job" \
+    --set "train.output_dir=$work/ws" --set distributed.timeout_seconds=4 >"$work/ws$r.log" 2>&1 &
+  eval "pid$r=$!"
+done
+wait $pid0; code0=$?; wait $pid1
+if [ $code0 -eq 1 ] && grep -q "did all WORLD_SIZE=3 ranks start" "$work/ws0.log"; then
+  ok "WORLD_SIZE larger than the ranks that arrive: clear error"
+else fail "world size mismatch (exit $code0): $(tail -2 "$work/ws0.log")"; fi
+next_port
+"$python" -c "import socket,time; s=socket.socket(); s.bind(('127.0.0.1',$port)); s.listen(); time.sleep(30)" &
+blocker=$!; sleep 1
+expect_error "port in use" "the port is in use" env RANK=0 WORLD_SIZE=2 MASTER_PORT=$port \
+  timeout 60 "$loom" run "$job" --set "train.output_dir=$work/port"
+kill $blocker 2>/dev/null
+next_port
+expect_error "unreachable master" "is rank 0 running" env RANK=1 WORLD_SIZE=2 MASTER_PORT=$port \
+  timeout 60 "$loom" run "$job" --set "train.output_dir=$work/unreach" --set distributed.timeout_seconds=3
+expect_error "nccl without GPUs" "needs CUDA devices" env RANK=0 WORLD_SIZE=1 \
+  "$loom" run "$job" --set "train.output_dir=$work/nccl" --set 'distributed.backend="nccl"'
+next_port
+expect_error "mpi without mpirun" "launch with mpirun" timeout 60 "$launch" --nproc-per-node 2 \
+  --master-port $port "$loom" run "$job" --set "train.output_dir=$work/nompi" --set 'distributed.backend="mpi"'
+next_port
+expect_error "several ranks without [ddp]" "add a [ddp] table" timeout 60 "$launch" --nproc-per-node 2 \
+  --master-port $port "$loom" run "$src/examples/demo.toml" --set "train.output_dir=$work/noddp" \
+  --set train.resume= --set train.max_steps=2
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
