@@ -98,12 +98,12 @@ class C10dWork final : public Work {
 c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);
-  options.isServer = env.rank == 0;
+  options.isServer = env.rank == 0 && !env.agent_store;
   options.numWorkers = env.world_size;
-  options.waitWorkers = true;
+  options.waitWorkers = !env.agent_store;
   options.timeout = timeout;
   options.useLibUV = false;
-  if (env.rank == 0) options.masterListenFd = listen_on_master(env);
+  if (options.isServer) options.masterListenFd = listen_on_master(env);
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& error) {

@@ -47,6 +47,8 @@ DistEnv detect_dist_env() {
   if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
   env.master_port = int_env("MASTER_PORT", env.master_port);
   env.restart_count = int_env("TORCHELASTIC_RESTART_COUNT", 0);
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"))
+    env.agent_store = std::string(agent) == "True" || std::string(agent) == "1";
   LOOM_CHECK_AS(ConfigError, env.world_size >= 1, "the launcher says the world has ",
                 env.world_size, " ranks");
   LOOM_CHECK_AS(ConfigError, env.rank < env.world_size, "the launcher (", env.launcher,

@@ -13,6 +13,9 @@ struct DistEnv {
   int master_port = 29500;
   std::string launcher = "none";  // torchrun | openmpi | slurm | none
   int restart_count = 0;          // TORCHELASTIC_RESTART_COUNT (loom-launch restarts)
+  // torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 joins it as a client instead of serving it.
+  bool agent_store = false;
 };
 
 // Throws ConfigError naming the variable when a value is malformed or inconsistent

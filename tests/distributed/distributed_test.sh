@@ -55,6 +55,13 @@ for n in 1 2 4; do
     ok "gloo: $n ranks x batch 2 == 1 rank x batch $((2 * n)) ($d)"
   else fail "gloo ddp $n ranks: ${d:-} $(tail -5 "$work/gloo$n.log")"; fi
 done
+# torchrun (from the venv's torch): its agent serves the store, the ranks join it.
+next_port
+if timeout 300 "$python" -m torch.distributed.run --nproc-per-node 2 --master-port $port \
+    --no-python "$loom" run "$job" --set "train.output_dir=$work/torchrun2" >"$work/torchrun2.log" 2>&1 &&
+   d=$(same_params "$work/ref2" "$work/torchrun2" 1e-6); then
+  ok "torchrun: 2 ranks x batch 2 == 1 rank x batch 4 ($d)"
+else fail "torchrun ddp: ${d:-} $(tail -5 "$work/torchrun2.log")"; fi
 for n in 2 4; do
   if timeout 300 "${mpirun[@]}" -np $n "$loom" run "$job" --set "train.output_dir=$work/mpi$n" \
       >"$work/mpi$n.log" 2>&1 && d=$(same_params "$work/ref$n" "$work/mpi$n" 1e-6); then
