@@ -25,6 +25,7 @@
 #include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
+#include "loom/plugin.h"
 #include "loom/trainer.h"
 #include "plugin_host.h"
 #include "resolve.h"
@@ -216,6 +217,7 @@ class EngineImpl final : public Engine, public Trainer {
 
     prepare_output_dir(train);
     log::info("model ", resolved_.model.name, ": ", model_state().describe());
+    write_run_info();
     log::info("data ", data_->describe(), "; ", sampler.batch_size, " samples x ",
               state_.accumulation_steps, " micro-batches x ", comm_->world_size(),
               " rank(s) = ", sampler.batch_size * state_.accumulation_steps * comm_->world_size(),
@@ -647,6 +649,30 @@ class EngineImpl final : public Engine, public Trainer {
                   memory::format_bytes(memory_now.current_bytes), " (peak ",
                   memory::format_bytes(memory_now.peak_bytes), ")");
     }
+  }
+
+  // output_dir/run.json: what ran where, and the model-state bytes, for tools and benchmarks.
+  void write_run_info() const {
+    if (comm_->rank() != 0) return;
+    const auto ms = model_state();
+    nlohmann::ordered_json info = {
+        {"loom_version", LOOM_VERSION},
+        {"build", LOOM_BUILD_STRING},
+        {"device", device_.str()},
+        {"threads", at::get_num_threads()},
+        {"world_size", comm_->world_size()},
+        {"backend", comm_->backend()},
+        {"config_hash", job_.hash()},
+        {"model", resolved_.model.name},
+        {"optimizer", rule_->name()},
+        {"model_state",
+         {{"params", ms.param_count},
+          {"trainable_params", ms.trainable_count},
+          {"param_bytes", ms.param_bytes},
+          {"master_bytes", ms.master_bytes},
+          {"grad_bytes", ms.grad_bytes},
+          {"optimizer_bytes", ms.optimizer_bytes}}}};
+    std::ofstream(output_dir_ + "/run.json") << info.dump(2) << "\n";
   }
 
   void end_progress() {
