@@ -9,6 +9,7 @@ function(loom_add_plugin name)
     PREFIX "" OUTPUT_NAME "loom_${name}"
     LIBRARY_OUTPUT_DIRECTORY ${LOOM_PLUGIN_OUTPUT_DIRECTORY}
     CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+  set_property(GLOBAL APPEND PROPERTY LOOM_PLUGIN_TARGETS ${target})
   if(NOT TARGET loom_all_plugins)
     add_custom_target(loom_all_plugins)
   endif()

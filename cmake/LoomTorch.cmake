@@ -22,6 +22,8 @@ find_package(Torch REQUIRED)
 
 add_library(loom_torch INTERFACE)
 add_library(loom::torch ALIAS loom_torch)
+# TORCH_LIBRARIES names the imported targets `torch` and `torch_library` plus library files;
+# an installed loom re-finds Torch (loomConfig.cmake), so the names resolve there too.
 target_link_libraries(loom_torch INTERFACE ${TORCH_LIBRARIES})
 # Note [LibTorch's std::filesystem]: the wheel's libtorch.so exports its own copies of 64
 # std::filesystem functions, some broken (remove_all(path, error_code&) jumps to address 0).
@@ -36,4 +38,6 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
 else()
   set(LOOM_WITH_CUDA OFF)
 endif()
+# Installed binaries and plugins find LibTorch in the venv it was built against.
+set(LOOM_TORCH_LIBDIR "${TORCH_INSTALL_PREFIX}/lib")
 message(STATUS "loom: LibTorch from ${LOOM_TORCH_PREFIX} (CUDA build: ${LOOM_WITH_CUDA})")

@@ -72,6 +72,7 @@ class TrackingAllocator final : public c10::Allocator {
   static_assert(sizeof(Header) <= kHeaderBytes);
 
   static void release(void* data) {
+    if (data == nullptr) return;  // a 0-byte raw_allocate (oneDNN asks for those) gave nullptr
     auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeaderBytes);
     header->owner->current_.fetch_sub(header->bytes);
     header->owner->live_.fetch_sub(1);

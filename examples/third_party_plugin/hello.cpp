@@ -1,0 +1,38 @@
+// A third-party plugin: logs a greeting every N steps and counts them into metrics.jsonl.
+// It shows the whole plugin surface a simple technique needs: a table, a handler, a metric.
+#include "loom/engine.h"
+#include "loom/log.h"
+#include "loom/plugin.h"
+
+namespace {
+
+class Hello final : public loom::Plugin {
+ public:
+  std::string name() const override { return "hello"; }
+  std::string description() const override { return "says hello every N steps"; }
+  std::vector<loom::Schema> schemas() const override {
+    loom::Schema table("hello");
+    table.key_int("every", 10, "steps between greetings");
+    return {table};
+  }
+  void configure(const loom::ConfigSection& table) override {
+    every_ = table.get_int("every");
+    LOOM_CHECK_AS(ConfigError, every_ > 0, table.where("every"),
+                  ": [hello] every must be positive, got ", every_);
+  }
+  void attach(loom::Engine& engine) override {
+    engine.on(loom::Event::after_update, [this](loom::Engine& e) {
+      if (e.state().step % every_ != 0) return;
+      ++greetings_;
+      loom::log::info("hello from a third-party plugin at step ", e.state().step);
+      e.state().metrics.emplace_back("hello_greetings", static_cast<double>(greetings_));
+    });
+  }
+
+ private:
+  int64_t every_ = 10, greetings_ = 0;
+};
+
+}  // namespace
+
+LOOM_DEFINE_PLUGIN(Hello, "hello", "1.0.0")

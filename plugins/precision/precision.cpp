@@ -1,0 +1,381 @@
+// The `precision` plugin: fills the precision slot — fp32, tf32, autocast mixed precision (bf16,
+// fp16) over fp32 weights, pure half-precision weights (full_bf16, full_fp16) over the step
+// driver's fp32 masters, and fp16's dynamic loss scaler. Not an optimizer: the rule sees fp32.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/cpu/Utils.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "cpu_support.h"
+#include "loom/comm.h"
+#include "loom/engine.h"
+#include "loom/log.h"
+#include "loom/model.h"
+#include "loom/plugin.h"
+
+namespace {
+
+enum class Mode { fp32, tf32, bf16, fp16, full_bf16, full_fp16 };
+
+const std::vector<std::pair<std::string, Mode>>& modes() {
+  static const std::vector<std::pair<std::string, Mode>> all = {
+      {"fp32", Mode::fp32},         {"tf32", Mode::tf32},          {"bf16", Mode::bf16},
+      {"fp16", Mode::fp16},         {"full_bf16", Mode::full_bf16}, {"full_fp16", Mode::full_fp16}};
+  return all;
+}
+
+bool uses_autocast(Mode m) { return m == Mode::bf16 || m == Mode::fp16; }
+bool half_weights(Mode m) { return m == Mode::full_bf16 || m == Mode::full_fp16; }
+bool loss_scaling(Mode m) { return m == Mode::fp16 || m == Mode::full_fp16; }
+at::ScalarType compute_dtype(Mode m) {
+  if (m == Mode::bf16 || m == Mode::full_bf16) return at::kBFloat16;
+  if (m == Mode::fp16 || m == Mode::full_fp16) return at::kHalf;
+  return at::kFloat;
+}
+
+// Note [Dynamic loss scaling]: fp16 has 5 exponent bits, so gradients below 2^-24 vanish in
+// backward. The loss is multiplied by a large scale S (the engine does it: loss * loss_scale),
+// which shifts every gradient up by S; before clipping and the update they are divided by S
+// again. If any gradient came out inf/NaN, S was too large: the update is skipped (parameters
+// and optimizer state untouched) and S shrinks by backoff_factor. After growth_interval clean
+// steps in a row S grows by growth_factor, so it tracks the largest safe value. These are
+// torch.amp.GradScaler's semantics and defaults.
+struct LossScaler {
+  double scale = 65536.0, growth_factor = 2.0, backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  int64_t growth_tracker = 0;  // clean steps since the last change of scale
+
+  void update(bool found_inf) {
+    if (found_inf) {
+      scale *= backoff_factor;
+      growth_tracker = 0;
+    } else if (++growth_tracker == growth_interval) {
+      scale *= growth_factor;
+      growth_tracker = 0;
+    }
+  }
+};
+
+// Below this the scale cannot make any finite gradient overflow: every step overflowing down
+// to here means the gradients are inf/NaN at any scale (a diverged model or a NaN input).
+constexpr double kMinScale = 1.0 / (1 << 24);
+
+class Precision final : public loom::Plugin {
+ public:
+  std::string name() const override { return "precision"; }
+  std::string description() const override {
+    return "mixed precision: fp32, tf32, autocast bf16/fp16 over fp32 weights, pure half "
+           "weights (full_bf16/full_fp16), fp16 dynamic loss scaling";
+  }
+  std::vector<loom::Slot> slots() const override { return {loom::Slot::precision}; }
+  // Low: autocast is entered before other plugins' before_forward handlers, and the gradients
+  // are unscaled before anything else looks at them in before_update.
+  int priority() const override { return 10; }
+
+  std::vector<loom::Schema> schemas() const override {
+    return {loom::Schema("precision")
+                .key_string("mode", "fp32",
+                            "fp32 | tf32 (CUDA matmuls in TF32) | bf16 | fp16 (autocast over fp32 "
+                            "weights) | full_bf16 | full_fp16 (weights stored in half, fp32 "
+                            "masters in the optimizer)")
+                .key_float("init_scale", 65536.0, "fp16: the first loss scale")
+                .key_float("growth_factor", 2.0, "fp16: scale multiplier after growth_interval "
+                                                 "steps without overflow")
+                .key_float("backoff_factor", 0.5, "fp16: scale multiplier on an overflow")
+                .key_int("growth_interval", 2000, "fp16: clean steps before the scale grows")};
+  }
+
+  void configure(const loom::ConfigSection& table) override {
+    const std::string name = table.get_string("mode");
+    std::optional<Mode> mode;
+    std::vector<std::string> names;
+    for (const auto& [candidate, value] : modes()) {
+      names.push_back(candidate);
+      if (candidate == name) mode = value;
+    }
+    if (!mode) {
+      const auto hint = loom::closest_match(name, names);
+      throw loom::ConfigError(loom::detail::cat(
+          table.where("mode"), ": [precision] mode '", name, "' is unknown",
+          hint ? "; did you mean '" + *hint + "'?" : std::string(),
+          " (use fp32, tf32, bf16, fp16, full_bf16 or full_fp16)"));
+    }
+    mode_ = *mode;
+    mode_name_ = name;
+    dtype_ = compute_dtype(mode_);
+
+    for (const char* key : {"init_scale", "growth_factor", "backoff_factor", "growth_interval"})
+      LOOM_CHECK_AS(ConfigError, !table.has(key) || loss_scaling(mode_), table.where(key),
+                    ": [precision] ", key, " sets the fp16 loss scaler, but mode is '", name,
+                    "' (only fp16 and full_fp16 scale the loss); remove it or use an fp16 mode");
+    scaler_.scale = table.get_float("init_scale");
+    scaler_.growth_factor = table.get_float("growth_factor");
+    scaler_.backoff_factor = table.get_float("backoff_factor");
+    scaler_.growth_interval = table.get_int("growth_interval");
+    LOOM_CHECK_AS(ConfigError, std::isfinite(scaler_.scale) && scaler_.scale > 0,
+                  table.where("init_scale"), ": [precision] init_scale must be a positive "
+                  "number, got ", scaler_.scale, " (GradScaler's default is 65536)");
+    LOOM_CHECK_AS(ConfigError, scaler_.growth_factor > 1.0, table.where("growth_factor"),
+                  ": [precision] growth_factor must be > 1, got ", scaler_.growth_factor);
+    LOOM_CHECK_AS(ConfigError, scaler_.backoff_factor > 0 && scaler_.backoff_factor < 1,
+                  table.where("backoff_factor"),
+                  ": [precision] backoff_factor must be in (0, 1), got ", scaler_.backoff_factor);
+    LOOM_CHECK_AS(ConfigError, scaler_.growth_interval >= 1, table.where("growth_interval"),
+                  ": [precision] growth_interval must be >= 1, got ", scaler_.growth_interval);
+    where_mode_ = table.where("mode");
+  }
+
+  void attach(loom::Engine& engine) override {
+    device_ = engine.device();
+    check_device();
+    set_tf32_flags();
+
+    if (half_weights(mode_))
+      engine.on(loom::Event::model_built, [this](loom::Engine& e) { cast_model(e); });
+    engine.on(loom::Event::params_ready, [this](loom::Engine& e) {
+      if (uses_autocast(mode_)) check_fp32_weights(e);
+      if (loss_scaling(mode_)) e.state().loss_scale = scaler_.scale;
+      loom::log::info(anatomy(e.model_state()));
+    });
+    if (uses_autocast(mode_)) {
+      engine.on(loom::Event::before_forward, [this](loom::Engine&) { enter_autocast(); });
+      engine.on(loom::Event::after_forward, [this](loom::Engine&) { leave_autocast(); });
+    }
+    if (loss_scaling(mode_))
+      engine.on(loom::Event::before_update, [this](loom::Engine& e) { unscale_and_check(e); });
+    engine.on(loom::Event::save, [this](loom::Engine& e) {
+      auto& values = e.checkpoint().values;
+      values["precision.mode"] = mode_name_;
+      if (loss_scaling(mode_))
+        values["precision.growth_tracker"] = std::to_string(scaler_.growth_tracker);
+    });
+    engine.on(loom::Event::load, [this](loom::Engine& e) { load(e); });
+    engine.on(loom::Event::teardown, [this](loom::Engine&) {
+      leave_autocast();  // a forward that threw may have left it on
+      restore_tf32_flags();
+    });
+  }
+
+ private:
+  // ---- setup ----
+  // Called once per run (from attach), so each warning appears once, at the start.
+  void check_device() {
+    if (mode_ == Mode::tf32 && !device_.is_cuda())
+      loom::log::warn("[precision] mode = \"tf32\" has no effect on ", device_.str(),
+                      ": TF32 is a CUDA (Ampere+) matmul mode; training runs in fp32");
+    if (dtype_ == at::kFloat) return;
+    LOOM_CHECK_AS(ConfigError,
+                  !uses_autocast(mode_) || at::autocast::is_autocast_available(device_.type()),
+                  where_mode_, ": [precision] mode = \"", mode_name_,
+                  "\" needs autocast, which LibTorch does not offer on ", device_.str(),
+                  "; use fp32 or a full_* mode");
+    if (device_.is_cpu()) {
+      const std::string gap =
+          loom::precision::cpu_half_gap(dtype_, at::cpu::get_cpu_capabilities());
+      if (!gap.empty())
+        loom::log::warn("[precision] mode = \"", mode_name_, "\": ", gap, "; LibTorch emulates ",
+                        c10::toString(dtype_),
+                        " through fp32, correct but usually slower than mode = \"fp32\"");
+    }
+    if (mode_ == Mode::full_fp16)
+      loom::log::warn("[precision] mode = \"full_fp16\" keeps gradients in fp16: once unscaled, "
+                      "gradient entries below 2^-14 lose precision and below 2^-24 become 0; "
+                      "mode = \"fp16\" (fp32 weights and gradients) has no such loss");
+  }
+
+  void set_tf32_flags() {
+    if (!device_.is_cuda()) return;
+    auto& context = at::globalContext();
+    using B = at::Float32Backend;
+    using O = at::Float32Op;
+    saved_matmul_ = context.float32Precision(B::CUDA, O::MATMUL);
+    saved_conv_ = context.float32Precision(B::CUDA, O::CONV);
+    // fp32 means IEEE fp32 (cuDNN convolutions default to TF32 otherwise); the half modes leave
+    // what little still runs in fp32 exact as well.
+    const auto precision =
+        mode_ == Mode::tf32 ? at::Float32Precision::TF32 : at::Float32Precision::IEEE;
+    context.setFloat32Precision(B::CUDA, O::MATMUL, precision);
+    context.setFloat32Precision(B::CUDA, O::CONV, precision);
+    flags_set_ = true;
+  }
+
+  void restore_tf32_flags() {
+    if (!flags_set_) return;
+    auto& context = at::globalContext();
+    context.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, saved_matmul_);
+    context.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, saved_conv_);
+    flags_set_ = false;
+  }
+
+  // full_*: every floating parameter and buffer is stored in the compute dtype. The step driver
+  // then keeps an fp32 master per parameter and writes the updated weights back in half.
+  void cast_model(loom::Engine& engine) {
+    at::NoGradGuard no_grad;
+    auto& model = engine.model();
+    for (auto& param : model.parameters(/*recurse=*/true))
+      if (param.is_floating_point()) param.set_data(param.detach().to(dtype_));
+    for (auto& buffer : model.buffers(/*recurse=*/true))
+      if (buffer.is_floating_point()) buffer.set_data(buffer.detach().to(dtype_));
+  }
+
+  // Autocast keeps fp32 weights and casts them per op; a weight already stored in another dtype
+  // would bypass the fp32 master update the mode promises.
+  void check_fp32_weights(loom::Engine& engine) {
+    for (const auto& param : engine.params())
+      LOOM_CHECK_AS(ConfigError, param.tensor.scalar_type() == at::kFloat, where_mode_,
+                    ": [precision] mode = \"", mode_name_,
+                    "\" runs autocast over fp32 weights, but the model's parameter '", param.name,
+                    "' is stored as ", c10::toString(param.tensor.scalar_type()),
+                    "; build the model in fp32, or use mode = \"full_",
+                    dtype_ == at::kHalf ? "fp16" : "bf16", "\"");
+  }
+
+  // What the weights, grads and optimizer state cost per trainable parameter in this mode: the
+  // anatomy the seed documents reason with (mixed precision: 4 + 2 B weights, 4 B grads).
+  std::string anatomy(const loom::memory::ModelState& s) const {
+    const double n = static_cast<double>(std::max<int64_t>(1, s.trainable_count));
+    const double weights = s.param_bytes / n, masters = s.master_bytes / n,
+                 grads = s.grad_bytes / n, optimizer = s.optimizer_bytes / n;
+    const std::string half = c10::toString(dtype_);
+    std::ostringstream out;
+    out.precision(3);
+    out << "precision " << mode_name_ << ": per trainable parameter ";
+    if (uses_autocast(mode_)) {
+      // The half copies exist from forward to backward (autocast's cache, then autograd's
+      // saved tensors); they are gone at update time.
+      out << weights << " B fp32 weights + 2 B " << half << " copies made by autocast for "
+          << "forward/backward + " << grads << " B fp32 grads + " << optimizer
+          << " B optimizer state = " << weights + 2 + grads + optimizer
+          << " B; activations saved for backward mostly in " << half;
+    } else if (half_weights(mode_)) {
+      out << weights << " B " << half << " weights + " << masters << " B fp32 masters + " << grads
+          << " B " << half << " grads + " << optimizer << " B optimizer state = "
+          << weights + masters + grads + optimizer << " B; no autocast: every op runs in "
+          << half;
+    } else {
+      out << weights << " B fp32 weights + " << grads << " B fp32 grads + " << optimizer
+          << " B optimizer state = " << weights + grads + optimizer << " B";
+    }
+    if (loss_scaling(mode_))
+      out << "; dynamic loss scale " << scaler_.scale << " (x" << scaler_.growth_factor
+          << " every " << scaler_.growth_interval << " clean steps, x" << scaler_.backoff_factor
+          << " on overflow)";
+    return out.str();
+  }
+
+  // ---- forward ----
+  void enter_autocast() {
+    leave_autocast();
+    const auto type = device_.type();
+    saved_enabled_ = at::autocast::is_autocast_enabled(type);
+    saved_dtype_ = at::autocast::get_autocast_dtype(type);
+    at::autocast::set_autocast_enabled(type, true);
+    at::autocast::set_autocast_dtype(type, dtype_);
+    at::autocast::increment_nesting();
+    autocast_on_ = true;
+  }
+
+  void leave_autocast() {
+    if (!autocast_on_) return;
+    const auto type = device_.type();
+    at::autocast::set_autocast_enabled(type, saved_enabled_);
+    at::autocast::set_autocast_dtype(type, saved_dtype_);
+    // The cache holds the half copies of the weights for this forward; autograd keeps the ones
+    // backward needs, so dropping the cache here frees them as soon as backward is done.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    autocast_on_ = false;
+  }
+
+  // ---- update ----
+  // Note [Dynamic loss scaling]. Runs before the core clips: clipping must see true gradients.
+  void unscale_and_check(loom::Engine& engine) {
+    auto& state = engine.state();
+    const double scale = state.loss_scale;
+    // One fused pass per (device, dtype) group divides by the scale and flags inf/NaN.
+    std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
+    for (const auto& param : engine.params()) {
+      const at::Tensor& grad = param.tensor.grad();
+      if (grad.defined()) groups[{grad.device().str(), grad.scalar_type()}].push_back(grad);
+    }
+    at::Tensor found_inf = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    const double inverse = state.grads_scaled ? 1.0 / scale : 1.0;
+    at::Tensor inv_scale = at::full({1}, inverse, at::TensorOptions().dtype(at::kFloat).device(device_));
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [key, grads] : groups) {
+        at::Tensor found = found_inf.to(grads.front().device());
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found,
+                                                       inv_scale.to(grads.front().device()));
+        found_inf = at::maximum(found_inf, found.to(device_));
+      }
+    }
+    // Every rank must skip together, or their replicas drift apart.
+    if (engine.comm().world_size() > 1) engine.comm().all_reduce(found_inf, loom::ReduceOp::max)->wait();
+    const bool overflow = found_inf.item<float>() != 0.0f;
+    state.grads_scaled = false;
+    scaler_.scale = scale;
+    scaler_.update(overflow);
+    if (overflow) {
+      state.skip_update = true;
+      loom::log::info("step ", state.step + 1, ": inf/NaN gradient at loss scale ", scale,
+                      "; update skipped, scale now ", scaler_.scale);
+      LOOM_CHECK(scaler_.scale >= kMinScale, "step ", state.step + 1,
+                 ": the gradients are inf/NaN at every loss scale down to ", scale,
+                 " (loss ", state.loss, "): training diverged or the data holds a NaN; lower "
+                 "[train] learning_rate, check the data, or use [precision] mode = \"bf16\"");
+    }
+    state.loss_scale = scaler_.scale;
+  }
+
+  // ---- checkpoints ----
+  void load(loom::Engine& engine) {
+    auto& state = engine.state();
+    const auto& values = engine.checkpoint().values;
+    auto mode = values.find("precision.mode");
+    const std::string saved_mode = mode == values.end() ? "fp32" : mode->second;
+    if (saved_mode != mode_name_)
+      loom::log::warn("[precision] the checkpoint was trained with mode ", saved_mode,
+                      ", this run uses ", mode_name_, "; continuing in ", mode_name_);
+    if (!loss_scaling(mode_)) {
+      state.loss_scale = 1.0;
+      return;
+    }
+    auto tracker = values.find("precision.growth_tracker");
+    if (tracker == values.end()) {
+      // No scaler was running: start it as a fresh run would.
+      state.loss_scale = scaler_.scale;
+      scaler_.growth_tracker = 0;
+      return;
+    }
+    try {
+      scaler_.growth_tracker = std::stoll(tracker->second);
+    } catch (const std::exception&) {
+      throw loom::CheckpointError(loom::detail::cat(
+          "checkpoint value precision.growth_tracker is '", tracker->second,
+          "', not an integer; the manifest is damaged"));
+    }
+    LOOM_CHECK_AS(CheckpointError, std::isfinite(state.loss_scale) && state.loss_scale > 0,
+                  "checkpoint loss scale is ", state.loss_scale, "; the manifest is damaged");
+    scaler_.scale = state.loss_scale;
+  }
+
+  Mode mode_ = Mode::fp32;
+  std::string mode_name_ = "fp32", where_mode_;
+  at::ScalarType dtype_ = at::kFloat;
+  c10::Device device_{c10::kCPU};
+  LossScaler scaler_;
+  bool autocast_on_ = false, saved_enabled_ = false, flags_set_ = false;
+  at::ScalarType saved_dtype_ = at::kFloat;
+  at::Float32Precision saved_matmul_ = at::Float32Precision::NONE,
+                       saved_conv_ = at::Float32Precision::NONE;
+};
+
+}  // namespace
+
+LOOM_DEFINE_PLUGIN(Precision, "precision", "1.0.0")
