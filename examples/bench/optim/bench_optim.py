@@ -1,0 +1,80 @@
+"""Optimizer step benchmark driver: runs every loom update rule (loom_bench_optim), PyTorch's
+AdamW (foreach and fused) and a STREAM triad, interleaved in a shuffled order per round, each
+in its own process (memory freed between), and prints a Markdown table of medians.
+
+usage: bench_optim.py BUILD_DIR [--rounds 3] [--millions 100] [--steps 3]
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+
+TORCH = r'''
+import sys, time, json, torch
+variant, threads, steps, millions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+torch.set_num_threads(threads)
+rows = int(millions * 1e6) // 100 // 1024
+params = [torch.nn.Parameter(torch.randn(rows * 1024 if i == 99 else (rows, 1024)) * 0.02) for i in range(100)]
+for p in params:
+    p.grad = torch.randn_like(p) * 1e-3
+opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{variant: True})
+times = []
+for s in range(steps + 1):
+    t = time.perf_counter(); opt.step(); dt = time.perf_counter() - t
+    if s: times.append(dt)
+times.sort()
+print(json.dumps({"rule": "torch-" + variant, "threads": threads, "params": sum(p.numel() for p in params), "seconds": times[len(times) // 2], "state_bytes_per_param": 8.0}))
+'''
+
+# Bytes each rule must move per parameter per step (read + write of param, grad, state).
+BYTES = {"adamw": 28, "torch-foreach": 28, "torch-fused": 28, "adam8bit": 16, "lion": 20,
+         "sgd": 20, "adafactor": 12}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--millions", type=float, default=100)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    exe = os.path.join(a.build, "bin", "loom_bench_optim")
+    runs = []
+    for threads in (1, 2):
+        runs.append(([exe, "triad", str(threads), "5", str(a.millions)], ("triad", threads)))
+        for rule in ("adamw", "adam8bit", "adafactor", "sgd", "lion"):
+            runs.append(([exe, rule, str(threads), str(a.steps), str(a.millions)], (rule, threads)))
+        for variant in ("foreach", "fused"):
+            runs.append(([sys.executable, "-c", TORCH, variant, str(threads), str(a.steps),
+                          str(a.millions)], ("torch-" + variant, threads)))
+    results = {}
+    for r in range(a.rounds):
+        order = runs[:]
+        random.Random(r).shuffle(order)
+        for command, key in order:
+            out = json.loads(subprocess.run(command, check=True, capture_output=True,
+                                            text=True).stdout.strip().splitlines()[-1])
+            results.setdefault(key, []).append(out)
+            print(r, key, out, file=sys.stderr, flush=True)
+    print("| rule | threads | Mparams/s (median) | bound Mparams/s | % of bound | state B/param |")
+    print("|---|---|---|---|---|---|")
+    for threads in (1, 2):
+        gbps = statistics.median(o["gbps"] for o in results[("triad", threads)])
+        torch_best = max(statistics.median(o["params"] / o["seconds"] for o in results[(v, threads)])
+                         for v in ("torch-foreach", "torch-fused"))
+        for rule in ("adamw", "torch-foreach", "torch-fused", "adam8bit", "adafactor", "sgd", "lion"):
+            outs = results[(rule, threads)]
+            rate = statistics.median(o["params"] / o["seconds"] for o in outs)
+            bound = gbps * 1e9 / BYTES[rule]
+            extra = f" ({rate / torch_best:.2f}x best torch)" if rule == "adamw" else ""
+            print(f"| {rule} | {threads} | {rate / 1e6:.0f}{extra} | {bound / 1e6:.0f} | "
+                  f"{100 * rate / bound:.0f}% | {outs[0]['state_bytes_per_param']:.3f} |")
+        stream = statistics.median(o["stream_gbps"] for o in results[("triad", threads)])
+        print(f"| triad | {threads} | {stream:.1f} GB/s STREAM count, {gbps:.1f} GB/s moved | | | |")
+
+
+if __name__ == "__main__":
+    main()

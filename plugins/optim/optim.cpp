@@ -1,0 +1,165 @@
+// The optim plugin: the update rules adafactor, adam8bit, sgd and lion as [optimizer] choices
+// (adamw is built into the core), and the element-wise rules sgd and lion themselves.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "loom/plugin.h"
+#include "rules.h"
+
+namespace loom::optim {
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements per parallel chunk: amortises the hand-off
+
+// torch.optim.SGD: L2 weight decay added to the gradient (coupled, as torch does), heavy-ball
+// momentum whose buffer starts as the first gradient, optional Nesterov look-ahead.
+class Sgd final : public UpdateRule {
+ public:
+  explicit Sgd(const ConfigSection& c)
+      : momentum_(beta_in_range(c, "momentum")),
+        dampening_(c.get_float("dampening")),
+        nesterov_(c.get_bool("nesterov")) {
+    LOOM_CHECK_AS(ConfigError, dampening_ >= 0 && dampening_ <= 1, c.where("dampening"),
+                  ": [optimizer] dampening must be in [0, 1], got ", dampening_);
+    LOOM_CHECK_AS(ConfigError, !nesterov_ || (momentum_ > 0 && dampening_ == 0),
+                  c.where("nesterov"),
+                  ": [optimizer] nesterov = true needs momentum > 0 and dampening = 0");
+  }
+  std::string name() const override { return "sgd"; }
+  NamedTensors init_state(const Segment& s) const override {
+    if (momentum_ == 0) return {};
+    return {{"momentum_buffer", at::zeros_like(s.param)}};
+  }
+  void update(Segment& s, const UpdateContext& ctx) const override {
+    const bool first = ctx.step == 1;  // torch's buffer is None before the first update
+    if (cpu_fp32(s)) {
+      float* p = s.param.data_ptr<float>();
+      const float* g = s.grad.data_ptr<float>();
+      float* buf = momentum_ == 0 ? nullptr : s.state_at("momentum_buffer").data_ptr<float>();
+      const float wd = static_cast<float>(ctx.weight_decay), lr = static_cast<float>(ctx.lr),
+                  mu = static_cast<float>(momentum_), keep = static_cast<float>(1.0 - dampening_);
+      const bool nesterov = nesterov_;
+      at::parallel_for(0, s.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          float d = wd != 0 ? g[i] + wd * p[i] : g[i];
+          if (buf) {
+            const float b = first ? d : mu * buf[i] + keep * d;
+            buf[i] = b;
+            d = nesterov ? d + mu * b : b;
+          }
+          p[i] = p[i] - lr * d;
+        }
+      });
+      return;
+    }
+    at::Tensor d = ctx.weight_decay != 0 ? s.grad.add(s.param, ctx.weight_decay) : s.grad;
+    if (momentum_ != 0) {
+      at::Tensor& buf = s.state_at("momentum_buffer");
+      if (first)
+        buf.copy_(d);
+      else
+        buf.mul_(momentum_).add_(d, 1.0 - dampening_);
+      d = nesterov_ ? d.add(buf, momentum_) : buf;
+    }
+    s.param.add_(d, -ctx.lr);
+  }
+
+ private:
+  double momentum_, dampening_;
+  bool nesterov_;
+};
+
+// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+// c = b1 m + (1-b1) g; p = p (1 - lr wd) - lr sign(c); m = b2 m + (1-b2) g.
+class Lion final : public UpdateRule {
+ public:
+  explicit Lion(const ConfigSection& c)
+      : beta1_(beta_in_range(c, "beta1")), beta2_(beta_in_range(c, "beta2")) {}
+  std::string name() const override { return "lion"; }
+  NamedTensors init_state(const Segment& s) const override {
+    return {{"exp_avg", at::zeros_like(s.param)}};
+  }
+  void update(Segment& s, const UpdateContext& ctx) const override {
+    at::Tensor& m = s.state_at("exp_avg");
+    if (cpu_fp32(s)) {
+      float* p = s.param.data_ptr<float>();
+      const float* g = s.grad.data_ptr<float>();
+      float* mp = m.data_ptr<float>();
+      const float b1 = static_cast<float>(beta1_), w1 = static_cast<float>(1.0 - beta1_),
+                  b2 = static_cast<float>(beta2_), w2 = static_cast<float>(1.0 - beta2_),
+                  lr = static_cast<float>(ctx.lr),
+                  decay = static_cast<float>(1.0 - ctx.lr * ctx.weight_decay);
+      at::parallel_for(0, s.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const float c = b1 * mp[i] + w1 * g[i];
+          const float sign = static_cast<float>((c > 0) - (c < 0));
+          p[i] = p[i] * decay - lr * sign;
+          mp[i] = b2 * mp[i] + w2 * g[i];
+        }
+      });
+      return;
+    }
+    at::Tensor direction = m.mul(beta1_).add_(s.grad, 1.0 - beta1_).sign_();
+    s.param.mul_(1.0 - ctx.lr * ctx.weight_decay).add_(direction, -ctx.lr);
+    m.mul_(beta2_).add_(s.grad, 1.0 - beta2_);
+  }
+
+ private:
+  double beta1_, beta2_;
+};
+
+class OptimPlugin final : public Plugin {
+ public:
+  std::string name() const override { return "optim"; }
+  std::string description() const override {
+    return "update rules adafactor, adam8bit (blockwise 8-bit state), sgd, lion";
+  }
+  std::vector<Schema> schemas() const override {
+    Schema adafactor("optimizer", "adafactor");
+    adafactor.key_float("eps1", 1e-30, "added to g² (Transformers' eps[0])")
+        .key_float("eps2", 1e-3, "floor of the parameter RMS when scale_parameter (eps[1])")
+        .key_float("clip_threshold", 1.0, "the update's RMS is clipped to this")
+        .key_float("decay_rate", -0.8, "second-moment decay 1 - t^decay_rate")
+        .key_float("beta1", 0.0, "first-moment decay; 0 = none (Transformers' beta1=None)")
+        .key_bool("scale_parameter", true, "scale the step by the parameter's RMS")
+        .key_bool("relative_step", true,
+                  "step size min(1e-2, 1/sqrt(t)) (ignores [train] learning_rate); false: the "
+                  "job's learning rate, as the Trainer's optim=\"adafactor\"")
+        .key_bool("warmup_init", false, "relative step 1e-6 t during warm-up")
+        .key_float("weight_decay", 0.0, "decay p *= 1 - lr wd (not biases/norms)");
+    Schema adam8bit("optimizer", "adam8bit");
+    adam8bit.key_float("beta1", 0.9, "first-moment decay")
+        .key_float("beta2", 0.999, "second-moment decay")
+        .key_float("eps", 1e-8, "added to the denominator")
+        .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)")
+        .key_int("block_size", 256, "elements per quantization block (one absmax each)")
+        .key_int("min_8bit_size", 4096, "tensors with fewer elements keep fp32 state");
+    Schema sgd("optimizer", "sgd");
+    sgd.key_float("momentum", 0.0, "heavy-ball momentum in [0, 1)")
+        .key_float("dampening", 0.0, "momentum dampening")
+        .key_bool("nesterov", false, "Nesterov momentum")
+        .key_float("weight_decay", 0.0, "L2 penalty added to the gradient (not biases/norms)");
+    Schema lion("optimizer", "lion");
+    lion.key_float("beta1", 0.9, "interpolation for the update's sign")
+        .key_float("beta2", 0.99, "momentum decay")
+        .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)");
+    return {adafactor, adam8bit, sgd, lion};
+  }
+  std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
+                                                 const ConfigSection& c) override {
+    if (name == "adafactor") return make_adafactor(c);
+    if (name == "adam8bit") return make_adam8bit(c);
+    if (name == "sgd") return make_sgd(c);
+    if (name == "lion") return make_lion(c);
+    throw InternalError("plugin optim has no optimizer " + name);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<UpdateRule> make_sgd(const ConfigSection& c) { return std::make_unique<Sgd>(c); }
+std::unique_ptr<UpdateRule> make_lion(const ConfigSection& c) { return std::make_unique<Lion>(c); }
+
+}  // namespace loom::optim
+
+LOOM_DEFINE_PLUGIN(loom::optim::OptimPlugin, "optim", "0.1.0")

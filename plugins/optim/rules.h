@@ -1,0 +1,32 @@
+// The optim plugin's update rules (adafactor, adam8bit, sgd, lion): factories the plugin class
+// calls, plus the shared checks. Plugin-internal; not part of the SDK.
+#pragma once
+
+#include <memory>
+
+#include "loom/config.h"
+#include "loom/error.h"
+#include "loom/update_rule.h"
+
+namespace loom::optim {
+
+std::unique_ptr<UpdateRule> make_adafactor(const ConfigSection& table);
+std::unique_ptr<UpdateRule> make_adam8bit(const ConfigSection& table);
+std::unique_ptr<UpdateRule> make_sgd(const ConfigSection& table);
+std::unique_ptr<UpdateRule> make_lion(const ConfigSection& table);
+
+// A decay rate in [0, 1), named in the error.
+inline double beta_in_range(const ConfigSection& c, const char* key) {
+  const double beta = c.get_float(key);
+  LOOM_CHECK_AS(ConfigError, beta >= 0 && beta < 1, c.where(key), ": [optimizer] ", key,
+                " must be in [0, 1), got ", beta, "; use e.g. 0.9");
+  return beta;
+}
+
+// True when the segment can take the raw-pointer CPU kernels.
+inline bool cpu_fp32(const Segment& s) {
+  return s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+         s.grad.scalar_type() == at::kFloat && s.grad.is_contiguous();
+}
+
+}  // namespace loom::optim

@@ -1,0 +1,544 @@
+// Tests of the update rules: the core's adamw and the optim plugin's adafactor, adam8bit, sgd,
+// lion. Parity with references run in Python (torch, Transformers, Lion from the paper), split
+// conformance, bitwise resume, the 8-bit maps' error bound, convergence, and bad input.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+
+#include "loom/plugin.h"
+#include "loom/safetensors.h"
+#include "loom/trainer.h"
+#include "quantize.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using test::TempDir;
+using test::tiny_gpt_job;
+
+// The optim plugin, loaded as the host would (its entry point), kept for the whole run.
+Plugin& optim_plugin() {
+  static Plugin* plugin = [] {
+    void* handle = dlopen(LOOM_OPTIM_PLUGIN, RTLD_NOW);
+    if (!handle) throw std::runtime_error(dlerror());
+    auto entry =
+        reinterpret_cast<const loom_plugin_info* (*)()>(dlsym(handle, "loom_plugin_entry"));
+    return entry()->create();
+  }();
+  return *plugin;
+}
+
+ConfigValue value_of(const std::variant<int64_t, double, bool>& v) {
+  ConfigValue out;
+  std::visit([&](auto x) { out.value = x; }, v);
+  out.where = "test";
+  return out;
+}
+
+// A rule built from its provider's schema and `values` (the rest defaults).
+std::unique_ptr<UpdateRule> make_rule(
+    const std::string& name,
+    const std::map<std::string, std::variant<int64_t, double, bool>>& values = {}) {
+  Schema schema("optimizer", name);
+  if (name == "adamw") {
+    schema.key_float("beta1", 0.9, "")
+        .key_float("beta2", 0.999, "")
+        .key_float("eps", 1e-8, "")
+        .key_float("weight_decay", 0.0, "");
+  } else {
+    for (const auto& s : optim_plugin().schemas())
+      if (s.provider() == name) schema = s;
+  }
+  ConfigTable table;
+  for (const auto& [key, v] : values) table.emplace_back(key, value_of(v));
+  ConfigSection section("optimizer", table, schema, "job.toml");
+  return name == "adamw" ? make_adamw(section) : optim_plugin().create_update_rule(name, section);
+}
+
+using Trajectory = std::vector<std::vector<at::Tensor>>;  // [step][tensor]
+
+// Parameters of several shapes and a gradient per step, reproducible.
+struct Problem {
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<at::Tensor>> grads;  // [step][tensor]
+  std::vector<bool> decay;                     // weight decay group
+};
+
+Problem make_problem(const std::vector<std::vector<int64_t>>& shapes, int steps, uint64_t seed) {
+  at::manual_seed(seed);
+  Problem p;
+  for (const auto& shape : shapes) {
+    p.params.push_back(at::randn(shape) * 0.5);
+    p.decay.push_back(shape.size() >= 2);
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<at::Tensor> step;
+    for (const auto& shape : shapes) step.push_back(at::randn(shape) * (0.1 + 0.01 * s));
+    p.grads.push_back(step);
+  }
+  return p;
+}
+
+// Runs `rule` over the problem, each tensor cut into segments at `cuts` (flat offsets, without
+// 0 and numel); returns the parameters after every step.
+Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, double weight_decay,
+                    const std::vector<std::vector<int64_t>>& cuts = {}) {
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<Segment>> segments;
+  for (size_t i = 0; i < problem.params.size(); ++i) {
+    params.push_back(problem.params[i].clone().view(-1));
+    std::vector<int64_t> bounds = {0};
+    if (i < cuts.size()) bounds.insert(bounds.end(), cuts[i].begin(), cuts[i].end());
+    bounds.push_back(params[i].numel());
+    std::vector<Segment> list;
+    for (size_t k = 0; k + 1 < bounds.size(); ++k) {
+      Segment s;
+      s.name = "p" + std::to_string(i);
+      s.param = params[i].slice(0, bounds[k], bounds[k + 1]);
+      s.shape = problem.params[i].sizes().vec();
+      s.offset = bounds[k];
+      s.state = rule.init_state(s);
+      list.push_back(std::move(s));
+    }
+    segments.push_back(std::move(list));
+  }
+  std::vector<std::vector<at::Tensor>> out;
+  for (size_t step = 0; step < problem.grads.size(); ++step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor grad = problem.grads[step][i].reshape(-1);
+      std::vector<Segment*> pointers;
+      for (auto& s : segments[i]) {
+        s.grad = grad.slice(0, s.offset, s.offset + s.param.numel());
+        pointers.push_back(&s);
+      }
+      UpdateContext ctx;
+      ctx.step = static_cast<int64_t>(step) + 1;
+      ctx.lr = lr;
+      ctx.weight_decay = problem.decay[i] ? weight_decay : 0.0;
+      update_tensor(rule, pointers, ctx);
+    }
+    std::vector<at::Tensor> snapshot;
+    for (size_t i = 0; i < params.size(); ++i)
+      snapshot.push_back(params[i].view(problem.params[i].sizes()).clone());
+    out.push_back(snapshot);
+  }
+  return out;
+}
+
+// The references' parameters after every step (reference.py), one list per (rule, config).
+std::vector<Trajectory> run_references(const std::vector<std::pair<std::string, std::string>>& jobs,
+                                       const Problem& problem) {
+  TempDir dir;
+  NamedTensors input;
+  for (size_t i = 0; i < problem.params.size(); ++i)
+    input.emplace_back("param." + std::to_string(i), problem.params[i]);
+  for (size_t s = 0; s < problem.grads.size(); ++s)
+    for (size_t i = 0; i < problem.params.size(); ++i)
+      input.emplace_back("grad." + std::to_string(s) + "." + std::to_string(i),
+                         problem.grads[s][i]);
+  safetensors::save(dir / "in.safetensors", input);
+  std::string decay = "[";
+  for (size_t i = 0; i < problem.decay.size(); ++i)
+    decay += (i ? "," : "") + std::to_string(int(problem.decay[i]));
+  std::string list = "[";
+  for (size_t k = 0; k < jobs.size(); ++k)
+    list += detail::cat(k ? ", " : "", "{\"rule\": \"", jobs[k].first, "\", \"config\": {",
+                        jobs[k].second, ", \"decay\": ", decay, "]}}");
+  list += "]";
+  const std::string command = std::string(LOOM_TEST_PYTHON) + " " + LOOM_OPTIM_REFERENCE + " '" +
+                              list + "' " + (dir / "in.safetensors").string() + " " +
+                              (dir / "out").string();
+  if (std::system(command.c_str()) != 0) throw std::runtime_error("reference failed: " + command);
+  std::vector<Trajectory> out;
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    auto contents = safetensors::load(dir / ("out." + std::to_string(k) + ".safetensors"));
+    std::map<std::string, at::Tensor> by_name(contents.tensors.begin(), contents.tensors.end());
+    Trajectory t(problem.grads.size());
+    for (size_t s = 0; s < problem.grads.size(); ++s)
+      for (size_t i = 0; i < problem.params.size(); ++i)
+        t[s].push_back(by_name.at("param." + std::to_string(s) + "." + std::to_string(i)));
+    out.push_back(t);
+  }
+  return out;
+}
+Trajectory run_reference(const std::string& rule, const std::string& config,
+                         const Problem& problem) {
+  return run_references({{rule, config}}, problem).front();
+}
+
+// Largest |a-b| / max|b| per tensor, over all steps and tensors: the error relative to the
+// tensor's scale (an element that crosses zero is not held to a relative bound of its own).
+double max_relative_error(const Trajectory& got, const Trajectory& want) {
+  double worst = 0;
+  for (size_t s = 0; s < want.size(); ++s)
+    for (size_t i = 0; i < want[s].size(); ++i) {
+      at::Tensor w = want[s][i].to(at::kDouble), g = got[s][i].to(at::kDouble);
+      worst = std::max(worst, ((g - w).abs().max() / w.abs().max()).item<double>());
+    }
+  return worst;
+}
+
+const std::vector<std::vector<int64_t>> kShapes = {{24, 40}, {40}, {3, 8, 10}, {7}};
+
+// ---- parity with references ----
+
+TEST(OptimParity, AdamWMatchesTorchOver100Steps) {
+  const Problem problem = make_problem(kShapes, 100, 1);
+  auto rule = make_rule("adamw", {{"beta1", 0.8}, {"beta2", 0.95}, {"eps", 1e-6}});
+  auto got = run_rule(*rule, problem, 1e-2, 0.1);
+  auto want = run_reference(
+      "adamw", R"("lr": 0.01, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1)",
+      problem);
+  EXPECT_LT(max_relative_error(got, want), 1e-6);
+}
+
+TEST(OptimParity, SgdMatchesTorch) {
+  const Problem problem = make_problem(kShapes, 30, 2);
+  struct Case {
+    double momentum, dampening;
+    bool nesterov;
+    double wd;
+  };
+  const std::vector<Case> cases = {Case{0.0, 0.0, false, 0.0}, Case{0.9, 0.0, true, 0.01},
+                                   Case{0.9, 0.1, false, 0.05}};
+  std::vector<std::pair<std::string, std::string>> jobs;
+  for (const Case& c : cases)
+    jobs.emplace_back("sgd", detail::cat("\"lr\": 0.05, \"momentum\": ", c.momentum,
+                                         ", \"dampening\": ", c.dampening,
+                                         ", \"nesterov\": ", c.nesterov ? "true" : "false",
+                                         ", \"weight_decay\": ", c.wd));
+  const auto want = run_references(jobs, problem);
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case& c = cases[k];
+    auto rule = make_rule(
+        "sgd", {{"momentum", c.momentum}, {"dampening", c.dampening}, {"nesterov", c.nesterov}});
+    EXPECT_LT(max_relative_error(run_rule(*rule, problem, 0.05, c.wd), want[k]), 1e-6)
+        << c.momentum << " " << c.nesterov;
+  }
+}
+
+TEST(OptimParity, LionMatchesThePaper) {
+  const Problem problem = make_problem(kShapes, 50, 3);
+  auto rule = make_rule("lion", {{"beta1", 0.9}, {"beta2", 0.99}});
+  auto got = run_rule(*rule, problem, 1e-3, 0.5);
+  auto want = run_reference(
+      "lion", R"("lr": 0.001, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.5)", problem);
+  EXPECT_LT(max_relative_error(got, want), 1e-6);
+}
+
+// Transformers' defaults (relative step, parameter scaling) and the Trainer's
+// optim="adafactor" (scale_parameter=False, relative_step=False, the job's lr).
+TEST(OptimParity, AdafactorMatchesTransformersStepByStep) {
+  const Problem problem = make_problem(kShapes, 30, 4);
+  const std::string common =
+      R"("eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": null, "warmup_init": false)";
+  const auto want = run_references(
+      {{"adafactor", common + R"(, "scale_parameter": true, "relative_step": true)"},
+       {"adafactor",
+        common +
+            R"(, "scale_parameter": false, "relative_step": false, "lr": 0.001, "weight_decay": 0.01)"}},
+      problem);
+  auto defaults = make_rule("adafactor");
+  EXPECT_LT(max_relative_error(run_rule(*defaults, problem, 0.0, 0.0), want[0]), 1e-6);
+  auto trainer = make_rule("adafactor", {{"scale_parameter", false}, {"relative_step", false}});
+  EXPECT_LT(max_relative_error(run_rule(*trainer, problem, 1e-3, 0.01), want[1]), 1e-6);
+}
+
+// With every tensor below min_8bit_size adam8bit is AdamW; quantized, it tracks AdamW closely.
+TEST(OptimParity, Adam8bitIsAdamWWithFp32StateAndCloseWithQuantizedState) {
+  const Problem problem = make_problem({{64, 128}, {128}}, 50, 5);
+  auto adamw = make_rule("adamw");
+  auto want = run_rule(*adamw, problem, 1e-3, 0.01);
+  auto fp32 = make_rule("adam8bit", {{"min_8bit_size", int64_t{1} << 40}});
+  EXPECT_LT(max_relative_error(run_rule(*fp32, problem, 1e-3, 0.01), want), 1e-6);
+  auto q = make_rule("adam8bit", {{"min_8bit_size", int64_t{1024}}});
+  auto got = run_rule(*q, problem, 1e-3, 0.01);
+  // The displacement from the start differs from AdamW's by a few percent at most.
+  const at::Tensor moved = want.back()[0] - problem.params[0];
+  const double error = ((got.back()[0] - want.back()[0]).norm() / moved.norm()).item<double>();
+  EXPECT_LT(error, 0.03);
+}
+
+// The default block size, by measured accuracy: the trajectory's distance from fp32 AdamW
+// for the paper's 2048, bitsandbytes' current 256, and 64 (state 2 + 8/block bytes/param).
+TEST(OptimParity, Adam8bitBlockSizeTradesAccuracyForState) {
+  const Problem problem = make_problem({{128, 512}}, 60, 9);
+  // Rows of very different scale, as embeddings and attention weights have.
+  Problem scaled = problem;
+  const at::Tensor scale = at::logspace(-3, 0, 128).unsqueeze(1);
+  for (auto& step : scaled.grads) step[0] = step[0] * scale;
+  auto adamw = make_rule("adamw");
+  const auto want = run_rule(*adamw, scaled, 1e-3, 0.0);
+  const at::Tensor moved = want.back()[0] - scaled.params[0];
+  std::map<int64_t, double> error;
+  for (int64_t block : {64, 256, 2048}) {
+    auto q = make_rule("adam8bit", {{"block_size", block}});
+    const auto got = run_rule(*q, scaled, 1e-3, 0.0);
+    error[block] = ((got.back()[0] - want.back()[0]).norm() / moved.norm()).item<double>();
+    std::printf("block %lld: relative distance from AdamW %.5f\n", static_cast<long long>(block),
+                error[block]);
+  }
+  EXPECT_LT(error[256], error[2048]);
+  EXPECT_LE(error[64], error[256] * 1.05);
+}
+
+// ---- conformance: every rule, split at its granularity, is bit-identical to unsplit ----
+
+struct RuleCase {
+  std::string name;
+  std::map<std::string, std::variant<int64_t, double, bool>> values;
+  double lr;
+};
+
+std::vector<RuleCase> all_rules() {
+  return {
+      {"adamw", {}, 1e-2},
+      {"adafactor", {}, 0.0},
+      {"adafactor", {{"scale_parameter", false}, {"relative_step", false}, {"beta1", 0.9}}, 1e-2},
+      {"adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{256}}}, 1e-2},
+      {"sgd", {{"momentum", 0.9}, {"nesterov", true}}, 1e-2},
+      {"lion", {}, 1e-3}};
+}
+
+TEST(OptimConformance, SplitRunsAreBitIdenticalToUnsplit) {
+  const Problem problem = make_problem(kShapes, 6, 6);  // 960, 40, 240, 7 elements
+  for (const auto& c : all_rules()) {
+    auto rule = make_rule(c.name, c.values);
+    const auto whole = run_rule(*rule, problem, c.lr, 0.1);
+    const Partitioning part = rule->partitioning();
+    // Cut points in units of the granularity: rows of dim 0, blocks, or single elements.
+    auto unit = [&](size_t i) -> int64_t {
+      const auto& t = problem.params[i];
+      if (part.granularity == Granularity::row) return t.numel() / t.size(0);
+      if (part.granularity == Granularity::block) return part.block;
+      return 1;
+    };
+    for (int pieces : {2, 3}) {
+      std::vector<std::vector<int64_t>> cuts;
+      for (size_t i = 0; i < problem.params.size(); ++i) {
+        const int64_t u = unit(i), units = (problem.params[i].numel() + u - 1) / u;
+        std::vector<int64_t> list;
+        for (int k = 1; k < pieces; ++k) {
+          const int64_t at_unit = units * k / pieces + (k == 1 ? 0 : 1);  // uneven pieces
+          if (at_unit > 0 && at_unit * u < problem.params[i].numel()) list.push_back(at_unit * u);
+        }
+        std::sort(list.begin(), list.end());
+        list.erase(std::unique(list.begin(), list.end()), list.end());
+        cuts.push_back(list);
+      }
+      const auto split = run_rule(*rule, problem, c.lr, 0.1, cuts);
+      for (size_t s = 0; s < whole.size(); ++s)
+        for (size_t i = 0; i < whole[s].size(); ++i)
+          EXPECT_TRUE(at::equal(whole[s][i], split[s][i]))
+              << c.name << " in " << pieces << " pieces, step " << s << ", tensor " << i;
+    }
+  }
+}
+
+TEST(OptimConformance, ThreadCountDoesNotChangeResults) {
+  const Problem problem = make_problem({{512, 300}, {300}}, 3, 7);
+  const int threads = at::get_num_threads();
+  for (const auto& c : all_rules()) {
+    auto rule = make_rule(c.name, c.values);
+    at::set_num_threads(1);
+    const auto one = run_rule(*rule, problem, c.lr, 0.1);
+    at::set_num_threads(2);
+    const auto two = run_rule(*rule, problem, c.lr, 0.1);
+    for (size_t i = 0; i < one.back().size(); ++i)
+      EXPECT_TRUE(at::equal(one.back()[i], two.back()[i])) << c.name;
+  }
+  at::set_num_threads(threads);
+}
+
+// ---- checkpoints ----
+
+std::vector<std::string> optimizer_set(const RuleCase& c) {
+  std::vector<std::string> set = {"train.max_steps=6", "optimizer.name=" + c.name,
+                                  "train.learning_rate=" + std::to_string(c.lr > 0 ? c.lr : 1e-2),
+                                  "optimizer.weight_decay=0.01"};
+  for (const auto& [key, v] : c.values)
+    set.push_back("optimizer." + key + "=" +
+                  std::visit(
+                      [](auto x) {
+                        if constexpr (std::is_same_v<decltype(x), bool>)
+                          return std::string(x ? "true" : "false");
+                        else
+                          return std::to_string(x);
+                      },
+                      v));
+  return set;
+}
+
+TEST(OptimCheckpoint, EveryRuleResumesBitwise) {
+  for (const auto& c : all_rules()) {
+    TempDir straight, split;
+    auto set = optimizer_set(c);
+    Trainer::from_text(tiny_gpt_job(straight.str()), straight.path(), set)->run();
+    {
+      auto first = Trainer::from_text(tiny_gpt_job(split.str()), split.path(), set);
+      first->setup();
+      for (int i = 0; i < 3; ++i) ASSERT_TRUE(first->step());
+      first->save_checkpoint();
+    }
+    set.push_back("train.resume=latest");
+    Trainer::from_text(tiny_gpt_job(split.str()), split.path(), set)->run();
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+      auto want = safetensors::load(straight / "checkpoint-6" / file).tensors;
+      auto got = safetensors::load(split / "checkpoint-6" / file).tensors;
+      ASSERT_EQ(want.size(), got.size()) << c.name << " " << file;
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_TRUE(at::equal(want[i].second, got[i].second)) << c.name << " " << want[i].first;
+    }
+  }
+}
+
+TEST(OptimCheckpoint, RejectsAnotherRulesOrShapesState) {
+  TempDir dir;
+  const RuleCase q{
+      "adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{256}}}, 1e-2};
+  auto set = optimizer_set(q);
+  set[0] = "train.max_steps=2";
+  Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), set)->run();
+  auto lion = optimizer_set({"lion", {}, 1e-3});
+  lion[0] = "train.max_steps=4";
+  lion.push_back("train.resume=latest");
+  EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), lion)->run(),
+                    CheckpointError, "adam8bit", "lion");
+  // Same rule, another block size: the absmax tensors have another shape.
+  set[0] = "train.max_steps=4";
+  set.push_back("optimizer.block_size=128");
+  set.push_back("train.resume=latest");
+  EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), set)->run(),
+                    CheckpointError, "optimizer.safetensors", "exp_avg_absmax");
+}
+
+// ---- 8-bit quantization ----
+
+TEST(OptimQuantization, MapsAreSortedAndExactAtZeroAndOne) {
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap map(is_signed);
+    for (int i = 0; i < 255; ++i) EXPECT_LE(map.code[i], map.code[i + 1]);
+    EXPECT_EQ(map.code[255], 1.0f);
+    EXPECT_EQ(map.code[0], is_signed ? -1.0f : 0.0f);
+    EXPECT_EQ(map.dequantize(map.quantize(0.0f)), 0.0f);
+    EXPECT_EQ(map.quantize(1.0f), 255);
+    // Tiny values keep a code: the smallest positive is 10^-(bits-1).
+    float smallest = 1;
+    for (float c : map.code)
+      if (c > 0) smallest = std::min(smallest, c);
+    EXPECT_NEAR(smallest, is_signed ? 1e-6 : 1e-7, 1e-9);
+  }
+}
+
+// Each value comes back within half the gap between the two codes around it (nearest
+// rounding), scaled by its block's absmax; the absmax element comes back exactly.
+TEST(OptimQuantization, RoundTripErrorIsWithinTheMapsBound) {
+  at::manual_seed(8);
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
+    at::Tensor x = at::randn({64, 256}) * at::logspace(-6, 2, 64).unsqueeze(1);
+    if (!is_signed) x = x.square();
+    const at::Tensor absmax = x.abs().amax(1);
+    double worst_ratio = 0;
+    for (int64_t b = 0; b < x.size(0); ++b) {
+      const float a = absmax[b].item<float>();
+      const float* row = x[b].data_ptr<float>();
+      for (int64_t i = 0; i < x.size(1); ++i) {
+        const float y = row[i] / a;
+        const float back = map.dequantize(map.quantize(y)) * a;
+        const float* hi = std::lower_bound(map.code.begin(), map.code.end(), y);
+        const float upper = hi == map.code.end() ? 1.0f : *hi;
+        const float lower = hi == map.code.begin() ? upper : *(hi - 1);
+        const double bound = 0.5 * (upper - lower) * a + 1e-6 * std::abs(row[i]) + 1e-30;
+        const double err = std::abs(back - row[i]);
+        ASSERT_LE(err, bound) << "value " << row[i] << " absmax " << a;
+        worst_ratio = std::max(worst_ratio, err / bound);
+        if (std::abs(row[i]) == a) EXPECT_EQ(back, row[i]);
+      }
+    }
+    EXPECT_GT(worst_ratio, 0.1);  // the bound is tight, not vacuous
+  }
+}
+
+TEST(OptimMemory, StateBytesPerParameter) {
+  const Segment big = [] {
+    Segment s;
+    s.param = at::zeros({1 << 20});
+    s.shape = {1 << 20};
+    return s;
+  }();
+  auto bytes = [&](const std::string& name,
+                   const std::map<std::string, std::variant<int64_t, double, bool>>& v = {}) {
+    int64_t total = 0;
+    for (const auto& [key, t] : make_rule(name, v)->init_state(big))
+      total += t.numel() * t.element_size();
+    return static_cast<double>(total) / big.param.numel();
+  };
+  EXPECT_DOUBLE_EQ(bytes("adamw"), 8.0);
+  EXPECT_DOUBLE_EQ(bytes("lion"), 4.0);
+  EXPECT_DOUBLE_EQ(bytes("sgd", {{"momentum", 0.9}}), 4.0);
+  EXPECT_DOUBLE_EQ(bytes("sgd"), 0.0);
+  EXPECT_DOUBLE_EQ(bytes("adam8bit"), 2.0 + 8.0 / 256);
+}
+
+// ---- convergence ----
+
+TEST(OptimConvergence, Adam8bitAndAdafactorTrackAdamWOnTinyGpt) {
+  auto final_loss = [](const std::vector<std::string>& extra) {
+    TempDir dir;
+    std::vector<std::string> set = {
+        "train.max_steps=200", "train.learning_rate=3e-3", "train.save_final=false",
+        "data.num_samples=32", "model.n_layer=1",          "train.per_device_train_batch_size=2"};
+    set.insert(set.end(), extra.begin(), extra.end());
+    auto trainer = Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), set);
+    double sum = 0;
+    int n = 0;
+    trainer->engine().on(Event::step_end, [&](Engine& e) {
+      if (e.state().step > 180) sum += e.state().loss, ++n;
+    });
+    trainer->run();
+    return sum / n;
+  };
+  const double adamw = final_loss({});
+  const double adam8bit = final_loss({"optimizer.name=adam8bit", "optimizer.min_8bit_size=1024"});
+  const double adafactor = final_loss({"optimizer.name=adafactor", "optimizer.relative_step=false",
+                                       "optimizer.scale_parameter=false"});
+  std::printf("last-20-step mean loss: adamw %.4f adam8bit %.4f adafactor %.4f\n", adamw, adam8bit,
+              adafactor);
+  const double start = std::log(64.0);
+  ASSERT_LT(adamw, start - 0.5) << "adamw must learn for the comparison to mean anything";
+  EXPECT_NEAR(adam8bit, adamw, 0.02 * adamw);
+  // Adafactor without momentum (the Trainer's setting) learns more slowly here: 13% above
+  // AdamW when measured; the bound says it still trains, not that it matches.
+  EXPECT_NEAR(adafactor, adamw, 0.20 * adamw);
+}
+
+// ---- bad input ----
+
+TEST(OptimBadInput, ErrorsNameTheKey) {
+  TempDir dir;
+  auto build = [&](const std::vector<std::string>& set) {
+    return Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), set)->run();
+  };
+  EXPECT_THROW_WITH(build({"optimizer.name=adamx"}), ConfigError, "adamx");
+  EXPECT_THROW_WITH(build({"train.learning_rate=-0.1"}), ConfigError, "learning_rate", "-0.1");
+  for (const std::string rule : {"adamw", "adam8bit", "lion"})
+    EXPECT_THROW_WITH(build({"optimizer.name=" + rule, "optimizer.beta1=1.0"}), ConfigError,
+                      "beta1", "[0, 1)");
+  EXPECT_THROW_WITH(build({"optimizer.name=adam8bit", "optimizer.beta2=-0.5"}), ConfigError,
+                    "beta2", "[0, 1)");
+  EXPECT_THROW_WITH(build({"optimizer.name=sgd", "optimizer.nesterov=true"}), ConfigError,
+                    "nesterov", "momentum > 0");
+  EXPECT_THROW_WITH(build({"optimizer.name=adam8bit", "optimizer.block_size=100"}), ConfigError,
+                    "block_size", "power of two");
+  EXPECT_THROW_WITH(build({"optimizer.name=adafactor", "optimizer.decay_rate=0.5"}), ConfigError,
+                    "decay_rate");
+}
+
+}  // namespace
+}  // namespace loom
