@@ -45,6 +45,8 @@ class Ddp final : public loom::Plugin {
       if (!buckets_ || !e.state().is_last_micro_step()) return;
       buckets_->finish();
       const auto& stats = buckets_->last_stats();
+      // Launch-to-observed-completion summed over buckets: an upper bound of the all-reduce
+      // time (an overlapped bucket is only observed done once backward ends).
       e.state().metrics.emplace_back("ddp_comm_s", stats.comm_seconds);
       e.state().metrics.emplace_back("ddp_exposed_comm_s", stats.exposed_seconds);
       e.state().metrics.emplace_back("ddp_buckets", static_cast<double>(stats.buckets));
