@@ -144,7 +144,10 @@ std::vector<Schema> core_schemas() {
       .key_bool("drop_last", true, "drop the last incomplete batch of an epoch");
   schemas.push_back(data);
   Schema optimizer("optimizer");
-  optimizer.key_string("name", "adamw", "the update rule: adamw (core) or a plugin's");
+  optimizer.key_string("name", "adamw", "the update rule: adamw (core) or a plugin's")
+      .key_optional("param_groups", ValueType::Array,
+                    "[{match = \"regex over parameter names\", lr_scale = 1.0, weight_decay = x}]; "
+                    "the first match sets a parameter's lr multiplier and weight decay");
   schemas.push_back(optimizer);
   return schemas;
 }

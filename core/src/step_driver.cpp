@@ -71,8 +71,10 @@ void StepDriver::update(int64_t step, double lr) {
                                                           : grad.to(at::kFloat).view(-1);
     UpdateContext context;
     context.step = step;
-    context.lr = lr;
-    context.weight_decay = entry.param.group == 0 ? weight_decay_ : 0.0;
+    context.lr = lr * entry.param.lr_scale;
+    context.weight_decay = entry.param.weight_decay >= 0.0 ? entry.param.weight_decay
+                           : entry.param.group == 0      ? weight_decay_
+                                                         : 0.0;
     update_tensor(rule_, {&entry.segment}, context);
     if (entry.separate_master)
       entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));

@@ -192,3 +192,53 @@ TEST(Engine, RefusesToOverwriteAnEarlierRun) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+TEST(Engine, ParamGroupsSetLearningRateAndWeightDecayByName) {
+  TempDir dir;
+  // The embeddings do not move (lr x 0); the blocks' weights decay hard; the rest train.
+  auto trainer = Trainer::from_text(
+      tiny_gpt_job(dir.str()) +
+          "\n[optimizer]\nparam_groups = [{match = \"w[tp]e\\\\..*\", lr_scale = 0.0},\n"
+          "  {match = \"h\\\\..*weight\", weight_decay = 0.5}, {match = \"h\\\\..*\", lr_scale = 9.0}]\n",
+      dir.path(), {"train.max_steps=3", "train.save_final=false"});
+  trainer->setup();
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : trainer->engine().params()) before[p.name] = p.tensor.detach().clone();
+  for (const auto& p : trainer->engine().params()) {
+    if (p.name.rfind("wte.", 0) == 0 || p.name.rfind("wpe.", 0) == 0) {
+      EXPECT_EQ(p.lr_scale, 0.0) << p.name;
+    } else if (p.name.rfind("h.", 0) == 0 && p.name.find("weight") != std::string::npos) {
+      EXPECT_EQ(p.weight_decay, 0.5) << p.name;  // the first matching entry wins
+      EXPECT_EQ(p.lr_scale, 1.0) << p.name;
+    } else if (p.name.rfind("h.", 0) == 0) {
+      EXPECT_EQ(p.lr_scale, 9.0) << p.name;
+    }
+  }
+  while (trainer->step()) {
+  }
+  for (const auto& p : trainer->engine().params()) {
+    const bool frozen_by_lr = p.name.rfind("wte.", 0) == 0 || p.name.rfind("wpe.", 0) == 0;
+    EXPECT_EQ(at::equal(p.tensor, before[p.name]), frozen_by_lr) << p.name;
+  }
+}
+
+TEST(Engine, BadParamGroupsAreNamedErrors) {
+  TempDir dir;
+  auto job = [&](const std::string& groups) {
+    return Trainer::from_text(tiny_gpt_job(dir.str()) + "\n[optimizer]\nparam_groups = " + groups + "\n",
+                              dir.path());
+  };
+  EXPECT_THROW_WITH(job("[{match = \"nothing.*\"}]")->setup(), ConfigError,
+                    "param_groups[0] match \"nothing.*\" matches no trainable parameter");
+  EXPECT_THROW_WITH(job("[{match = \"(\"}]")->setup(), ConfigError, "is not a valid regex");
+  EXPECT_THROW_WITH(job("[{match = \"wte.*\", lr = 0.1}]")->setup(), ConfigError,
+                    "unknown key 'lr' in [optimizer] param_groups[0]");
+  EXPECT_THROW_WITH(job("[{match = \"wte.*\", lr_scale = -1}]")->setup(), ConfigError,
+                    "lr_scale must be a number >= 0");
+}
+
+}  // namespace
+}  // namespace loom

@@ -19,9 +19,11 @@ expect_error() {
     fail "$name (exit $rc): $err"; fi
 }
 
-"$loom" --version | grep -q "^loom 0.1.0" && ok "--version" || fail "--version"
-"$loom" --help | grep -q "loom run JOB.toml" && ok "--help" || fail "--help"
-"$loom" plugins | grep -q "^gpt 0.1.0" && ok "plugins lists gpt" || fail "plugins lists gpt"
+# Output is captured first: `loom ... | grep -q` would fail under pipefail once grep stops
+# reading early and loom gets SIGPIPE.
+out=$("$loom" --version); grep -q "^loom 0.1.0" <<<"$out" && ok "--version" || fail "--version"
+out=$("$loom" --help); grep -q "loom run JOB.toml" <<<"$out" && ok "--help" || fail "--help"
+out=$("$loom" plugins); grep -q "^gpt 0.1.0" <<<"$out" && ok "plugins lists gpt" || fail "plugins lists gpt"
 for job in "$src"/examples/*.toml; do
   "$loom" check "$job" >/dev/null && ok "check $(basename "$job")" || fail "check $job"
 done

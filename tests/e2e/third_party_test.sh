@@ -12,8 +12,9 @@ cmake -S "$src/examples/third_party_plugin" -B "$work/hello" -G Ninja \
 cmake --build "$work/hello" >/dev/null
 test -f "$work/hello/loom_hello.so"
 echo "ok: built loom_hello.so against the installed SDK"
-"$work/prefix/bin/loom" plugins --path "$work/hello" | grep -q "^hello 1.0.0" \
-  && echo "ok: the installed loom lists it"
+listing=$("$work/prefix/bin/loom" plugins --path "$work/hello")
+grep -q "^hello 1.0.0" <<<"$listing"
+echo "ok: the installed loom lists it"
 "$work/prefix/bin/loom" run "$src/examples/demo.toml" --set "plugins.path=$work/hello" \
   --set hello.every=2 --set train.max_steps=4 --set "train.output_dir=$work/run" \
   --set train.resume= > "$work/run.log" 2>&1 || { cat "$work/run.log"; exit 1; }

@@ -70,6 +70,9 @@ struct Param {
   std::string name;
   at::Tensor tensor;  // the model's parameter
   int group = 0;      // 0: weight decay, 1: no weight decay
+  // From the first matching [optimizer] param_groups entry, if any:
+  double lr_scale = 1.0;       // this parameter's lr = the schedule's lr x lr_scale
+  double weight_decay = -1.0;  // >= 0: overrides the group's weight decay
 };
 
 // What save/load handlers add to or read from a checkpoint: extra safetensors files and
