@@ -13,6 +13,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import write_section  # noqa: E402
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_bench.toml")
 LOOM = os.path.join(ROOT, "build/bin/loom")
@@ -90,11 +93,7 @@ def main():
         "Command: `.venv/bin/python examples/bench/ddp/run.py --write`"])
     print(text)
     if a.write:
-        path = os.path.join(ROOT, "docs/BENCHMARKS.md")
-        doc = open(path).read()
-        start, end = "<!-- ddp:begin -->", "<!-- ddp:end -->"
-        i, j = doc.index(start) + len(start), doc.index(end)
-        open(path, "w").write(doc[:i] + "\n" + text + "\n" + doc[j:])
+        write_section("ddp", text)
 
 
 if __name__ == "__main__":

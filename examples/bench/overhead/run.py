@@ -5,12 +5,14 @@ usage: .venv/bin/python examples/bench/overhead/run.py [--rounds 5] [--steps 30]
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import cpu_name, write_section  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,12 +68,7 @@ def main():
     for name, values in medians.items():
         m = statistics.median(values)
         rows.append(f"| {name} | {m * 1000:.1f} | {tokens / m:,.0f} | {m / raw:.3f} | {python / m:.2f}x |")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     table = "\n".join([
         f"GPT-2-style model, {shape['layers']} layers x {shape['embd']} wide, {shape['heads']} heads, "
         f"vocab {shape['vocab']}, batch {shape['batch']} x {shape['seq']} tokens, AdamW, clip 1.0, "
@@ -87,11 +84,7 @@ def main():
     ])
     print(table)
     if args.write:
-        path = os.path.join(ROOT, "docs/BENCHMARKS.md")
-        text = open(path).read()
-        start, end = "<!-- overhead:begin -->", "<!-- overhead:end -->"
-        a, b = text.index(start) + len(start), text.index(end)
-        open(path, "w").write(text[:a] + "\n" + table + "\n" + text[b:])
+        write_section("overhead", table)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ byte LibTorch allocated, nothing else) and the process's peak RSS (rss_peak_byte
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import cpu_name  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -107,12 +109,7 @@ def main():
     def med(mode, batch, key):
         return statistics.median(r[key] for r in results[(mode, batch)])
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     print(f"machine: {cpu}, {os.cpu_count()} cores; {args.repeats} repeats, medians; "
           f"bert 4x256 (heads 4, ffn 1024, vocab 30522), seq_len {args.seq_len}, AdamW; "
           f"wall {time.time() - start:.0f} s\n")

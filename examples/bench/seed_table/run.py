@@ -17,6 +17,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import write_section  # noqa: E402
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 SHAPES = {
@@ -154,13 +157,8 @@ def main():
         except ImportError:
             print("matplotlib is not installed: no chart (scripts/setup installs it)", file=sys.stderr)
     if a.write:
-        path = os.path.join(ROOT, "docs/BENCHMARKS.md")
-        doc = open(path).read()
-        start, end = "<!-- seed_table:begin -->", "<!-- seed_table:end -->"
-        i, j = doc.index(start) + len(start), doc.index(end)
         cmd = "`.venv/bin/python examples/bench/seed_table/run.py --write" + (" --full" if a.full else "") + "`"
-        doc = doc[:i] + "\n" + table + "\n\nCommand: " + cmd + "\n\n![seed table](seed_table.png)\n" + doc[j:]
-        open(path, "w").write(doc)
+        write_section("seed_table", table + "\n\nCommand: " + cmd + "\n\n![seed table](seed_table.png)")
 
 
 if __name__ == "__main__":
