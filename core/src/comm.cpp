@@ -3,7 +3,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cstdlib>
 #include <map>
 #include <mutex>
 
