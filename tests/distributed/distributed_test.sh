@@ -147,5 +147,10 @@ expect_error "several ranks without [ddp]" "add a [ddp] table" timeout 60 "$laun
   --master-port $port "$loom" run "$src/examples/demo.toml" --set "train.output_dir=$work/noddp" \
   --set train.resume= --set train.max_steps=2
 
+expect_error "ddp bucket size" "[ddp] reduce_bucket_size must be positive" \
+  "$loom" run "$job" --set "train.output_dir=$work/bucket" --set ddp.reduce_bucket_size=0
+expect_error "loom-launch bad flag" "--nproc-per-node needs an integer >= 1" "$launch" --nproc-per-node 0 true
+expect_error "loom-launch no command" "no COMMAND to launch" "$launch" --nproc-per-node 2
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
