@@ -1,6 +1,6 @@
 // The built-in AdamW update rule: a fused, vectorised, multi-threaded CPU kernel over flat fp32
-// segments plus a tensor-op path for other devices (CUDA). Not torch::optim: no param groups
-// here; the step driver resolves lr and weight decay per segment.
+// segments, PyTorch's fused kernel on CUDA, and tensor ops on any other device. Not
+// torch::optim: no param groups here; the step driver resolves lr and weight decay per segment.
 #include "adamw.h"
 
 #include <ATen/ATen.h>
@@ -82,6 +82,10 @@ class AdamW final : public UpdateRule {
       });
       return;
     }
+    if (fused_cuda(s)) {
+      fused_cuda_update({&s}, ctx);
+      return;
+    }
     // Any other device: the same arithmetic as tensor ops.
     s.param.mul_(1.0 - ctx.lr * ctx.weight_decay);
     m.lerp_(s.grad, 1.0 - beta1_);
@@ -89,7 +93,41 @@ class AdamW final : public UpdateRule {
     s.param.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps_), -step_size);
   }
 
+  void update_many(const std::vector<Segment*>& segments,
+                   const UpdateContext& ctx) const override {
+    bool fused = !segments.empty();
+    for (const Segment* s : segments)
+      fused = fused && fused_cuda(*s) && s->param.device() == segments.front()->param.device();
+    if (fused) return fused_cuda_update(segments, ctx);
+    UpdateRule::update_many(segments, ctx);
+  }
+
  private:
+  static bool fused_cuda(const Segment& s) {
+    return s.param.is_cuda() && s.param.scalar_type() == at::kFloat &&
+           s.grad.scalar_type() == at::kFloat && s.grad.device() == s.param.device();
+  }
+
+  // PyTorch's fused CUDA AdamW (what torch.optim.AdamW(fused=True) runs): a multi-tensor
+  // kernel that reads and writes each element once, a few launches for any number of tensors.
+  // Its step count is a device tensor (one, shared: the kernel only reads it), so nothing
+  // syncs the host.
+  void fused_cuda_update(const std::vector<Segment*>& segments, const UpdateContext& ctx) const {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    const at::Tensor step =
+        at::full({}, static_cast<double>(ctx.step),
+                 at::TensorOptions().dtype(at::kFloat).device(segments.front()->param.device()));
+    for (Segment* s : segments) {
+      params.push_back(s->param);
+      grads.push_back(s->grad);
+      exp_avgs.push_back(s->state_at("exp_avg"));
+      exp_avg_sqs.push_back(s->state_at("exp_avg_sq"));
+      steps.push_back(step);
+    }
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, ctx.lr, beta1_, beta2_,
+                      ctx.weight_decay, eps_, /*amsgrad=*/false, /*maximize=*/false);
+  }
+
   double beta1_, beta2_, eps_;
 };
 

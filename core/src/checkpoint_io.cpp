@@ -61,6 +61,7 @@ std::string write_checkpoint(const std::string& output_dir, const CheckpointCont
     files["model"] = c.model;
     files["optimizer"] = c.optimizer;
     files["trainer"] = {{"rng.cpu", c.rng_cpu}};
+    if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
     nlohmann::ordered_json manifest = {
         {"format", kFormat},
         {"format_version", kFormatVersion},
@@ -151,6 +152,7 @@ CheckpointContents read_checkpoint(const std::string& folder) {
     else if (stem == "trainer") {
       for (auto& [key, tensor] : contents.tensors)
         if (key == "rng.cpu") c.rng_cpu = tensor;
+        else if (key == "rng.cuda") c.rng_device = tensor;
     } else c.plugin.files[stem] = std::move(contents.tensors);
   }
   LOOM_CHECK_AS(CheckpointError, c.rng_cpu.defined(), "checkpoint '", folder,

@@ -21,6 +21,7 @@ struct CheckpointContents {
   NamedTensors model;      // model.safetensors
   NamedTensors optimizer;  // optimizer.safetensors
   at::Tensor rng_cpu;      // trainer.safetensors
+  at::Tensor rng_device;   // trainer.safetensors "rng.cuda": the GPU's generator (CUDA jobs)
   CheckpointData plugin;   // <stem>.safetensors files and manifest values
 };
 

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef LOOM_WITH_CUDA
@@ -128,6 +129,11 @@ class C10dComm final : public Comm {
   int world_size() const override { return env_.world_size; }
   int local_rank() const override { return env_.local_rank; }
   int local_world_size() const override { return env_.local_world_size; }
+  c10::Device device() const override {
+    if (name_ != "nccl") return c10::Device(c10::kCPU);
+    // The engine made this rank's GPU current before the first collective (activate_device).
+    return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
+  }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) override {
     std::vector<at::Tensor> tensors{tensor};

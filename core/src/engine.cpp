@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "checkpoint_io.h"
+#include "device.h"
 #include "job.h"
 #include "loom/comm.h"
 #include "loom/data.h"
@@ -150,7 +151,14 @@ class EngineImpl final : public Engine, public Trainer {
       threads = std::max(1, cores / std::max(1, comm_->local_world_size()));
     }
     at::set_num_threads(threads);
-    device_ = pick_device(device_name, train.where("device"));
+    device_ = pick_device(device_name, train.where("device"), comm_->local_rank(),
+                          comm_->local_world_size());
+    activate_device(device_);
+    LOOM_CHECK_AS(ConfigError, comm_->device().is_cpu() || device_.is_cuda(),
+                  resolved_.section("distributed").where("backend"), ": [distributed] backend = \"",
+                  comm_->backend(), "\" moves CUDA tensors only, but this job trains on ",
+                  device_.str(), " ([train] device = \"", device_name,
+                  "\"); use backend = \"gloo\" or \"mpi\" on CPUs, or a CUDA device");
     // Several ranks need something that keeps their replicas in step.
     bool synced = comm_->world_size() == 1;
     for (auto* plugin : resolved_.table_plugins)
@@ -250,13 +258,23 @@ class EngineImpl final : public Engine, public Trainer {
     int64_t local_targets = 0, samples = 0, tokens = 0;
     for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
       window.push_back(data_->next());
+      // A source that moves batches itself (preload) counts them on the host before; one
+      // that does not leaves the models to count on the device.
+      Batch& drawn = window.back();
+      if (!drawn.host_stats.known && (!drawn.input_ids.defined() || drawn.input_ids.is_cpu()))
+        drawn.compute_host_stats();
       local_targets += window.back().num_loss_targets();
       samples += window.back().num_samples();
       tokens += window.back().num_tokens();
     }
-    at::Tensor counts = at::tensor({static_cast<double>(local_targets)}, at::kDouble);
-    if (comm_->world_size() > 1) comm_->all_reduce(counts, ReduceOp::sum)->wait();
-    state_.window_targets = static_cast<int64_t>(counts.item<double>());
+    state_.window_targets = local_targets;
+    if (comm_->world_size() > 1) {
+      // On the backend's device (NCCL takes CUDA tensors only); one sync per step.
+      at::Tensor counts = at::full({1}, static_cast<double>(local_targets),
+                                   at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+      comm_->all_reduce(counts, ReduceOp::sum)->wait();
+      state_.window_targets = static_cast<int64_t>(counts.item<double>());
+    }
     LOOM_CHECK_AS(DataError, state_.window_targets > 0, "step ", state_.step + 1,
                   ": the accumulation window has no loss targets (every label is ",
                   kIgnoreIndex, ")");
@@ -264,11 +282,14 @@ class EngineImpl final : public Engine, public Trainer {
     const double normaliser =
         static_cast<double>(comm_->world_size()) / static_cast<double>(state_.window_targets);
 
-    double loss_sum = 0.0;
+    // The window's summed loss stays on the device until the step's one host sync below.
+    at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
       state_.micro_step = k;
       state_.sync_grads = state_.is_last_micro_step();
-      batch_ = window[k].to(device_);
+      // Page-locked host memory lets the copy run asynchronously to the compute stream.
+      batch_ = device_.is_cuda() ? window[k].pinned().to(device_, /*non_blocking=*/true)
+                                 : window[k].to(device_);
       fire(Event::batch);
       fire(Event::before_forward);
       output_ = model_->forward(batch_);
@@ -282,16 +303,16 @@ class EngineImpl final : public Engine, public Trainer {
         state_.grads_scaled = true;
       }
       loss.backward();
-      loss_sum += output_.loss_sum.detach().to(at::kDouble).item<double>();
+      loss_total.add_(output_.loss_sum.detach().to(at::kDouble).reshape({1}));
       fire(Event::after_backward);
     }
     if (comm_->world_size() > 1) {
       // The reported loss is the window's mean over all ranks' targets.
-      at::Tensor total = at::tensor({loss_sum}, at::kDouble);
-      comm_->all_reduce(total, ReduceOp::sum)->wait();
-      state_.loss = total.item<double>() / static_cast<double>(state_.window_targets);
+      loss_total = loss_total.to(comm_->device());
+      comm_->all_reduce(loss_total, ReduceOp::sum)->wait();
+      state_.loss = loss_total.item<double>() / static_cast<double>(state_.window_targets);
     } else {
-      state_.loss = loss_sum / std::max<int64_t>(1, local_targets);
+      state_.loss = loss_total.item<double>() / static_cast<double>(std::max<int64_t>(1, local_targets));
     }
 
     fire(Event::before_update);
@@ -303,7 +324,7 @@ class EngineImpl final : public Engine, public Trainer {
       LOOM_INTERNAL_ASSERT(!state_.grads_scaled,
                            "gradients are still scaled by the loss scale at update time; the "
                            "precision plugin must unscale them in before_update");
-      state_.grad_norm = std::sqrt(driver_->grad_norm_squared());
+      state_.grad_norm = std::sqrt(driver_->grad_norm_squared().item<double>());
       LOOM_CHECK(std::isfinite(state_.grad_norm), "step ", state_.step + 1,
                  ": the gradient norm is ", state_.grad_norm, " (loss ", state_.loss,
                  "): training diverged; lower [train] learning_rate, or use [precision] with "
@@ -376,6 +397,7 @@ class EngineImpl final : public Engine, public Trainer {
     contents.model = named_state();
     contents.optimizer = driver_->state_tensors();
     contents.rng_cpu = cpu_generator_state();
+    contents.rng_device = device_rng_state(device_);
     contents.plugin = checkpoint_;
     std::string folder;
     if (comm_->rank() == 0) {
@@ -461,25 +483,6 @@ class EngineImpl final : public Engine, public Trainer {
 
   void fire(Event event) {
     for (auto& registered : handlers_[static_cast<size_t>(event)]) registered.handler(*this);
-  }
-
-  c10::Device pick_device(const std::string& name, const std::string& where) {
-    const bool cuda = at::hasCUDA();
-    // Each rank of a node takes its own GPU.
-    if (name == "auto")
-      return cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(comm_->local_rank()))
-                  : c10::Device(c10::kCPU);
-    c10::Device device(c10::kCPU);
-    try {
-      device = c10::Device(name);
-    } catch (const std::exception&) {
-      throw ConfigError(detail::cat(where, ": [train] device '", name,
-                                    "' is not a device; use cpu, cuda, cuda:N or auto"));
-    }
-    LOOM_CHECK_AS(ConfigError, device.is_cpu() || (device.is_cuda() && cuda), where,
-                  ": [train] device '", name, "' is not available here",
-                  cuda ? "" : " (no CUDA device found)", "; use cpu or auto");
-    return device;
   }
 
   void collect_params() {
@@ -653,6 +656,13 @@ class EngineImpl final : public Engine, public Trainer {
       auto generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(contents.rng_cpu);
+    }
+    if (device_.is_cuda()) {
+      if (contents.rng_device.defined())
+        set_device_rng_state(device_, contents.rng_device);
+      else
+        log::warn("checkpoint ", folder, " holds no ", device_.str(), " RNG state (it was ",
+                  "written by a CPU run): dropout on the GPU will not repeat the original run's");
     }
     data_->seek(contents.data);
     state_.step = contents.step;

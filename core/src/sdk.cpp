@@ -69,6 +69,7 @@ Engine::~Engine() = default;
 UpdateRule::~UpdateRule() = default;
 Work::~Work() = default;
 Comm::~Comm() = default;
+c10::Device Comm::device() const { return c10::Device(c10::kCPU); }
 Dataset::~Dataset() = default;
 DataSource::~DataSource() = default;
 nn::UnitInterceptor::~UnitInterceptor() = default;
@@ -118,13 +119,54 @@ void update_tensor(const UpdateRule& rule, const std::vector<Segment*>& segments
   for (Segment* s : segments) rule.update(*s, context);
 }
 
+void UpdateRule::update_many(const std::vector<Segment*>& segments,
+                             const UpdateContext& context) const {
+  for (Segment* s : segments) update_tensor(*this, {s}, context);
+}
+
 bool Model::no_weight_decay(const std::string&, const at::Tensor& param) const {
   return param.dim() < 2;
 }
 
 int64_t Batch::num_loss_targets() const {
+  if (host_stats.known) return host_stats.loss_targets;
   if (!labels.defined()) return 0;
   return labels.ne(kIgnoreIndex).sum().item<int64_t>();
+}
+
+std::pair<int64_t, int64_t> Batch::input_id_range() const {
+  if (host_stats.known) return {host_stats.min_input_id, host_stats.max_input_id};
+  if (!input_ids.defined() || input_ids.numel() == 0) return {0, -1};
+  auto [low, high] = at::aminmax(input_ids);
+  return {low.item<int64_t>(), high.item<int64_t>()};
+}
+
+int64_t Batch::max_label() const {
+  if (host_stats.known) return host_stats.max_label;
+  if (!labels.defined() || labels.numel() == 0) return -1;
+  return labels.max().item<int64_t>();
+}
+
+void Batch::compute_host_stats() {
+  LOOM_CHECK(!input_ids.defined() || input_ids.is_cpu(),
+             "Batch::compute_host_stats runs on the host copy of a batch, before it moves");
+  host_stats = HostStats{};
+  host_stats.loss_targets = num_loss_targets();
+  std::tie(host_stats.min_input_id, host_stats.max_input_id) = input_id_range();
+  host_stats.max_label = max_label();
+  host_stats.known = true;
+}
+
+Batch Batch::pinned() const {
+  auto pin = [](const at::Tensor& t) {
+    return t.defined() && t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t;
+  };
+  Batch out = *this;
+  out.input_ids = pin(input_ids);
+  out.labels = pin(labels);
+  out.attention_mask = pin(attention_mask);
+  out.token_type_ids = pin(token_type_ids);
+  return out;
 }
 
 Batch Batch::to(c10::Device device, bool non_blocking) const {
@@ -137,6 +179,7 @@ Batch Batch::to(c10::Device device, bool non_blocking) const {
   out.attention_mask = move(attention_mask);
   out.token_type_ids = move(token_type_ids);
   out.sample_indices = sample_indices;
+  out.host_stats = host_stats;
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <map>
 
 #include "loom/error.h"
 
@@ -29,56 +30,78 @@ StepDriver::StepDriver(std::vector<Param> params, const UpdateRule& rule, double
   }
 }
 
-void StepDriver::zero_grad() {
-  for (auto& entry : entries_) {
-    at::Tensor& grad = entry.param.tensor.mutable_grad();
-    if (grad.defined()) grad.zero_();
-  }
-}
-
-double StepDriver::grad_norm_squared() const {
-  double total = 0.0;
+std::vector<at::Tensor> StepDriver::grads() const {
+  std::vector<at::Tensor> out;
   for (const auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
-    if (!grad.defined()) continue;
-    total += grad.to(at::kFloat).pow(2).sum().to(at::kDouble).item<double>();
+    if (grad.defined()) out.push_back(grad);
   }
-  return total;
+  return out;
+}
+
+void StepDriver::zero_grad() {
+  // Multi-tensor ops: on a GPU one launch covers many tensors, not one launch per tensor.
+  auto all = grads();
+  if (!all.empty()) at::_foreach_zero_(all);
+}
+
+at::Tensor StepDriver::grad_norm_squared() const {
+  // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
+  // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
+  auto all = grads();
+  if (all.empty()) return at::zeros({}, at::kDouble);
+  if (all.front().is_cuda()) {
+    // One multi-tensor norm kernel (what clip_grad_norm_ runs), squared in fp64.
+    return at::stack(at::_foreach_norm(all, 2)).to(at::kDouble).pow(2).sum();
+  }
+  std::vector<at::Tensor> squares;
+  for (const at::Tensor& grad : all) squares.push_back(grad.to(at::kFloat).pow(2).sum());
+  return at::stack(squares).to(at::kDouble).sum();
 }
 
 bool StepDriver::grads_finite() const {
+  std::vector<at::Tensor> finite;
   for (const auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
-    if (grad.defined() && !at::isfinite(grad).all().item<bool>()) return false;
+    if (grad.defined()) finite.push_back(at::isfinite(grad).all());
   }
-  return true;
+  return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
 void StepDriver::scale_grads(double factor) {
   at::NoGradGuard no_grad;
-  for (auto& entry : entries_) {
-    at::Tensor& grad = entry.param.tensor.mutable_grad();
-    if (grad.defined()) grad.mul_(factor);
-  }
+  auto all = grads();
+  if (!all.empty()) at::_foreach_mul_(all, factor);
 }
 
 void StepDriver::update(int64_t step, double lr) {
   at::NoGradGuard no_grad;
+  // Tensors that share a learning rate and weight decay go to the rule together (update_many),
+  // in parameter order within each group.
+  std::map<std::pair<double, double>, std::vector<Entry*>> groups;
   for (auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
     if (!grad.defined()) continue;  // unused this step (e.g. a frozen branch)
     entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.view(-1)
                                                           : grad.to(at::kFloat).view(-1);
+    const double weight_decay = entry.param.weight_decay >= 0.0 ? entry.param.weight_decay
+                                : entry.param.group == 0        ? weight_decay_
+                                                                : 0.0;
+    groups[{lr * entry.param.lr_scale, weight_decay}].push_back(&entry);
+  }
+  for (auto& [key, group] : groups) {
     UpdateContext context;
     context.step = step;
-    context.lr = lr * entry.param.lr_scale;
-    context.weight_decay = entry.param.weight_decay >= 0.0 ? entry.param.weight_decay
-                           : entry.param.group == 0      ? weight_decay_
-                                                         : 0.0;
-    update_tensor(rule_, {&entry.segment}, context);
-    if (entry.separate_master)
-      entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
-    entry.segment.grad = at::Tensor();
+    context.lr = key.first;
+    context.weight_decay = key.second;
+    std::vector<Segment*> segments;
+    for (Entry* entry : group) segments.push_back(&entry->segment);
+    rule_.update_many(segments, context);
+    for (Entry* entry : group) {
+      if (entry->separate_master)
+        entry->param.tensor.detach().copy_(entry->master.view(entry->param.tensor.sizes()));
+      entry->segment.grad = at::Tensor();
+    }
   }
 }
 

@@ -17,8 +17,9 @@ class StepDriver {
   StepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay);
 
   void zero_grad();
-  // Sum of squared gradient entries over this rank's segments (fp32 grads, summed in double).
-  double grad_norm_squared() const;
+  // Sum of squared gradient entries over this rank's segments (fp32 grads, summed in double):
+  // a 0-d fp64 tensor on the parameters' device, so reading it is the caller's one sync.
+  at::Tensor grad_norm_squared() const;
   void scale_grads(double factor);
   bool grads_finite() const;
   // Runs the rule on every segment; step is the 1-based update count.
@@ -32,6 +33,8 @@ class StepDriver {
   int64_t master_bytes() const;
 
  private:
+  // The defined gradients, in parameter order.
+  std::vector<at::Tensor> grads() const;
   struct Entry {
     Param param;
     at::Tensor master;  // fp32 (n); aliases the parameter when it is fp32 already

@@ -53,8 +53,9 @@ class Bert final : public loom::Model {
     const int64_t B = ids.size(0), T = ids.size(1);
     LOOM_CHECK(T <= config_.max_position_embeddings, "bert: sequence length ", T,
                " exceeds [model] max_position_embeddings ", config_.max_position_embeddings);
-    LOOM_CHECK(ids.max().item<int64_t>() < config_.vocab_size && ids.min().item<int64_t>() >= 0,
-               "bert: token id ", ids.max().item<int64_t>(), " is outside [model] vocab_size ",
+    const auto [min_id, max_id] = batch.input_id_range();  // host counts: no GPU sync
+    LOOM_CHECK(max_id < config_.vocab_size && min_id >= 0, "bert: token id ",
+               min_id < 0 ? min_id : max_id, " is outside [model] vocab_size ",
                config_.vocab_size);
     at::Tensor types = batch.token_type_ids.defined() ? batch.token_type_ids : at::zeros_like(ids);
     at::Tensor x = word->forward(ids) + position->forward(at::arange(T, ids.options())) +
@@ -72,12 +73,12 @@ class Bert final : public loom::Model {
       LOOM_CHECK(batch.labels.dim() == 1 && batch.labels.size(0) == B,
                  "bert classifies whole sequences: labels must be (B) = (", B, "), got ",
                  batch.labels.sizes(), "; with random_tokens use [data] task = \"classification\"");
-      LOOM_CHECK(batch.labels.max().item<int64_t>() < config_.num_labels,
-                 "bert: label ", batch.labels.max().item<int64_t>(), " >= [model] num_labels ",
-                 config_.num_labels);
+      const int64_t max_label = batch.max_label();
+      LOOM_CHECK(max_label < config_.num_labels, "bert: label ", max_label,
+                 " >= [model] num_labels ", config_.num_labels);
       out.loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), batch.labels, {},
                                             at::Reduction::Sum, loom::kIgnoreIndex);
-      out.num_targets = batch.labels.ne(loom::kIgnoreIndex).sum().item<int64_t>();
+      out.num_targets = batch.num_loss_targets();
     }
     return out;
   }

@@ -59,9 +59,9 @@ class Gpt final : public loom::Model {
     const int64_t T = ids.size(1);
     LOOM_CHECK(T <= config_.n_positions, "gpt: sequence length ", T, " exceeds [model] n_positions ",
                config_.n_positions, "; raise n_positions or shorten [data] seq_len");
-    const int64_t max_id = ids.max().item<int64_t>();
-    LOOM_CHECK(max_id < config_.vocab_size && ids.min().item<int64_t>() >= 0, "gpt: token id ",
-               max_id, " is outside [model] vocab_size ", config_.vocab_size,
+    const auto [min_id, max_id] = batch.input_id_range();  // host counts: no GPU sync
+    LOOM_CHECK(max_id < config_.vocab_size && min_id >= 0, "gpt: token id ",
+               min_id < 0 ? min_id : max_id, " is outside [model] vocab_size ", config_.vocab_size,
                "; raise vocab_size to cover the data's ids");
     at::Tensor positions = at::arange(T, ids.options());
     at::Tensor x = at::dropout(wte->forward(ids) + wpe->forward(positions), config_.dropout,
@@ -77,7 +77,7 @@ class Gpt final : public loom::Model {
       out.loss_sum = at::cross_entropy_loss(logits.view({-1, logits.size(-1)}).to(at::kFloat),
                                             batch.labels.reshape({-1}), {}, at::Reduction::Sum,
                                             loom::kIgnoreIndex);
-      out.num_targets = batch.labels.ne(loom::kIgnoreIndex).sum().item<int64_t>();
+      out.num_targets = batch.num_loss_targets();
     }
     return out;
   }

@@ -316,7 +316,10 @@ class Precision final : public loom::Plugin {
       }
     }
     // Every rank must skip together, or their replicas drift apart.
-    if (engine.comm().world_size() > 1) engine.comm().all_reduce(found_inf, loom::ReduceOp::max)->wait();
+    if (engine.comm().world_size() > 1) {
+      found_inf = found_inf.to(engine.comm().device());  // mpi/gloo: CPU; nccl: this GPU
+      engine.comm().all_reduce(found_inf, loom::ReduceOp::max)->wait();
+    }
     const bool overflow = found_inf.item<float>() != 0.0f;
     state.grads_scaled = false;
     scaler_.scale = scale;

@@ -56,6 +56,8 @@ PreloadSource::Result PreloadSource::prepare(const Task& task, bool on_worker) {
     }
     current = -1;
     result.batch = collate(samples);
+    // Counted here, on the host copy, so the trainer never syncs with a GPU to count them.
+    result.batch.compute_host_stats();
 #ifdef LOOM_WITH_CUDA
     if (options_.pin_memory && options_.device.is_cuda()) {
       // Page-locked copies, then an asynchronous copy on a side stream; the trainer's stream
@@ -63,9 +65,7 @@ PreloadSource::Result PreloadSource::prepare(const Task& task, bool on_worker) {
       c10::cuda::CUDAGuard device_guard(options_.device);
       c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, options_.device.index());
       c10::cuda::CUDAStreamGuard stream_guard(side);
-      Batch& b = result.batch;
-      for (at::Tensor* t : {&b.input_ids, &b.labels, &b.attention_mask, &b.token_type_ids})
-        if (t->defined()) *t = t->pin_memory().to(options_.device, /*non_blocking=*/true);
+      result.batch = result.batch.pinned().to(options_.device, /*non_blocking=*/true);
       auto event = std::make_shared<at::cuda::CUDAEvent>();
       event->record(side);
       const c10::Device device = options_.device;

@@ -6,6 +6,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
@@ -26,11 +27,29 @@ struct Batch {
   at::Tensor token_type_ids;
   std::vector<int64_t> sample_indices;  // dataset index of each row, for errors and checks
 
+  // Counts taken on the host before the batch moves to a GPU, so a model reading them there
+  // costs no device-to-host sync (a GPU .item() stalls the whole stream). The engine fills them
+  // for every batch it draws; `to()` and `pinned()` carry them along.
+  struct HostStats {
+    bool known = false;
+    int64_t loss_targets = 0;
+    int64_t min_input_id = 0, max_input_id = -1;
+    int64_t max_label = -1;
+  } host_stats;
+
   int64_t num_samples() const { return input_ids.defined() ? input_ids.size(0) : 0; }
   int64_t num_tokens() const { return input_ids.defined() ? input_ids.numel() : 0; }
   // Loss targets in this micro-batch: the labels that are not kIgnoreIndex.
   int64_t num_loss_targets() const;
+  // Smallest and largest token id of input_ids ({0, -1} when empty).
+  std::pair<int64_t, int64_t> input_id_range() const;
+  // Largest label (-1 when there are none).
+  int64_t max_label() const;
+  // Fills host_stats from this (CPU) batch.
+  void compute_host_stats();
   Batch to(c10::Device device, bool non_blocking = false) const;
+  // A copy whose CPU tensors are in page-locked memory (for asynchronous copies to a GPU).
+  Batch pinned() const;
 };
 
 // A model's answer. loss_sum is the *sum* of the per-target losses (fp32 scalar), so the engine

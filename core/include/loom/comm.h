@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <chrono>
 #include <functional>
@@ -40,6 +41,10 @@ class Comm {
   virtual int world_size() const = 0;
   virtual int local_rank() const = 0;
   virtual int local_world_size() const = 0;
+  // Where the tensors of this backend's collectives must live: the CPU for local, mpi and gloo;
+  // this rank's current CUDA device for nccl. Callers put small scalars (target counts, loss
+  // sums, overflow flags) there, so no backend ever sees a tensor on the wrong device.
+  virtual c10::Device device() const;
 
   // In place on `tensor`.
   virtual std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) = 0;

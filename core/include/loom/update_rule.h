@@ -75,6 +75,13 @@ class UpdateRule {
   // rows in order makes a split run bit-identical to the unsplit one. A sharded driver folds
   // its own segments and sums the accumulators over ranks.
   virtual int reduction_rounds() const { return 0; }
+
+  // Whole tensors (one segment each) that share one context, updated in one call, so a rule
+  // can batch them into one multi-tensor kernel (adamw on CUDA: one fused launch for the whole
+  // model instead of one per tensor; launches, not bytes, bound a GPU step of many small
+  // tensors). The default runs update_tensor on each; results must not depend on the batching.
+  virtual void update_many(const std::vector<Segment*>& segments,
+                           const UpdateContext& context) const;
   virtual at::Tensor make_accumulator(const Segment& segment, int round) const;
   virtual void accumulate(const Segment& segment, const UpdateContext& context, int round,
                           at::Tensor& accumulator) const;

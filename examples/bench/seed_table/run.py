@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import write_section  # noqa: E402
+from benchlib import cpu_name, write_section  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
@@ -84,11 +84,21 @@ def run_row(loom, shape, row, half_mode, threads):
     seconds = sum(r["step_time_s"] for r in rows)
     samples = shape[5]
     return {
+        "device": info["device"],
         "time": seconds, "samples_per_s": samples / seconds,
         "peak": max(r["mem_peak_bytes"] for r in rows),
         "rss": max(r["rss_peak_bytes"] for r in rows),
         "state": info["model_state"],
     }
+
+
+def gpu_name():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        return out or "CUDA GPU"
+    except (OSError, subprocess.CalledProcessError):
+        return "CUDA GPU"
 
 
 def mib(b):
@@ -106,6 +116,7 @@ def main():
     p.add_argument("--loom", default=os.path.join(ROOT, "build/bin/loom"))
     p.add_argument("--chart", default=None, help="PNG path (default: docs/seed_table.png with --write)")
     p.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md and the chart")
+    p.add_argument("--json", default=None, help="also write the table and raw numbers here")
     a = p.parse_args()
     shape_name = "full" if a.full else "tiny" if a.tiny else "scaled"
     shape = SHAPES[shape_name]
@@ -114,14 +125,17 @@ def main():
         runs = [run_row(a.loom, shape, row, a.half, a.threads) for _ in range(a.repeats)]
         res = {k: statistics.median(r[k] for r in runs) for k in ("time", "samples_per_s", "peak", "rss")}
         res["state"] = runs[0]["state"]
+        res["device"] = runs[0]["device"]
         results.append(res)
         print(f"{row[0].format(half=a.half)}: {res['time']:.2f} s, {mib(res['peak']):.0f} MiB",
               file=sys.stderr)
     hidden, layers, heads, inter, seq, samples = shape
+    on_gpu = results[0]["device"].startswith("cuda")
+    where = (f"one {gpu_name()}; memory = peak bytes of the CUDA caching allocator"
+             if on_gpu else f"{cpu_name()}; memory = peak bytes of loom's tracking CPU allocator")
     header = (f"BERT classifier, {layers} layers x {hidden} wide, {heads} heads, intermediate "
               f"{inter}, {samples} random sequences of {seq} tokens ({shape_name} size); half "
-              f"precision = {a.half}; memory = peak bytes of loom's tracking CPU allocator "
-              f"(RSS beside it); {a.repeats} run(s) per row.")
+              f"precision = {a.half}; {where} (RSS beside it); {a.repeats} run(s) per row.")
     lines = ["| configuration | time (s) | samples/s | memory (MiB) | peak RSS (MiB) | weights | grads | optimizer | activations + other | seed: time / samples/s / MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row, res, seed in zip(ROWS, results, SEED):
@@ -156,6 +170,9 @@ def main():
             print(f"chart: {chart}", file=sys.stderr)
         except ImportError:
             print("matplotlib is not installed: no chart (scripts/setup installs it)", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"table": table, "rows": results}, f, indent=1)
     if a.write:
         cmd = "`.venv/bin/python examples/bench/seed_table/run.py --write" + (" --full" if a.full else "") + "`"
         write_section("seed_table", table + "\n\nCommand: " + cmd + "\n\n![seed table](seed_table.png)")

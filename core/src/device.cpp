@@ -1,0 +1,75 @@
+// Compute-device choice and activation. See device.h.
+#include "device.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <mutex>
+
+#include "loom/error.h"
+
+namespace loom {
+
+int cuda_device_count() {
+  if (!at::hasCUDA()) return 0;
+  return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount());
+}
+
+c10::Device pick_device(const std::string& name, const std::string& where, int local_rank,
+                        int local_world_size) {
+  c10::Device device(c10::kCPU);
+  if (name != "auto") {
+    try {
+      device = c10::Device(name);
+    } catch (const std::exception&) {
+      throw ConfigError(detail::cat(where, ": [train] device '", name,
+                                    "' is not a device; use cpu, cuda, cuda:N or auto"));
+    }
+    LOOM_CHECK_AS(ConfigError, device.is_cpu() || device.is_cuda(), where, ": [train] device '",
+                  name, "' is not supported; use cpu, cuda, cuda:N or auto");
+  }
+  const int gpus = cuda_device_count();
+  if (name == "auto") {
+    if (gpus == 0) return c10::Device(c10::kCPU);
+    device = c10::Device(c10::kCUDA);
+  }
+  if (device.is_cpu()) return device;
+  LOOM_CHECK_AS(ConfigError, gpus > 0, where, ": [train] device '", name,
+                "' asks for CUDA, but this machine has no usable CUDA device (no GPU, or no "
+                "driver); set [train] device = \"cpu\" or \"auto\"");
+  if (!device.has_index()) {
+    // One GPU per rank of this node, as torchrun and DeepSpeed do.
+    LOOM_CHECK_AS(ConfigError, local_rank < gpus, where, ": [train] device '", name, "': ",
+                  local_world_size, " ranks run on this node but it has ", gpus,
+                  " CUDA device(s); start at most ", gpus,
+                  " ranks per node (loom-launch --nproc-per-node)");
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+  }
+  LOOM_CHECK_AS(ConfigError, device.index() < gpus, where, ": [train] device '", name,
+                "' does not exist: this machine has ", gpus, " CUDA device(s), cuda:0",
+                gpus > 1 ? detail::cat(" to cuda:", gpus - 1) : std::string(),
+                "; use one of them, \"cuda\" or \"auto\"");
+  return device;
+}
+
+void activate_device(c10::Device device) {
+  if (device.is_cpu()) return;
+  c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+}
+
+at::Tensor device_rng_state(c10::Device device) {
+  if (device.is_cpu()) return {};
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_device_rng_state(c10::Device device, const at::Tensor& state) {
+  if (device.is_cpu() || !state.defined()) return;
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+}  // namespace loom

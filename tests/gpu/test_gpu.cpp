@@ -1,0 +1,372 @@
+// The CUDA twins of the CPU suites (CTest label `gpu`): every technique run on a GPU and held to
+// its CPU result or to the same exactness its CPU test demands. Each test skips, saying why, on
+// a machine without a CUDA device; scripts/gpu-check runs them on one.
+// Not a benchmark: speed on GPUs is measured by examples/bench (docs/BENCHMARKS.md).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "loom/comm.h"
+#include "loom/engine.h"
+#include "loom/model.h"
+#include "loom/trainer.h"
+#include "test_util.h"
+#include "update_rules.h"
+
+namespace loom {
+namespace {
+
+using test::TempDir;
+using test::tiny_gpt_job;
+
+#define LOOM_REQUIRE_GPU()                                                                 \
+  do {                                                                                     \
+    if (!at::hasCUDA())                                                                    \
+      GTEST_SKIP() << "no CUDA device on this machine; the gpu label runs on a GPU machine " \
+                      "(scripts/gpu-check)";                                                 \
+    deterministic_kernels();                                                               \
+  } while (0)
+
+// Bitwise comparisons on a GPU need kernels that sum in a fixed order: cuBLAS with a fixed
+// workspace, ATen's deterministic index/scatter backward (embedding), and the math attention
+// backend (the fused ones accumulate with atomics). Each CTest test is its own process, so
+// this runs before the first CUDA call of the test.
+void deterministic_kernels() {
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 1);
+  auto& context = at::globalContext();
+  // warn_only: an op without a deterministic kernel shows up as a named bitwise difference.
+  context.setDeterministicAlgorithms(true, /*warn_only=*/true);
+  context.setSDPUseFlash(false);
+  context.setSDPUseMemEfficient(false);
+  context.setSDPUseCuDNN(false);
+}
+
+struct TrainRun {
+  std::vector<double> losses;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;  // CPU copies after the run
+  int64_t skipped = 0;
+  nlohmann::json last_metrics;
+};
+
+// Trains `job` with the `set` overrides, recording each step's loss and the final parameters.
+TrainRun train(const std::string& job, const TempDir& dir, std::vector<std::string> set,
+          const std::function<void(Engine&)>& attach = {}) {
+  auto trainer = Trainer::from_text(job, dir.path(), std::move(set));
+  TrainRun run;
+  Engine& engine = trainer->engine();
+  engine.on(Event::step_end, [&](Engine& e) { run.losses.push_back(e.state().loss); });
+  if (attach) attach(engine);
+  trainer->run();
+  for (const auto& p : engine.params()) {
+    run.names.push_back(p.name);
+    run.params.push_back(p.tensor.detach().to(at::kCPU).clone());
+  }
+  run.skipped = engine.state().skipped_updates;
+  std::ifstream in(dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) run.last_metrics = nlohmann::json::parse(line);
+  return run;
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kCPU, at::kDouble) - b.to(at::kCPU, at::kDouble)).abs().max().item<double>();
+}
+
+void expect_bitwise(const TrainRun& want, const TrainRun& got) {
+  ASSERT_EQ(want.names, got.names);
+  EXPECT_EQ(want.losses, got.losses);
+  for (size_t i = 0; i < want.params.size(); ++i)
+    EXPECT_TRUE(at::equal(want.params[i], got.params[i]))
+        << want.names[i] << " differs by " << max_abs_diff(want.params[i], got.params[i]);
+}
+
+// ---- the engine on CUDA ----
+
+TEST(Gpu, Fp32TrainingFollowsTheCpuRun) {
+  LOOM_REQUIRE_GPU();
+  TempDir cpu_dir, gpu_dir;
+  const TrainRun cpu = train(tiny_gpt_job(cpu_dir.str()), cpu_dir, {"train.device=cpu"});
+  const TrainRun gpu = train(tiny_gpt_job(gpu_dir.str()), gpu_dir, {"train.device=cuda"});
+  ASSERT_EQ(cpu.losses.size(), 4u);
+  ASSERT_EQ(gpu.losses.size(), 4u);
+  // Different kernels, same arithmetic in fp32 (no TF32: fp32 mode keeps IEEE matmuls).
+  for (size_t i = 0; i < cpu.losses.size(); ++i)
+    EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-4 * std::abs(cpu.losses[i])) << "step " << i + 1;
+  for (size_t i = 0; i < cpu.params.size(); ++i)
+    EXPECT_LT(max_abs_diff(cpu.params[i], gpu.params[i]), 1e-3) << cpu.names[i];
+  // The metrics read the GPU's caching allocator (device "cuda" is cuda:0, not index -1).
+  EXPECT_GT(gpu.last_metrics["mem_peak_bytes"].get<int64_t>(), 0);
+}
+
+TEST(Gpu, EveryUpdateRuleMatchesItsCpuResult) {
+  LOOM_REQUIRE_GPU();
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (const std::string name : {"adamw", "adafactor", "adam8bit", "sgd", "lion"}) {
+    SCOPED_TRACE(name);
+    auto rule = test::make_rule(name);
+    at::manual_seed(3);
+    // A matrix (factored in Adafactor, several 8-bit blocks) and a vector.
+    for (const std::vector<int64_t> shape : {std::vector<int64_t>{96, 80}, {300}}) {
+      at::Tensor start = at::randn(shape);
+      std::vector<at::Tensor> grads;
+      for (int step = 0; step < 3; ++step) grads.push_back(at::randn(shape));
+      std::array<at::Tensor, 2> results;
+      for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+        const c10::Device device = on_gpu ? cuda : c10::Device(c10::kCPU);
+        Segment segment;
+        segment.name = "w";
+        segment.param = start.to(device).view(-1).clone();
+        segment.shape = shape;
+        segment.state = rule->init_state(segment);
+        for (const auto& [key, tensor] : segment.state)
+          EXPECT_EQ(tensor.device(), device) << key << " state was made off the param's device";
+        for (int step = 0; step < 3; ++step) {
+          segment.grad = grads[step].to(device).view(-1);
+          UpdateContext context;
+          context.step = step + 1;
+          context.lr = 1e-2;
+          context.weight_decay = 0.1;
+          update_tensor(*rule, {&segment}, context);
+        }
+        EXPECT_EQ(segment.param.device(), device);
+        results[on_gpu] = segment.param.to(at::kCPU);
+      }
+      // adam8bit re-quantizes its moments: a value on a code boundary may round the other way.
+      const double tolerance = name == "adam8bit" ? 2e-4 : 1e-5;
+      EXPECT_LT(max_abs_diff(results[0], results[1]), tolerance) << "shape " << shape.size();
+      EXPECT_GT(max_abs_diff(results[0], start.view(-1)), 1e-4) << "the rule did not update";
+    }
+  }
+}
+
+TEST(Gpu, Fp16LossScalerSkipsExactlyTheOverflowedUpdate) {
+  LOOM_REQUIRE_GPU();
+  TempDir dir;
+  std::vector<at::Tensor> before, after;
+  const TrainRun run = train(tiny_gpt_job(dir.str()) + "\n[precision]\nmode = \"fp16\"\n", dir,
+                        {"train.device=cuda", "train.max_steps=4"}, [&](Engine& engine) {
+    // An inf in one gradient on the third step, as an fp16 overflow in backward would make.
+    engine.on(Event::after_backward, [](Engine& e) {
+      if (e.state().step != 2) return;
+      at::NoGradGuard no_grad;
+      e.params()[1].tensor.mutable_grad().view(-1)[3].fill_(INFINITY);
+    });
+    engine.on(Event::before_update, [&](Engine& e) {
+      if (e.state().step != 2) return;
+      for (const auto& p : e.params()) before.push_back(p.tensor.detach().to(at::kCPU).clone());
+    });
+    engine.on(Event::after_update, [&](Engine& e) {
+      if (e.state().step != 3) return;  // after the skipped one
+      for (const auto& p : e.params()) after.push_back(p.tensor.detach().to(at::kCPU).clone());
+      EXPECT_EQ(e.state().loss_scale, 32768.0);  // GradScaler's 65536 backed off once
+    });
+  });
+  EXPECT_EQ(run.skipped, 1);
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(at::equal(before[i], after[i])) << "the skipped update changed " << run.names[i];
+  for (double loss : run.losses) EXPECT_TRUE(std::isfinite(loss));
+}
+
+TEST(Gpu, Bf16Fp16AndTf32FollowTheFp32Loss) {
+  LOOM_REQUIRE_GPU();
+  // Random tokens carry no signal; a longer run on a learnable stream shows the curves agree.
+  auto job = [](const TempDir& dir) {
+    std::string j = tiny_gpt_job(dir.str());
+    j.replace(j.find("num_samples = 64"), 16, "num_samples = 512");
+    return j;
+  };
+  const std::vector<std::string> set = {"train.device=cuda", "train.max_steps=30",
+                                        "train.learning_rate=3e-3"};
+  TempDir base_dir;
+  const TrainRun fp32 = train(job(base_dir), base_dir, set);
+  for (const std::string mode : {"bf16", "fp16", "tf32", "full_bf16"}) {
+    SCOPED_TRACE(mode);
+    TempDir dir;
+    const TrainRun run = train(job(dir) + "\n[precision]\nmode = \"" + mode + "\"\n", dir, set);
+    ASSERT_EQ(run.losses.size(), fp32.losses.size());
+    // fp16's scaler may skip a first step or two while it finds its scale, as GradScaler does.
+    if (mode != "fp16") EXPECT_EQ(run.skipped, 0);
+    const double tolerance = mode == "full_bf16" ? 0.03 : 0.01;
+    EXPECT_NEAR(run.losses.back(), fp32.losses.back(), tolerance * fp32.losses.back());
+  }
+}
+
+// ---- the plugins on CUDA ----
+
+TEST(Gpu, CheckpointingWithDropoutIsBitwiseThePlainRun) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<std::string> set = {"train.device=cuda", "model.dropout=0.1",
+                                        "model.n_layer=4", "train.max_steps=3",
+                                        "train.gradient_accumulation_steps=2"};
+  TempDir plain_dir, ckpt_dir;
+  const TrainRun plain = train(tiny_gpt_job(plain_dir.str()), plain_dir, set);
+  const TrainRun recomputed =
+      train(tiny_gpt_job(ckpt_dir.str()) + "\n[checkpointing]\nevery = 1\n", ckpt_dir, set);
+  expect_bitwise(plain, recomputed);
+}
+
+TEST(Gpu, PreloadWithPinnedMemoryAndASideStreamTrainsTheSame) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<std::string> set = {"train.device=cuda", "train.max_steps=6"};
+  TempDir plain_dir, pre_dir;
+  const TrainRun plain = train(tiny_gpt_job(plain_dir.str()), plain_dir, set);
+  const TrainRun preloaded = train(tiny_gpt_job(pre_dir.str()) +
+                                  "\n[preload]\nnum_workers = 2\npin_memory = true\n",
+                              pre_dir, set);
+  expect_bitwise(plain, preloaded);
+}
+
+TEST(Gpu, LoraTrainsOnlyTheAdaptersOnCuda) {
+  LOOM_REQUIRE_GPU();
+  TempDir dir;
+  std::vector<at::Tensor> frozen_before;
+  auto trainer = Trainer::from_text(
+      tiny_gpt_job(dir.str()) + "\n[lora]\nr = 4\ntarget_modules = [\"qkv\", \"proj\"]\n",
+      dir.path(), {"train.device=cuda", "train.max_steps=3"});
+  trainer->setup();
+  Engine& engine = trainer->engine();
+  std::vector<std::pair<std::string, at::Tensor>> base;
+  for (const auto& item : engine.model().named_parameters()) {
+    EXPECT_TRUE(item.value().is_cuda()) << item.key();
+    if (!item.value().requires_grad()) base.emplace_back(item.key(), item.value().to(at::kCPU).clone());
+  }
+  ASSERT_FALSE(base.empty());
+  for (const auto& p : engine.params())
+    EXPECT_NE(p.name.find("adapter"), std::string::npos) << p.name << " should be frozen";
+  std::vector<at::Tensor> adapters_before;
+  for (const auto& p : engine.params()) adapters_before.push_back(p.tensor.to(at::kCPU).clone());
+  trainer->run();
+  std::map<std::string, at::Tensor> now;
+  for (const auto& item : engine.model().named_parameters()) now[item.key()] = item.value();
+  for (const auto& [name, tensor] : base)
+    EXPECT_TRUE(at::equal(tensor, now.at(name).to(at::kCPU))) << name << " changed";
+  bool moved = false;
+  for (size_t i = 0; i < engine.params().size(); ++i)
+    moved |= !at::equal(adapters_before[i], engine.params()[i].tensor.to(at::kCPU));
+  EXPECT_TRUE(moved) << "no adapter was trained";
+  EXPECT_TRUE(std::filesystem::exists(dir / "adapter_model.safetensors"));
+}
+
+TEST(Gpu, ResumeIsBitwiseWithDropoutAndBf16) {
+  LOOM_REQUIRE_GPU();
+  // Dropout draws from the GPU's generator: a resume that restored only the CPU RNG would
+  // drop other units after the restart.
+  const std::string extra = "\n[precision]\nmode = \"bf16\"\n";
+  const std::vector<std::string> set = {"train.device=cuda", "model.dropout=0.1",
+                                        "train.max_steps=6"};
+  TempDir straight_dir, split_dir;
+  const TrainRun straight = train(tiny_gpt_job(straight_dir.str()) + extra, straight_dir, set);
+  auto first_half = set;
+  first_half.push_back("train.save_steps=3");
+  first_half.push_back("train.max_steps=3");
+  train(tiny_gpt_job(split_dir.str()) + extra, split_dir, first_half);
+  auto second_half = set;
+  second_half.push_back("train.resume=latest");
+  TrainRun resumed = train(tiny_gpt_job(split_dir.str()) + extra, split_dir, second_half);
+  ASSERT_EQ(resumed.losses.size(), 3u);
+  EXPECT_EQ(std::vector<double>(straight.losses.begin() + 3, straight.losses.end()),
+            resumed.losses);
+  resumed.losses = straight.losses;  // compared above; now the weights
+  expect_bitwise(straight, resumed);
+}
+
+// ---- NCCL ----
+
+// One rank of a torchrun-style job on this machine's first GPU.
+void one_rank_env() {
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  setenv("LOCAL_RANK", "0", 1);
+  setenv("LOCAL_WORLD_SIZE", "1", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(29400 + (getpid() % 500)).c_str(), 1);
+}
+
+TEST(Gpu, NcclCollectivesWithOneRank) {
+  LOOM_REQUIRE_GPU();
+  one_rank_env();
+  CommOptions options;
+  options.backend = "nccl";
+  options.cuda = true;
+  options.timeout = std::chrono::seconds(60);
+  at::globalContext().setDeterministicAlgorithms(false, false);
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, 0));
+  auto comm = make_comm(options);
+  EXPECT_EQ(comm->backend(), "nccl");
+  EXPECT_EQ(comm->device(), c10::Device(c10::kCUDA, 0));
+  const auto on_gpu = at::TensorOptions().dtype(at::kFloat).device(comm->device());
+  at::Tensor x = at::arange(8, on_gpu);
+  comm->all_reduce(x, ReduceOp::sum)->wait();
+  EXPECT_TRUE(at::equal(x.cpu(), at::arange(8, at::kFloat)));
+  comm->all_reduce(x, ReduceOp::avg)->wait();
+  EXPECT_TRUE(at::equal(x.cpu(), at::arange(8, at::kFloat)));
+  at::Tensor gathered = at::zeros({8}, on_gpu);
+  comm->all_gather(gathered, x)->wait();
+  EXPECT_TRUE(at::equal(gathered.cpu(), at::arange(8, at::kFloat)));
+  at::Tensor part = at::zeros({8}, on_gpu);
+  comm->reduce_scatter(part, x, ReduceOp::sum)->wait();
+  EXPECT_TRUE(at::equal(part.cpu(), at::arange(8, at::kFloat)));
+  at::Tensor counts = at::full({1}, 5.0, on_gpu.dtype(at::kDouble));
+  comm->all_reduce(counts, ReduceOp::sum)->wait();
+  EXPECT_EQ(counts.item<double>(), 5.0);
+  comm->barrier();
+}
+
+TEST(Gpu, DdpOverNcclTrainsLikeOneProcess) {
+  LOOM_REQUIRE_GPU();
+  one_rank_env();
+  TempDir local_dir, nccl_dir;
+  const std::vector<std::string> set = {"train.device=cuda", "train.max_steps=3"};
+  const TrainRun local = train(tiny_gpt_job(local_dir.str()), local_dir, set);
+  const TrainRun nccl = train(tiny_gpt_job(nccl_dir.str()) +
+                             "\n[distributed]\nbackend = \"nccl\"\n\n[ddp]\n",
+                         nccl_dir, set);
+  // One rank: the all-reduce of a sum over one rank leaves every gradient as it was.
+  expect_bitwise(local, nccl);
+}
+
+// ---- bad input ----
+
+TEST(Gpu, ADeviceIndexPastTheLastGpuIsAnErrorNamingTheKey) {
+  LOOM_REQUIRE_GPU();
+  TempDir dir;
+  EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(),
+                                       {"train.device=cuda:7"})
+                        ->setup(),
+                    ConfigError, "[train] device 'cuda:7' does not exist", "CUDA device(s)",
+                    "cuda:0");
+}
+
+TEST(Gpu, NcclOnACpuJobIsAnErrorNamingBothKeys) {
+  LOOM_REQUIRE_GPU();
+  one_rank_env();
+  TempDir dir;
+  EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()) +
+                                           "\n[distributed]\nbackend = \"nccl\"\n\n[ddp]\n",
+                                       dir.path(), {"train.device=cpu"})
+                        ->setup(),
+                    ConfigError, "backend = \"nccl\" moves CUDA tensors only",
+                    "[train] device = \"cpu\"", "gloo");
+}
+
+// Runs everywhere: on a CPU-only machine, asking for CUDA is a clear error, not a crash.
+TEST(Device, CudaOnAMachineWithoutOneIsAnErrorNamingTheKey) {
+  if (at::hasCUDA()) GTEST_SKIP() << "this machine has a CUDA device";
+  TempDir dir;
+  EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(),
+                                       {"train.device=cuda"})
+                        ->setup(),
+                    ConfigError, "--set train.device=cuda", "[train] device 'cuda' asks for CUDA",
+                    "no usable CUDA device", "device = \"cpu\"");
+}
+
+}  // namespace
+}  // namespace loom
