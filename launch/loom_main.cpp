@@ -1,5 +1,5 @@
-// The `loom` command: run, check, plugins. Every error is one line naming the thing and what to
-// do, and a non-zero exit.
+// The `loom` command: run, check, plugins, env. Every error is one line naming the thing and what
+// to do, and a non-zero exit.
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "loom/cpu.h"
 #include "loom/error.h"
 #include "loom/plugin.h"
 #include "loom/log.h"
@@ -21,6 +22,7 @@ usage:
   loom run JOB.toml [--set table.key=value ...]    train
   loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
+  loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom --version | --help
 
 examples:
@@ -69,13 +71,24 @@ int main(int argc, char** argv) {
       std::cout << kUsage;
       return 0;
     }
-    if (!std::strcmp(argv[i], "--version")) {
-      std::cout << "loom " << LOOM_VERSION << " (" << LOOM_BUILD_STRING << ")\n";
-      return 0;
-    }
   }
   try {
+    // Before anything runs a kernel or starts a thread: see loom/cpu.h.
+    const auto& isa = loom::cpu::ensure_cpu_kernels_work();
+    for (int i = 1; i < argc; ++i) {
+      if (!std::strcmp(argv[i], "--version")) {
+        std::cout << "loom " << LOOM_VERSION << " (" << LOOM_BUILD_STRING << ")\n"
+                  << "cpu " << loom::cpu::read_cpu_info().model << "; oneDNN isa "
+                  << isa.summary() << " (loom env says more)\n";
+        return 0;
+      }
+    }
     Args args = parse(argc, argv);
+    if (args.command == "env") {
+      std::cout << "loom         " << LOOM_VERSION << " (" << LOOM_BUILD_STRING << ")\n"
+                << loom::cpu::describe_environment();
+      return 0;
+    }
     if (args.command == "plugins") {
       std::cout << loom::describe_plugins(args.paths);
       return 0;
@@ -97,7 +110,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check or plugins (loom --help)");
+                            "'; use run, check, plugins or env (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

@@ -22,6 +22,7 @@
 #include "device.h"
 #include "job.h"
 #include "loom/comm.h"
+#include "loom/cpu.h"
 #include "loom/data.h"
 #include "loom/log.h"
 #include "loom/memory.h"
@@ -91,6 +92,7 @@ class EngineImpl final : public Engine, public Trainer {
                   train.where("lr_scheduler_type"), ": [train] lr_scheduler_type '", sched,
                   "' is unknown; use constant, linear or cosine");
     log_level_ = log::parse_level(train.get_string("log_level"));
+    cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
   }
 
   ~EngineImpl() override {
@@ -150,6 +152,7 @@ class EngineImpl final : public Engine, public Trainer {
                                                               : static_cast<int>(std::thread::hardware_concurrency());
       threads = std::max(1, cores / std::max(1, comm_->local_world_size()));
     }
+    cpu::apply_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));  // before any kernel
     at::set_num_threads(threads);
     device_ = pick_device(device_name, train.where("device"), comm_->local_rank(),
                           comm_->local_world_size());
@@ -176,6 +179,7 @@ class EngineImpl final : public Engine, public Trainer {
               " | intra-op threads ", at::get_num_threads(), " | ranks ", comm_->world_size(),
               " (", comm_->backend(), ")");
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
+    log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
 
     for (auto* plugin : resolved_.table_plugins)
       plugin->plugin->configure(resolved_.section(plugin->name));

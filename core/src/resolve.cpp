@@ -119,6 +119,9 @@ std::vector<Schema> core_schemas() {
       .key_float("max_grad_norm", 1.0, "clip the global gradient norm to this (0 = off)")
       .key_int("seed", 42, "seed of every random number loom draws")
       .key_int("num_threads", 0, "intra-op threads (0 = the cores available)")
+      .key_string("cpu_isa", "auto",
+                  "oneDNN's CPU kernel level: auto (probed at start) | avx512_core_amx | "
+                  "avx512_core_fp16 | avx512_core_bf16 | avx512_core | avx2 | ... (loom env)")
       .key_string("device", "auto", "cpu | cuda | cuda:N | auto (cuda when available)")
       .key_string("output_dir", "runs/default", "checkpoints and metrics.jsonl go here")
       .key_int("save_steps", 0, "save a checkpoint every N steps (0 = only at the end)")

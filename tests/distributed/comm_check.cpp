@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "loom/comm.h"
+#include "loom/cpu.h"
 #include "loom/error.h"
 
 namespace {
@@ -27,6 +28,7 @@ void expect(bool ok, const std::string& what, int rank) {
 
 int main(int argc, char** argv) {
   try {
+    loom::cpu::ensure_cpu_kernels_work();  // before any kernel or thread: loom/cpu.h
     loom::CommOptions options;
     options.backend = argc > 1 ? argv[1] : "auto";
     options.timeout = std::chrono::seconds(60);

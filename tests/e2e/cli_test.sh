@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of the `loom` command: the demo job for a few steps (loss falls, metrics
-# written, checkpoint made), `check`, `plugins`, and bad input (one clear error line, non-zero
-# exit, nothing half-written).
+# written, checkpoint made), `check`, `plugins`, `env` and the CPU kernel probe's fall-back, and
+# bad input (one clear error line, non-zero exit, nothing half-written).
 # usage: cli_test.sh LOOM_BINARY SOURCE_DIR PYTHON
 set -uo pipefail
 loom=$1 src=$2 python=$3
@@ -74,6 +74,47 @@ expect_error "corrupt checkpoint" "is corrupt: crc32" \
   "$loom" run "$src/examples/demo.toml" --set train.max_steps=41 --set "train.output_dir=$out" \
   --set train.resume=latest
 [ "$before" = "$(sha256sum "$model")" ] && ok "corrupt checkpoint untouched" || fail "checkpoint changed"
+
+# The CPU kernel probe (loom/cpu.h). The real fault (AMX kernels dying by SIGILL on some VMs)
+# needs such a machine; LOOM_TEST_CPU_PROBE_FAULT makes the probe child fake it anywhere.
+# Each case runs without a ONEDNN_MAX_CPU_ISA of its own (ctest may pass one on).
+noisa() { env -u ONEDNN_MAX_CPU_ISA -u DNNL_MAX_CPU_ISA "$@"; }
+out=$(noisa "$loom" --version); grep -q "^cpu .*; oneDNN isa " <<<"$out" && ok "--version names the cpu isa" \
+  || fail "--version names the cpu isa: $out"
+out=$(noisa "$loom" env 2>&1)
+# On a machine whose best level faults for real, the probe's fall-back is the right answer.
+if grep -q "^cpu " <<<"$out" && grep -q "^flags " <<<"$out" && grep -q "^threads " <<<"$out" \
+   && grep -Eq "^oneDNN isa .*(a probe passed|in a probe)" <<<"$out"; then ok "env: cpu, flags, isa, threads"
+else fail "env: $out"; fi
+out=$(LOOM_TEST_CPU_PROBE_FAULT=amx noisa "$loom" env 2>"$work/probe.err")
+warnings=$(grep -c "warn" "$work/probe.err")
+if [ "$warnings" -eq 1 ] && grep -q "avx512_core_amx[a-z0-9_, ]* died by SIGILL in a probe; using [a-z0-9_]* (ONEDNN_MAX_CPU_ISA=" "$work/probe.err" \
+   && grep -q "^oneDNN isa .*avx512_core_amx[a-z0-9_]* -> " <<<"$out" && grep -q "^  env        ONEDNN_MAX_CPU_ISA=[A-Z0-9_]" <<<"$out"; then
+  ok "a faulting level falls back with one warning line"
+else fail "fall-back: $warnings warning(s): $(cat "$work/probe.err") / $out"; fi
+job_out="$work/isa-run"
+if LOOM_TEST_CPU_PROBE_FAULT=amx noisa "$loom" run "$src/examples/demo.toml" --set train.max_steps=2 \
+     --set "train.output_dir=$job_out" --set train.resume= --set precision.mode=bf16 \
+     >"$work/isa-run.log" 2>&1 && grep -q "oneDNN isa avx512_core_amx[a-z0-9_]* -> " "$work/isa-run.log"; then
+  ok "run header names the fall-back"
+else fail "run header names the fall-back: $(grep -v step "$work/isa-run.log" | tail -5)"; fi
+out=$(ONEDNN_MAX_CPU_ISA=AVX2 LOOM_TEST_CPU_PROBE_FAULT=amx "$loom" env 2>"$work/probe.err")
+if grep -q "ONEDNN_MAX_CPU_ISA=AVX2 from the environment; not probed" <<<"$out" \
+   && ! grep -q "probe  " <<<"$out" && [ ! -s "$work/probe.err" ]; then ok "the user's ONEDNN_MAX_CPU_ISA is not probed over"
+else fail "user's ONEDNN_MAX_CPU_ISA: $(cat "$work/probe.err") / $out"; fi
+start=$SECONDS
+out=$(LOOM_TEST_CPU_PROBE_FAULT=hang:amx LOOM_CPU_PROBE_TIMEOUT=0.5 noisa "$loom" env 2>"$work/probe.err")
+if grep -q "avx512_core_amx[a-z0-9_]* gave no answer within 0.5 s in a probe, so the safe level, unprobed; using avx2" "$work/probe.err" \
+   && [ $((SECONDS - start)) -lt 30 ]; then ok "a hanging probe is cut off, then the safe level"
+else fail "hanging probe: $(cat "$work/probe.err") / $out"; fi
+if out=$(noisa "$loom" run "$src/examples/demo.toml" --set train.max_steps=1 --set train.cpu_isa=AVX2 \
+     --set "train.output_dir=$work/isa-job" --set train.resume= 2>&1) \
+   && grep -q 'oneDNN isa .*\[train\] cpu_isa = "avx2"' <<<"$out"; then ok "[train] cpu_isa forces a level"
+else fail "[train] cpu_isa forces a level: $(tail -5 <<<"$out")"; fi
+expect_error "unknown cpu_isa" "[train] cpu_isa 'avx9' is no oneDNN ISA level; use one of: auto, avx512_core_amx_fp16" \
+  "$loom" check "$src/examples/demo.toml" --set train.cpu_isa=avx9
+expect_error "bad probe fault hook" "LOOM_TEST_CPU_PROBE_FAULT: 'avx9' names no ISA level" \
+  env -u ONEDNN_MAX_CPU_ISA LOOM_TEST_CPU_PROBE_FAULT=avx9 "$loom" env
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/cpu.h"
 #include "loom/plugin.h"
 #include "loom/update_rule.h"
 
@@ -57,6 +58,7 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::cpu::ensure_cpu_kernels_work();  // before any kernel or thread: loom/cpu.h
   if (argc != 5) {
     std::fprintf(stderr, "usage: %s RULE THREADS STEPS PARAMS_MILLIONS\n", argv[0]);
     return 2;

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "loom/cpu.h"
+
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t c, int64_t heads) : n_head(heads) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
@@ -50,6 +52,7 @@ struct GptImpl : torch::nn::Module {
 TORCH_MODULE(Gpt);
 
 int main(int argc, char** argv) {
+  loom::cpu::ensure_cpu_kernels_work();  // before any kernel or thread: loom/cpu.h
   if (argc != 9) {
     std::fprintf(stderr, "usage: raw_loop STEPS BATCH SEQ N_LAYER N_EMBD N_HEAD VOCAB THREADS\n");
     return 2;
