@@ -97,6 +97,7 @@ class C10dWork final : public Work {
 };
 
 c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  check_rendezvous_address(env);
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);
   options.isServer = env.rank == 0 && !env.agent_store;

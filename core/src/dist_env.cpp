@@ -1,6 +1,7 @@
 // Rank and world detection from launcher environments.
 #include "dist_env.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -44,7 +45,10 @@ DistEnv detect_dist_env() {
     env.local_rank = int_env("SLURM_LOCALID", 0);
     env.local_world_size = int_env("SLURM_NTASKS_PER_NODE", int_env("SLURM_TASKS_PER_NODE", 1));
   }
-  if (const char* addr = std::getenv("MASTER_ADDR")) env.master_addr = addr;
+  if (const char* addr = std::getenv("MASTER_ADDR")) {
+    env.master_addr = addr;
+    env.master_addr_given = true;
+  }
   env.master_port = int_env("MASTER_PORT", env.master_port);
   env.restart_count = int_env("TORCHELASTIC_RESTART_COUNT", 0);
   if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"))
@@ -59,6 +63,21 @@ DistEnv detect_dist_env() {
   LOOM_CHECK_AS(ConfigError, env.master_port > 0 && env.master_port < 65536, "MASTER_PORT=",
                 env.master_port, " is not a TCP port");
   return env;
+}
+
+void check_rendezvous_address(const DistEnv& env) {
+  const bool spans_hosts = env.world_size > std::max(1, env.local_world_size);
+  if (env.master_addr_given || !spans_hosts) return;
+  const std::string how =
+      env.launcher == "openmpi" ? "mpirun -x MASTER_ADDR=<rank 0's host> (or [distributed] "
+                                  "backend = \"mpi\", which needs no address)"
+      : env.launcher == "slurm" ? "export MASTER_ADDR=$(scontrol show hostnames "
+                                  "\"$SLURM_JOB_NODELIST\" | head -n 1) before srun"
+                                : "MASTER_ADDR=<rank 0's host> (loom-launch --master-addr)";
+  throw ConfigError(detail::cat(
+      "this job's ", env.world_size, " ranks span several hosts (", env.local_world_size,
+      " on this one) but MASTER_ADDR is not set, so the ranks of other hosts cannot find rank "
+      "0's rendezvous (the default 127.0.0.1 is each host's own); set ", how));
 }
 
 }  // namespace loom

@@ -10,6 +10,7 @@ namespace loom {
 struct DistEnv {
   int rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
   std::string master_addr = "127.0.0.1";
+  bool master_addr_given = false;  // MASTER_ADDR was set (else the loopback default above)
   int master_port = 29500;
   std::string launcher = "none";  // torchrun | openmpi | slurm | none
   int restart_count = 0;          // TORCHELASTIC_RESTART_COUNT (loom-launch restarts)
@@ -21,5 +22,11 @@ struct DistEnv {
 // Throws ConfigError naming the variable when a value is malformed or inconsistent
 // (RANK >= WORLD_SIZE...).
 DistEnv detect_dist_env();
+
+// Checks that a TCP rendezvous (gloo, nccl) can find rank 0: a job whose ranks span hosts
+// (world size above the ranks of this node) needs MASTER_ADDR, since mpirun and srun set none
+// and the loopback default would leave every other host's ranks waiting for a store that is not
+// there. ConfigError naming what to set, for each launcher.
+void check_rendezvous_address(const DistEnv& env);
 
 }  // namespace loom

@@ -80,6 +80,10 @@ at::Tensor& Segment::state_at(const std::string& key) {
   throw InternalError(detail::cat("segment '", name, "' has no state '", key, "'"));
 }
 
+const at::Tensor& Segment::state_at(const std::string& key) const {
+  return const_cast<Segment*>(this)->state_at(key);
+}
+
 at::Tensor UpdateRule::make_accumulator(const Segment&, int) const {
   return at::zeros({0}, at::kDouble);
 }

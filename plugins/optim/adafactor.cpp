@@ -1,7 +1,9 @@
 // adafactor: Shazeer & Stern 2018 with the arithmetic and defaults of Transformers' Adafactor
 // (relative step, parameter scaling, update clipping, decay 1 - t^-0.8; or the Trainer's
 // optim="adafactor": the job's lr, no scaling). Factored second moment for rank >= 2, full for
-// vectors. CPU kernels only need fp32 tensors; any device runs the same loops on CPU copies.
+// vectors. Two implementations of the same arithmetic: raw loops over CPU fp32 tensors, and
+// tensor ops for any device (CUDA: no host round trip, no sync); `kernel` picks, and the tests
+// hold the tensor ops to the loops on the CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -45,7 +47,12 @@ class Adafactor final : public UpdateRule {
         beta1_(beta_in_range(c, "beta1")),
         scale_parameter_(c.get_bool("scale_parameter")),
         relative_step_(c.get_bool("relative_step")),
-        warmup_init_(c.get_bool("warmup_init")) {
+        warmup_init_(c.get_bool("warmup_init")),
+        kernel_(c.get_string("kernel")) {
+    LOOM_CHECK_AS(ConfigError,
+                  kernel_ == "auto" || kernel_ == "cpu_loops" || kernel_ == "tensor_ops",
+                  c.where("kernel"), ": [optimizer] kernel '", kernel_,
+                  "' is unknown; use auto, cpu_loops or tensor_ops");
     LOOM_CHECK_AS(ConfigError, eps1_ >= 0 && eps2_ >= 0, c.where("eps1"),
                   ": [optimizer] eps1 and eps2 must be >= 0");
     LOOM_CHECK_AS(ConfigError, clip_ > 0, c.where("clip_threshold"),
@@ -79,11 +86,14 @@ class Adafactor final : public UpdateRule {
   at::Tensor make_accumulator(const Segment& s, int round) const override {
     const Geometry geo(s);
     const int64_t size = round == 1 ? 1 : geo.factored ? geo.M * geo.C + geo.M + 1 : 1;
-    return at::zeros({size}, at::kDouble);
+    // The tensor-op path folds into it on the parameter's device, without a host sync.
+    return at::zeros({size}, at::TensorOptions().dtype(at::kDouble).device(
+                                 use_loops(s) ? c10::Device(c10::kCPU) : s.param.device()));
   }
 
   void accumulate(const Segment& segment, const UpdateContext& ctx, int round,
                   at::Tensor& acc) const override {
+    if (!use_loops(segment)) return tensor_ops_accumulate(segment, ctx, round, acc);
     const Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
@@ -126,6 +136,7 @@ class Adafactor final : public UpdateRule {
 
   void update(Segment& segment, const UpdateContext& ctx) const override {
     LOOM_INTERNAL_ASSERT(ctx.totals.size() == 2, "adafactor runs through update_tensor");
+    if (!use_loops(segment)) return tensor_ops_update(segment, ctx);
     Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
@@ -170,8 +181,13 @@ class Adafactor final : public UpdateRule {
   }
 
  private:
-  // The segment's tensors as CPU fp32 pointers; on another device, CPU copies that
-  // write_back() returns (Adafactor is not the rule for accelerators here).
+  bool use_loops(const Segment& s) const {
+    return kernel_ == "cpu_loops" || (kernel_ == "auto" && cpu_fp32(s));
+  }
+
+  // ---- CPU loops ----
+  // The segment's tensors as CPU fp32 pointers; with kernel = "cpu_loops" on another device,
+  // CPU copies that write_back() returns.
   struct Cpu {
     explicit Cpu(const Segment& s) {
       const bool direct = cpu_fp32(s);
@@ -216,15 +232,16 @@ class Adafactor final : public UpdateRule {
     const double b = 1.0 - std::pow(static_cast<double>(step), decay_rate_);
     return {static_cast<float>(b), static_cast<float>(1.0 - b)};
   }
+  // The step before parameter scaling: the job's lr, or the relative step of t.
+  double relative_lr(const UpdateContext& ctx) const {
+    if (!relative_step_) return ctx.lr;
+    const double t = static_cast<double>(ctx.step);
+    return std::min(warmup_init_ ? 1e-6 * t : 1e-2, 1.0 / std::sqrt(t));
+  }
   double step_size(const UpdateContext& ctx, double param_rms) const {
-    double rel = ctx.lr;
-    if (relative_step_) {
-      const double t = static_cast<double>(ctx.step);
-      rel = std::min(warmup_init_ ? 1e-6 * t : 1e-2, 1.0 / std::sqrt(t));
-    }
     // Transformers computes the RMS in fp32; match its rounding.
     const double scale = scale_parameter_ ? std::max(eps2_, double(float(param_rms))) : 1.0;
-    return scale * rel;
+    return scale * relative_lr(ctx);
   }
 
   // new_row[k] = b2t row[k] + (1-b2t) mean_j(g²+eps1): each row on its own, in column order.
@@ -290,8 +307,106 @@ class Adafactor final : public UpdateRule {
     }
   }
 
+  // ---- tensor ops: the loops' arithmetic, step for step, as ATen ops on any device ----
+  // g is (rows, C) for factored tensors; `matrix` maps each local row to its matrix (M).
+  struct Rows {
+    at::Tensor g, matrix;
+  };
+  static Rows rows_of(const Segment& s, const Geometry& geo) {
+    Rows r;
+    r.g = s.grad.view({geo.rows, geo.C});
+    r.matrix = at::arange(geo.first_row, geo.first_row + geo.rows,
+                          s.param.options().dtype(at::kLong))
+                   .div_(geo.R, "floor");
+    return r;
+  }
+  at::Tensor new_row_factor(const Segment& s, const Geometry& geo, const Rows& r,
+                            Beta2 b2t) const {
+    // The row mean of g²+eps1, summed in fp64 and rounded once, as the loops do.
+    at::Tensor mean = (r.g * r.g + eps1f()).to(at::kDouble).sum(1).div_(
+        static_cast<double>(geo.C)).to(at::kFloat);
+    return s.state_at("exp_avg_sq_row") * b2t.keep + mean * b2t.add;
+  }
+  // The unclipped update u = g / sqrt(v_hat) and the new factors (or second moment).
+  struct TensorFactors {
+    at::Tensor u, new_row, new_col, new_v;
+  };
+  TensorFactors tensor_factors(const Segment& s, const Geometry& geo, const UpdateContext& ctx,
+                               Beta2 b2t) const {
+    TensorFactors f;
+    const at::Tensor& t0 = ctx.totals[0];
+    if (geo.factored) {
+      const Rows r = rows_of(s, geo);
+      f.new_row = new_row_factor(s, geo, r, b2t);
+      const double R = static_cast<double>(geo.R);
+      f.new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
+                  t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
+      at::Tensor row_mean = t0.narrow(0, geo.M * geo.C, geo.M).div(R).to(at::kFloat);
+      at::Tensor rf = at::reciprocal(at::sqrt(f.new_row / row_mean.index_select(0, r.matrix)));
+      at::Tensor cf = at::reciprocal(at::sqrt(f.new_col.view({geo.M, geo.C})))
+                          .index_select(0, r.matrix);
+      f.u = (rf.unsqueeze(1) * cf * r.g).view(-1);
+    } else {
+      f.new_v = s.state_at("exp_avg_sq") * b2t.keep + (s.grad * s.grad + eps1f()) * b2t.add;
+      f.u = at::reciprocal(at::sqrt(f.new_v)) * s.grad;
+    }
+    return f;
+  }
+
+  void tensor_ops_accumulate(const Segment& s, const UpdateContext& ctx, int round,
+                             at::Tensor& acc) const {
+    const Geometry geo(s);
+    const Beta2 b2t = beta2t(ctx.step);
+    if (round == 0) {
+      if (geo.factored) {
+        const Rows r = rows_of(s, geo);
+        acc.narrow(0, 0, geo.M * geo.C)
+            .view({geo.M, geo.C})
+            .index_add_(0, r.matrix, (r.g * r.g + eps1f()).to(at::kDouble));
+        acc.narrow(0, geo.M * geo.C, geo.M)
+            .index_add_(0, r.matrix, new_row_factor(s, geo, r, b2t).to(at::kDouble));
+      }
+      at::Tensor p = s.param.to(at::kDouble);
+      acc.narrow(0, acc.numel() - 1, 1).add_((p * p).sum());
+      return;
+    }
+    at::Tensor u = tensor_factors(s, geo, ctx, b2t).u.to(at::kDouble);
+    acc.add_((u * u).sum());
+  }
+
+  void tensor_ops_update(Segment& s, const UpdateContext& ctx) const {
+    const Geometry geo(s);
+    const Beta2 b2t = beta2t(ctx.step);
+    TensorFactors f = tensor_factors(s, geo, ctx, b2t);
+    const double n = static_cast<double>(geo.numel);
+    // step_size() on device scalars: no host sync.
+    at::Tensor param_rms = ctx.totals[0].narrow(0, ctx.totals[0].numel() - 1, 1).div(n).sqrt();
+    const double rel = relative_lr(ctx);
+    at::Tensor lr = scale_parameter_
+                        ? param_rms.to(at::kFloat).to(at::kDouble).clamp_min(eps2_).mul(rel)
+                        : at::full({1}, rel, param_rms.options());
+    at::Tensor update_rms = ctx.totals[1].div(n).sqrt();
+    at::Tensor clip_div = update_rms.div(clip_).clamp_min(1.0).to(at::kFloat);
+    at::Tensor x = f.u / clip_div * lr.to(at::kFloat);
+    if (beta1_ > 0) {
+      at::Tensor& m = s.state_at("exp_avg");
+      m.copy_(m * static_cast<float>(beta1_) + x * static_cast<float>(1.0 - beta1_));
+      x = m;
+    }
+    if (ctx.weight_decay != 0)
+      s.param.copy_(s.param + (lr * -ctx.weight_decay).to(at::kFloat) * s.param);
+    s.param.sub_(x);
+    if (geo.factored) {
+      s.state_at("exp_avg_sq_row").copy_(f.new_row);
+      s.state_at("exp_avg_sq_col").copy_(f.new_col);
+    } else {
+      s.state_at("exp_avg_sq").copy_(f.new_v);
+    }
+  }
+
   double eps1_, eps2_, clip_, decay_rate_, beta1_;
   bool scale_parameter_, relative_step_, warmup_init_;
+  std::string kernel_;
 };
 
 }  // namespace

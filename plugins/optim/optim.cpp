@@ -126,7 +126,9 @@ class OptimPlugin final : public Plugin {
                   "step size min(1e-2, 1/sqrt(t)) (ignores [train] learning_rate); false: the "
                   "job's learning rate, as the Trainer's optim=\"adafactor\"")
         .key_bool("warmup_init", false, "relative step 1e-6 t during warm-up")
-        .key_float("weight_decay", 0.0, "decay p *= 1 - lr wd (not biases/norms)");
+        .key_float("weight_decay", 0.0, "decay p *= 1 - lr wd (not biases/norms)")
+        .key_string("kernel", "auto",
+                    "auto (CPU loops on CPU tensors, tensor ops on GPUs) | cpu_loops | tensor_ops");
     Schema adam8bit("optimizer", "adam8bit");
     adam8bit.key_float("beta1", 0.9, "first-moment decay")
         .key_float("beta2", 0.999, "second-moment decay")

@@ -240,5 +240,25 @@ TEST(Engine, BadParamGroupsAreNamedErrors) {
                     "lr_scale must be a number >= 0");
 }
 
+// mpirun and srun set no MASTER_ADDR: ranks on several hosts would each look for rank 0's
+// store on their own loopback. The engine says what to set, before anything connects.
+TEST(Engine, RanksOnSeveralHostsWithoutMasterAddrAreTold) {
+  TempDir dir;
+  const std::string job = test::tiny_gpt_job(dir.str()) +
+                          "\n[distributed]\nbackend = \"gloo\"\ntimeout_seconds = 5\n";
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"})
+    unsetenv(name);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  EXPECT_THROW_WITH(Trainer::from_text(job, dir.path())->setup(), ConfigError,
+                    "4 ranks span several hosts (2 on this one)", "MASTER_ADDR is not set",
+                    "mpirun -x MASTER_ADDR=");
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                           "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    unsetenv(name);
+}
+
 }  // namespace
 }  // namespace loom

@@ -16,6 +16,8 @@
 
 namespace loom::test {
 
+using RuleValue = std::variant<int64_t, double, bool, std::string>;
+
 // The optim plugin, loaded as the host would (its entry point), kept for the whole run.
 inline Plugin& optim_plugin() {
   static Plugin* plugin = [] {
@@ -28,7 +30,7 @@ inline Plugin& optim_plugin() {
   return *plugin;
 }
 
-inline ConfigValue value_of(const std::variant<int64_t, double, bool>& v) {
+inline ConfigValue value_of(const RuleValue& v) {
   ConfigValue out;
   std::visit([&](auto x) { out.value = x; }, v);
   out.where = "test";
@@ -38,7 +40,7 @@ inline ConfigValue value_of(const std::variant<int64_t, double, bool>& v) {
 // A rule built from its provider's schema and `values` (the rest defaults).
 inline std::unique_ptr<UpdateRule> make_rule(
     const std::string& name,
-    const std::map<std::string, std::variant<int64_t, double, bool>>& values = {}) {
+    const std::map<std::string, RuleValue>& values = {}) {
   Schema schema("optimizer", name);
   if (name == "adamw") {
     schema.key_float("beta1", 0.9, "")

@@ -47,6 +47,7 @@ struct Segment {
   NamedTensors state;
 
   at::Tensor& state_at(const std::string& key);
+  const at::Tensor& state_at(const std::string& key) const;
 };
 
 // Per-update values, already resolved for the segment's group.

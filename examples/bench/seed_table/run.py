@@ -92,6 +92,13 @@ def run_row(loom, shape, row, half_mode, threads):
     }
 
 
+def cpu_kernels(loom):
+    """The oneDNN kernel level loom runs with here (its CPU probe), from `loom --version`."""
+    out = subprocess.run([loom, "--version"], capture_output=True, text=True).stdout
+    line = next((l for l in out.splitlines() if "oneDNN isa" in l), "")
+    return "oneDNN isa " + line.split("oneDNN isa", 1)[1].split("(loom env")[0].strip() if line else "?"
+
+
 def gpu_name():
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
@@ -117,11 +124,14 @@ def main():
     p.add_argument("--chart", default=None, help="PNG path (default: docs/seed_table.png with --write)")
     p.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md and the chart")
     p.add_argument("--json", default=None, help="also write the table and raw numbers here")
+    p.add_argument("--rows", default=None, help="only these rows, 1-based, e.g. 6,7,8,9")
     a = p.parse_args()
     shape_name = "full" if a.full else "tiny" if a.tiny else "scaled"
     shape = SHAPES[shape_name]
+    rows = ROWS if not a.rows else [ROWS[int(i) - 1] for i in a.rows.split(",")]
+    seeds = SEED if not a.rows else [SEED[int(i) - 1] for i in a.rows.split(",")]
     results = []
-    for row in ROWS:
+    for row in rows:
         runs = [run_row(a.loom, shape, row, a.half, a.threads) for _ in range(a.repeats)]
         res = {k: statistics.median(r[k] for r in runs) for k in ("time", "samples_per_s", "peak", "rss")}
         res["state"] = runs[0]["state"]
@@ -132,13 +142,14 @@ def main():
     hidden, layers, heads, inter, seq, samples = shape
     on_gpu = results[0]["device"].startswith("cuda")
     where = (f"one {gpu_name()}; memory = peak bytes of the CUDA caching allocator"
-             if on_gpu else f"{cpu_name()}; memory = peak bytes of loom's tracking CPU allocator")
+             if on_gpu else f"{cpu_name()} ({cpu_kernels(a.loom)}); memory = peak bytes of "
+             f"loom's tracking CPU allocator")
     header = (f"BERT classifier, {layers} layers x {hidden} wide, {heads} heads, intermediate "
               f"{inter}, {samples} random sequences of {seq} tokens ({shape_name} size); half "
               f"precision = {a.half}; {where} (RSS beside it); {a.repeats} run(s) per row.")
     lines = ["| configuration | time (s) | samples/s | memory (MiB) | peak RSS (MiB) | weights | grads | optimizer | activations + other | seed: time / samples/s / MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for row, res, seed in zip(ROWS, results, SEED):
+    for row, res, seed in zip(rows, results, seeds):
         st = res["state"]
         fixed = st["param_bytes"] + st["master_bytes"] + st["grad_bytes"] + st["optimizer_bytes"]
         lines.append(
@@ -157,7 +168,7 @@ def main():
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-            labels = [r[0].format(half=a.half) for r in ROWS]
+            labels = [r[0].format(half=a.half) for r in rows]
             fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
             left.barh(labels, [mib(r["peak"]) for r in results], color="#4c72b0")
             left.set_xlabel("peak memory (MiB)")

@@ -21,6 +21,7 @@ namespace {
 
 using test::TempDir;
 using test::make_rule;
+using test::RuleValue;
 using test::optim_plugin;
 using test::tiny_gpt_job;
 
@@ -211,6 +212,29 @@ TEST(OptimParity, AdafactorMatchesTransformersStepByStep) {
   EXPECT_LT(max_relative_error(run_rule(*defaults, problem, 0.0, 0.0), want[0]), 1e-6);
   auto trainer = make_rule("adafactor", {{"scale_parameter", false}, {"relative_step", false}});
   EXPECT_LT(max_relative_error(run_rule(*trainer, problem, 1e-3, 0.01), want[1]), 1e-6);
+  // The tensor-op implementation (what runs on GPUs), here on CPU tensors: the same reference.
+  auto ops_defaults = make_rule("adafactor", {{"kernel", std::string("tensor_ops")}});
+  EXPECT_LT(max_relative_error(run_rule(*ops_defaults, problem, 0.0, 0.0), want[0]), 1e-6);
+  auto ops_trainer = make_rule("adafactor", {{"scale_parameter", false},
+                                             {"relative_step", false},
+                                             {"kernel", std::string("tensor_ops")}});
+  EXPECT_LT(max_relative_error(run_rule(*ops_trainer, problem, 1e-3, 0.01), want[1]), 1e-6);
+}
+
+// Both implementations with first moments (beta1), split into row segments as a ZeRO shard
+// would cut them: the tensor ops follow the loops.
+TEST(OptimParity, AdafactorTensorOpsFollowTheLoopsWithMomentumAndSplits) {
+  const Problem problem = make_problem(kShapes, 20, 6);
+  const std::map<std::string, RuleValue> momentum = {{"beta1", 0.9}, {"relative_step", false}};
+  auto loops = make_rule("adafactor", momentum);
+  auto with_ops = momentum;
+  with_ops["kernel"] = std::string("tensor_ops");
+  auto ops = make_rule("adafactor", with_ops);
+  // Row cuts: (24,40) at rows 8 and 16, (40) anywhere, (3,8,10) between its matrices, (7).
+  const std::vector<std::vector<int64_t>> cuts = {{320, 640}, {13, 27}, {80, 160}, {3}};
+  EXPECT_LT(max_relative_error(run_rule(*ops, problem, 1e-3, 0.1, cuts),
+                               run_rule(*loops, problem, 1e-3, 0.1)),
+            1e-6);
 }
 
 // With every tensor below min_8bit_size adam8bit is AdamW; quantized, it tracks AdamW closely.
@@ -255,7 +279,7 @@ TEST(OptimParity, Adam8bitBlockSizeTradesAccuracyForState) {
 
 struct RuleCase {
   std::string name;
-  std::map<std::string, std::variant<int64_t, double, bool>> values;
+  std::map<std::string, RuleValue> values;
   double lr;
 };
 
@@ -331,6 +355,8 @@ std::vector<std::string> optimizer_set(const RuleCase& c) {
                       [](auto x) {
                         if constexpr (std::is_same_v<decltype(x), bool>)
                           return std::string(x ? "true" : "false");
+                        else if constexpr (std::is_same_v<decltype(x), std::string>)
+                          return "\"" + x + "\"";
                         else
                           return std::to_string(x);
                       },
@@ -437,7 +463,7 @@ TEST(OptimMemory, StateBytesPerParameter) {
     return s;
   }();
   auto bytes = [&](const std::string& name,
-                   const std::map<std::string, std::variant<int64_t, double, bool>>& v = {}) {
+                   const std::map<std::string, RuleValue>& v = {}) {
     int64_t total = 0;
     for (const auto& [key, t] : make_rule(name, v)->init_state(big))
       total += t.numel() * t.element_size();
@@ -502,6 +528,9 @@ TEST(OptimBadInput, ErrorsNameTheKey) {
                     "block_size", "power of two");
   EXPECT_THROW_WITH(build({"optimizer.name=adafactor", "optimizer.decay_rate=0.5"}), ConfigError,
                     "decay_rate");
+  EXPECT_THROW_WITH(build({"optimizer.name=adafactor", "optimizer.kernel=cuda_magic"}),
+                    ConfigError, "[optimizer] kernel 'cuda_magic' is unknown",
+                    "auto, cpu_loops or tensor_ops");
 }
 
 }  // namespace
