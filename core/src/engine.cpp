@@ -32,7 +32,7 @@
 #include "loom/trainer.h"
 #include "plugin_host.h"
 #include "resolve.h"
-#include "step_driver.h"
+#include "loom/step_driver.h"
 
 namespace loom {
 namespace {
@@ -224,7 +224,12 @@ class EngineImpl final : public Engine, public Trainer {
                   ": [optimizer] weight_decay must be >= 0");
     rule_ = resolved_.update_rule.provider->plugin->create_update_rule(resolved_.update_rule.name,
                                                                        opt);
-    driver_ = std::make_unique<StepDriver>(params_, *rule_, weight_decay);
+    StepDriverOptions driver_options;
+    driver_options.params = params_;
+    driver_options.rule = rule_.get();
+    driver_options.weight_decay = weight_decay;
+    driver_options.comm = comm_.get();
+    driver_ = make_driver(driver_options);
     install_grad_hooks();
     fire(Event::params_ready);
 
@@ -427,8 +432,10 @@ class EngineImpl final : public Engine, public Trainer {
     });
   }
   void on_grad_ready(GradHandler handler) override {
-    LOOM_CHECK(!setup_done_, "on_grad_ready must be called before params_ready");
+    LOOM_CHECK(!setup_done_, "on_grad_ready must be called during setup (in attach() or a "
+               "setup, model_built or params_ready handler), not once training has begun");
     grad_handlers_.push_back(std::move(handler));
+    install_grad_hooks();  // no-op before collect_params; after it, hooks go on now
   }
   void add_unit_interceptor(std::shared_ptr<nn::UnitInterceptor> interceptor) override {
     LOOM_CHECK(interceptor, "add_unit_interceptor needs an interceptor");
@@ -558,11 +565,27 @@ class EngineImpl final : public Engine, public Trainer {
     }
   }
 
+  // The plugin filling Slot::step_driver makes the driver; else the core's default one.
+  std::unique_ptr<StepDriver> make_driver(const StepDriverOptions& options) {
+    for (auto* plugin : resolved_.table_plugins)
+      for (Slot slot : plugin->plugin->slots())
+        if (slot == Slot::step_driver) {
+          auto driver = plugin->plugin->create_step_driver(options, *this);
+          LOOM_INTERNAL_ASSERT(driver, "plugin ", plugin->name, " made no step driver");
+          log::info("step driver ", driver->name(), " (plugin ", plugin->name, ")");
+          return driver;
+        }
+    return make_default_step_driver(options);
+  }
+
+  // grad_ready hooks go on every trainable parameter once, when the first handler arrives at
+  // or after collect_params (a handler registered in params_ready fires like an earlier one).
   void install_grad_hooks() {
-    if (grad_handlers_.empty()) return;
+    if (grad_handlers_.empty() || grad_hooks_installed_ || params_.empty()) return;
     for (size_t i = 0; i < params_.size(); ++i)
       torch::autograd::impl::set_post_acc_grad_hooks(
           params_[i].tensor, std::make_unique<GradReadyHook>(this, i));
+    grad_hooks_installed_ = true;
   }
 
   memory::ModelState model_state() const override {
@@ -762,6 +785,7 @@ class EngineImpl final : public Engine, public Trainer {
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<UpdateRule> rule_;
   std::unique_ptr<StepDriver> driver_;
+  bool grad_hooks_installed_ = false;
   std::vector<Param> params_;
   std::array<std::vector<Registered>, static_cast<size_t>(Event::teardown) + 1> handlers_;
   std::vector<GradHandler> grad_handlers_;

@@ -10,6 +10,7 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/step_driver.h"
 #include "loom/update_rule.h"
 
 namespace loom {
@@ -21,6 +22,7 @@ const char* to_string(Slot slot) {
     case Slot::precision: return "precision";
     case Slot::update_rule: return "update_rule";
     case Slot::grad_sync: return "grad_sync";
+    case Slot::step_driver: return "step_driver";
   }
   return "?";
 }
@@ -63,6 +65,12 @@ std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
                                                        const ConfigSection&) {
   throw InternalError(detail::cat("plugin '", this->name(), "' declares optimizer '", name,
                                   "' but does not implement create_update_rule"));
+}
+
+std::unique_ptr<StepDriver> Plugin::create_step_driver(const StepDriverOptions&, Engine&) {
+  throw InternalError(detail::cat("plugin '", this->name(),
+                                  "' fills slot step_driver but does not implement "
+                                  "create_step_driver"));
 }
 
 Engine::~Engine() = default;

@@ -10,7 +10,8 @@
 
 namespace loom {
 
-StepDriver::StepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay)
+DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule,
+                                     double weight_decay)
     : rule_(rule), weight_decay_(weight_decay) {
   at::NoGradGuard no_grad;
   for (auto& param : params) {
@@ -30,7 +31,7 @@ StepDriver::StepDriver(std::vector<Param> params, const UpdateRule& rule, double
   }
 }
 
-std::vector<at::Tensor> StepDriver::grads() const {
+std::vector<at::Tensor> DefaultStepDriver::grads() const {
   std::vector<at::Tensor> out;
   for (const auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
@@ -39,13 +40,13 @@ std::vector<at::Tensor> StepDriver::grads() const {
   return out;
 }
 
-void StepDriver::zero_grad() {
+void DefaultStepDriver::zero_grad() {
   // Multi-tensor ops: on a GPU one launch covers many tensors, not one launch per tensor.
   auto all = grads();
   if (!all.empty()) at::_foreach_zero_(all);
 }
 
-at::Tensor StepDriver::grad_norm_squared() const {
+at::Tensor DefaultStepDriver::grad_norm_squared() {
   // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
   // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
   auto all = grads();
@@ -59,22 +60,13 @@ at::Tensor StepDriver::grad_norm_squared() const {
   return at::stack(squares).to(at::kDouble).sum();
 }
 
-bool StepDriver::grads_finite() const {
-  std::vector<at::Tensor> finite;
-  for (const auto& entry : entries_) {
-    const at::Tensor& grad = entry.param.tensor.grad();
-    if (grad.defined()) finite.push_back(at::isfinite(grad).all());
-  }
-  return finite.empty() || at::stack(finite).all().item<bool>();
-}
-
-void StepDriver::scale_grads(double factor) {
+void DefaultStepDriver::scale_grads(double factor) {
   at::NoGradGuard no_grad;
   auto all = grads();
   if (!all.empty()) at::_foreach_mul_(all, factor);
 }
 
-void StepDriver::update(int64_t step, double lr) {
+void DefaultStepDriver::update(int64_t step, double lr) {
   at::NoGradGuard no_grad;
   // Tensors that share a learning rate and weight decay go to the rule together (update_many),
   // in parameter order within each group.
@@ -105,7 +97,7 @@ void StepDriver::update(int64_t step, double lr) {
   }
 }
 
-NamedTensors StepDriver::state_tensors() const {
+NamedTensors DefaultStepDriver::state_tensors() const {
   NamedTensors out;
   for (const auto& entry : entries_) {
     for (const auto& [key, tensor] : entry.segment.state)
@@ -115,7 +107,7 @@ NamedTensors StepDriver::state_tensors() const {
   return out;
 }
 
-void StepDriver::load_state(const NamedTensors& tensors, const std::string& file) {
+void DefaultStepDriver::load_state(const NamedTensors& tensors, const std::string& file) {
   std::map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, tensor] : tensors) by_name[name] = &tensor;
   at::NoGradGuard no_grad;
@@ -146,7 +138,7 @@ void StepDriver::load_state(const NamedTensors& tensors, const std::string& file
                 "' that this job has no place for; it belongs to another model or optimizer");
 }
 
-int64_t StepDriver::state_bytes() const {
+int64_t DefaultStepDriver::state_bytes() const {
   int64_t bytes = 0;
   for (const auto& entry : entries_)
     for (const auto& [key, tensor] : entry.segment.state)
@@ -154,11 +146,19 @@ int64_t StepDriver::state_bytes() const {
   return bytes;
 }
 
-int64_t StepDriver::master_bytes() const {
+int64_t DefaultStepDriver::master_bytes() const {
   int64_t bytes = 0;
   for (const auto& entry : entries_)
     if (entry.separate_master) bytes += entry.master.numel() * 4;
   return bytes;
+}
+
+StepDriver::~StepDriver() = default;
+
+std::unique_ptr<StepDriver> make_default_step_driver(const StepDriverOptions& options) {
+  LOOM_INTERNAL_ASSERT(options.rule, "make_default_step_driver needs the update rule");
+  return std::make_unique<DefaultStepDriver>(options.params, *options.rule,
+                                             options.weight_decay);
 }
 
 }  // namespace loom

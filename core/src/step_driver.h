@@ -1,36 +1,37 @@
-// step_driver.h (core-internal) — the unsharded step driver (ZeRO stage 0): one segment per
-// trainable tensor, fp32 master copies for parameters stored in another dtype, gradient norm
-// and clipping, and the update rule applied segment by segment. Sharded drivers (ZeRO 1-3)
-// cut the same segments at the rule's granularity.
+// step_driver.h (core-internal) — the default step driver (ZeRO stage 0; loom/step_driver.h is
+// the contract): one segment per trainable tensor, fp32 master copies for parameters stored in
+// another dtype, gradient norm and clipping, and the update rule over whole tensors. Sharded
+// drivers (ZeRO 1-3) cut the same segments at the rule's granularity.
 #pragma once
 
 #include <memory>
 #include <vector>
 
 #include "loom/engine.h"
+#include "loom/step_driver.h"
 #include "loom/update_rule.h"
 
 namespace loom {
 
-class StepDriver {
+class DefaultStepDriver final : public StepDriver {
  public:
-  StepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay);
+  DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay);
+  std::string name() const override { return "default"; }
 
-  void zero_grad();
+  void zero_grad() override;
   // Sum of squared gradient entries over this rank's segments (fp32 grads, summed in double):
   // a 0-d fp64 tensor on the parameters' device, so reading it is the caller's one sync.
-  at::Tensor grad_norm_squared() const;
-  void scale_grads(double factor);
-  bool grads_finite() const;
+  at::Tensor grad_norm_squared() override;
+  void scale_grads(double factor) override;
   // Runs the rule on every segment; step is the 1-based update count.
-  void update(int64_t step, double lr);
+  void update(int64_t step, double lr) override;
 
   // "state/<param>/<key>" and "master/<param>" tensors, for checkpoints.
-  NamedTensors state_tensors() const;
+  NamedTensors state_tensors() const override;
   // Restores them; a missing or misshapen tensor is a CheckpointError naming it and `file`.
-  void load_state(const NamedTensors& tensors, const std::string& file);
-  int64_t state_bytes() const;
-  int64_t master_bytes() const;
+  void load_state(const NamedTensors& tensors, const std::string& file) override;
+  int64_t state_bytes() const override;
+  int64_t master_bytes() const override;
 
  private:
   // The defined gradients, in parameter order.

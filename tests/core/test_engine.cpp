@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "loom/engine.h"
 #include "loom/model.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
@@ -238,6 +239,46 @@ TEST(Engine, BadParamGroupsAreNamedErrors) {
                     "unknown key 'lr' in [optimizer] param_groups[0]");
   EXPECT_THROW_WITH(job("[{match = \"wte.*\", lr_scale = -1}]")->setup(), ConfigError,
                     "lr_scale must be a number >= 0");
+}
+
+// A plugin in Slot::step_driver replaces the core's driver: the engine drives it once per step
+// (zero_grad, norm, update), and a driver that delegates to the default trains bitwise alike.
+TEST(Engine, APluginsStepDriverReplacesTheDefault) {
+  TempDir plain_dir, counted_dir;
+  const std::string plugins = "\n[plugins]\npath = \"" LOOM_TEST_PLUGIN_DIR "\"\n";
+  auto plain = Trainer::from_text(tiny_gpt_job(plain_dir.str()), plain_dir.path());
+  auto counted = Trainer::from_text(tiny_gpt_job(counted_dir.str()) + plugins +
+                                        "\n[counting_driver]\n",
+                                    counted_dir.path());
+  const auto a = plain->run(), b = counted->run();
+  EXPECT_EQ(a.final_loss, b.final_loss);
+  const auto lines = lines_of(counted_dir / "metrics.jsonl");
+  ASSERT_EQ(lines.size(), 4u);
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string n = std::to_string(i + 1) + ".0";
+    for (const char* key : {"driver_zero_grad", "driver_norms", "driver_updates"})
+      EXPECT_NE(lines[i].find(std::string("\"") + key + "\":" + n), std::string::npos)
+          << key << " at step " << i + 1 << ": " << lines[i];
+  }
+  const auto& p = plain->engine().params();
+  const auto& q = counted->engine().params();
+  ASSERT_EQ(p.size(), q.size());
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(at::equal(p[i].tensor, q[i].tensor)) << p[i].name;
+}
+
+// A grad_ready handler registered in params_ready fires like one registered in attach().
+TEST(Engine, GradReadyHandlersRegisteredInParamsReadyFire) {
+  TempDir dir;
+  auto trainer = Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), {"train.max_steps=2"});
+  Engine& engine = trainer->engine();
+  int64_t calls = 0;
+  engine.on(Event::params_ready, [&](Engine& e) {
+    e.on_grad_ready([&](Engine&, const Param&) { ++calls; });
+  });
+  trainer->run();
+  EXPECT_EQ(calls, 2 * static_cast<int64_t>(engine.params().size()));
+  EXPECT_THROW_WITH(engine.on_grad_ready([](Engine&, const Param&) {}), Error,
+                    "on_grad_ready must be called during setup");
 }
 
 // mpirun and srun set no MASTER_ADDR: ranks on several hosts would each look for rank 0's

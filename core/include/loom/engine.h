@@ -91,7 +91,8 @@ class Engine {
   // Handlers of one event run in plugin-priority order, then in registration order.
   virtual void on(Event event, Handler handler) = 0;
   // After param.grad accumulated this micro-batch's gradient (an autograd post-accumulate hook),
-  // so gradient sync can start while backward goes on.
+  // so gradient sync can start while backward goes on. Register in attach() or in a setup,
+  // model_built or params_ready handler; later is an error.
   virtual void on_grad_ready(GradHandler handler) = 0;
   virtual void add_unit_interceptor(std::shared_ptr<nn::UnitInterceptor> interceptor) = 0;
 

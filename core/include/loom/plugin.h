@@ -39,9 +39,11 @@ class Engine;
 class Model;
 class Dataset;
 class UpdateRule;
+class StepDriver;
+struct StepDriverOptions;
 
 // The exclusive slots: each is filled by at most one active plugin.
-enum class Slot { model, data, precision, update_rule, grad_sync };
+enum class Slot { model, data, precision, update_rule, grad_sync, step_driver };
 const char* to_string(Slot slot);
 
 class Plugin {
@@ -71,6 +73,10 @@ class Plugin {
                                                         Engine& engine);
   virtual std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
                                                          const ConfigSection& table);
+  // A plugin that fills Slot::step_driver: called once, after model_built and before
+  // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
+  virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,
+                                                         Engine& engine);
 };
 
 }  // namespace loom
