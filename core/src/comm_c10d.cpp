@@ -70,6 +70,16 @@ class C10dWork final : public Work {
            std::chrono::milliseconds timeout, std::function<void()> finish)
       : work_(std::move(work)), op_(op), rank_(rank), timeout_(timeout),
         finish_(std::move(finish)) {}
+  ~C10dWork() override {
+    // As MpiWork: a handle dropped unwaited still completes, and its finish step (avg's
+    // divide, reduce-scatter's reduction) still lands in the output (Work's contract).
+    if (!done_) {
+      try {
+        wait();
+      } catch (...) {
+      }
+    }
+  }
   void wait() override {
     if (done_) return;
     try {
@@ -149,19 +159,32 @@ class C10dComm final : public Comm {
   std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                        ReduceOp op) override {
     LOOM_CHECK(input.numel() == output.numel() * env_.world_size, "reduce_scatter: input has ",
-               input.numel(), " elements, needs world_size x output");
-    // Gloo has no fused reduce-scatter of flat buffers: all-reduce a copy, keep this rank's
-    // chunk (same result, twice the traffic; ZeRO's hot path will bring its own).
-    at::Tensor buffer = input.clone();
-    std::vector<at::Tensor> tensors{buffer};
-    c10d::AllreduceOptions options;
-    options.reduceOp = to_c10d(op);
-    const int world = env_.world_size, rank = env_.rank;
-    return run("reduce_scatter", [&] { return backend_->allreduce(tensors, options); },
-               [output, buffer, op, world, rank]() mutable {
-                 const int64_t n = output.numel();
-                 output.copy_(buffer.view(-1).narrow(0, rank * n, n).view(output.sizes()));
-                 if (op == ReduceOp::avg) output.div_(world);
+               input.numel(), " elements, needs world_size x output = ",
+               output.numel() * env_.world_size);
+    LOOM_CHECK(output.is_contiguous() && input.scalar_type() == output.scalar_type(),
+               "reduce_scatter: output must be contiguous and of the input's dtype (",
+               input.scalar_type(), "), got ", output.scalar_type());
+    at::Tensor in = input.contiguous().view(-1), out = output.view(-1);
+    const int world = env_.world_size;
+    if (name_ == "nccl") {
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = to_c10d(op);
+      return run("reduce_scatter", [&] { return backend_->_reduce_scatter_base(out, in, options); },
+                 [output, op, world]() mutable {
+                   if (op == ReduceOp::avg) output.div_(world);
+                 });
+    }
+    // Note [Gloo reduce-scatter]: LibTorch 2.11's gloo reduce-scatters (reduce_scatter,
+    // _reduce_scatter_base, reduce_scatter_tensor_coalesced) all all-reduce the whole buffer
+    // (measured: the same loopback bytes as all_reduce). An all-to-all sends chunk j of every
+    // rank straight to rank j — (world-1)/world of the input per rank, half an all-reduce's
+    // traffic — and the world received chunks are reduced here on wait(), in fp32 for
+    // bf16/fp16 (one rounding, and no half-type reduction needed from gloo).
+    at::Tensor received = at::empty_like(in);
+    std::vector<int64_t> splits;  // empty: equal chunks
+    return run("reduce_scatter", [&] { return backend_->alltoall_base(received, in, splits, splits); },
+               [output, received, op, world]() mutable {
+                 output.copy_(reduce_chunks(received.view({world, -1}), op).view(output.sizes()));
                });
   }
   std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) override {
@@ -196,6 +219,18 @@ class C10dComm final : public Comm {
       case ReduceOp::min: return c10d::ReduceOp::MIN;
       default: return c10d::ReduceOp::SUM;  // avg: sum, then divide (gloo has no AVG)
     }
+  }
+  // chunks (world x n) -> n: the reduction of the rows; avg is the sum divided by the rows.
+  static at::Tensor reduce_chunks(const at::Tensor& chunks, ReduceOp op) {
+    switch (op) {
+      case ReduceOp::max: return chunks.amax(0);
+      case ReduceOp::min: return chunks.amin(0);
+      default: break;
+    }
+    const bool half = chunks.scalar_type() == at::kBFloat16 || chunks.scalar_type() == at::kHalf;
+    at::Tensor sum = half ? chunks.sum(0, false, at::kFloat) : chunks.sum(0);
+    if (op == ReduceOp::avg) sum.div_(chunks.size(0));
+    return sum;
   }
   std::shared_ptr<Work> run(const char* op,
                             const std::function<c10::intrusive_ptr<c10d::Work>()>& start,

@@ -1,12 +1,24 @@
 // The `mpi` Comm backend: Open MPI's non-blocking collectives on CPU tensors. Waits poll
 // MPI_Test against a deadline, so a stalled peer is an error after the timeout, never a hang
 // (and when a peer dies, mpirun ends the job with the dead rank's name).
+//
+// Note [MPI counts]: MPI counts are `int`, tensors are not. A collective whose counts would
+// pass max_count() elements (INT_MAX; LOOM_TEST_MPI_MAX_COUNT lowers it so tests can force
+// this on small tensors) is split into pieces of at most that many elements, all started at
+// once and held by one MpiWork: wait() waits for every piece against one deadline. Movement
+// without reduction uses an unsigned integer type of the element's size, so counts are
+// elements, not bytes.
 #include <ATen/ATen.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm_backends.h"
 #include "loom/error.h"
@@ -59,6 +71,44 @@ MPI_Datatype mpi_type(at::ScalarType type) {
   }
 }
 
+// Data movement without reduction: any dtype, as an integer type of its element size.
+MPI_Datatype element_type(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 1: return MPI_UINT8_T;
+    case 2: return MPI_UINT16_T;
+    case 4: return MPI_UINT32_T;
+    case 8: return MPI_UINT64_T;
+  }
+  throw Error(detail::cat("mpi: dtype ", t.scalar_type(), " (", t.element_size(),
+                          " bytes) has no MPI element type; convert the tensor to a real dtype"));
+}
+
+// The most elements one MPI call is given (Note [MPI counts]).
+int64_t max_count() {
+  static const int64_t limit = [] {
+    const char* text = std::getenv("LOOM_TEST_MPI_MAX_COUNT");
+    if (!text || !*text) return static_cast<int64_t>(INT_MAX);
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    LOOM_CHECK_AS(ConfigError, *end == 0 && value >= 1 && value <= INT_MAX,
+                  "LOOM_TEST_MPI_MAX_COUNT='", text, "' must be an integer in 1..", INT_MAX,
+                  " (a test-only limit on elements per MPI call); unset it");
+    return static_cast<int64_t>(value);
+  }();
+  return limit;
+}
+
+// Calls piece(offset, length) for consecutive pieces of [0, n) of at most max_count().
+void for_pieces(int64_t n, const std::function<void(int64_t, int)>& piece) {
+  const int64_t limit = max_count();
+  for (int64_t offset = 0; offset < n; offset += limit)
+    piece(offset, static_cast<int>(std::min(limit, n - offset)));
+}
+
+char* at_element(const at::Tensor& t, int64_t index) {
+  return static_cast<char*>(t.data_ptr()) + index * static_cast<int64_t>(t.element_size());
+}
+
 MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:
@@ -71,9 +121,10 @@ MPI_Op mpi_op(ReduceOp op) {
 
 class MpiWork final : public Work {
  public:
-  MpiWork(MPI_Request request, const char* op, int rank, std::chrono::milliseconds timeout,
-          std::function<void()> finish)
-      : request_(request), op_(op), rank_(rank), timeout_(timeout), finish_(std::move(finish)) {}
+  MpiWork(std::vector<MPI_Request> requests, const char* op, int rank,
+          std::chrono::milliseconds timeout, std::function<void()> finish)
+      : requests_(std::move(requests)), op_(op), rank_(rank), timeout_(timeout),
+        finish_(std::move(finish)) {}
   ~MpiWork() override {
     // A handle dropped unwaited must still complete before its buffers may be freed.
     if (!done_) {
@@ -86,10 +137,7 @@ class MpiWork final : public Work {
   void wait() override {
     if (done_) return;
     const auto deadline = Clock::now() + timeout_;
-    int flag = 0;
-    while (true) {
-      check_mpi(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), op_);
-      if (flag) break;
+    while (!test()) {
       if (Clock::now() > deadline)
         throw Error(detail::cat("rank ", rank_, ": MPI ", op_, " did not complete within ",
                                 timeout_.count() / 1000.0,
@@ -97,13 +145,16 @@ class MpiWork final : public Work {
                                 "timeout_seconds if a step legitimately takes longer)"));
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    done_ = true;
-    if (finish_) finish_();
   }
-  bool completed() override {
-    if (done_) return true;
+  bool completed() override { return done_ || test(); }
+
+ private:
+  // Every piece's request at once (Note [MPI counts]); finishes the work when all are done.
+  bool test() {
     int flag = 0;
-    check_mpi(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), op_);
+    check_mpi(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
+                          MPI_STATUSES_IGNORE),
+              op_);
     if (flag) {
       done_ = true;
       if (finish_) finish_();
@@ -111,8 +162,7 @@ class MpiWork final : public Work {
     return done_;
   }
 
- private:
-  MPI_Request request_;
+  std::vector<MPI_Request> requests_;
   const char* op_;
   int rank_;
   std::chrono::milliseconds timeout_;
@@ -141,16 +191,16 @@ class MpiComm final : public Comm {
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) override {
     check_tensor(tensor, "all_reduce");
     // Half types have no MPI reduction: reduce an fp32 copy and write it back.
-    at::Tensor buffer = mpi_type(tensor.scalar_type()) == MPI_DATATYPE_NULL
-                            ? tensor.to(at::kFloat)
-                            : tensor;
-    MPI_Request request;
-    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(buffer.numel()),
-                             mpi_type(buffer.scalar_type()), mpi_op(op), MPI_COMM_WORLD,
-                             &request),
-              "all_reduce");
+    at::Tensor buffer = reducible(tensor);
+    std::vector<MPI_Request> requests;
+    for_pieces(buffer.numel(), [&](int64_t offset, int length) {
+      check_mpi(MPI_Iallreduce(MPI_IN_PLACE, at_element(buffer, offset), length,
+                               mpi_type(buffer.scalar_type()), mpi_op(op), MPI_COMM_WORLD,
+                               &requests.emplace_back()),
+                "all_reduce");
+    });
     const int world = world_;
-    return std::make_shared<MpiWork>(request, "all_reduce", rank_, timeout_,
+    return std::make_shared<MpiWork>(std::move(requests), "all_reduce", rank_, timeout_,
                                      [tensor, buffer, op, world]() mutable {
                                        if (op == ReduceOp::avg) buffer.div_(world);
                                        if (!buffer.is_same(tensor)) tensor.copy_(buffer);
@@ -163,18 +213,35 @@ class MpiComm final : public Comm {
     check_tensor(input, "reduce_scatter");
     LOOM_CHECK(input.numel() == output.numel() * world_, "reduce_scatter: input has ",
                input.numel(), " elements, needs world_size x output = ", output.numel() * world_);
-    LOOM_CHECK(mpi_type(input.scalar_type()) != MPI_DATATYPE_NULL,
-               "reduce_scatter: dtype ", input.scalar_type(), " has no MPI type; use fp32");
-    MPI_Request request;
-    check_mpi(MPI_Ireduce_scatter_block(input.data_ptr(), output.data_ptr(),
-                                        static_cast<int>(output.numel()),
-                                        mpi_type(input.scalar_type()), mpi_op(op),
-                                        MPI_COMM_WORLD, &request),
-              "reduce_scatter");
+    LOOM_CHECK(input.scalar_type() == output.scalar_type(), "reduce_scatter: output dtype ",
+               output.scalar_type(), " differs from the input's ", input.scalar_type());
+    // Half types: reduce fp32 copies, as all_reduce does.
+    const at::Tensor in = reducible(input);
+    at::Tensor out = reducible(output);
+    const MPI_Datatype type = mpi_type(in.scalar_type());
+    const int64_t n = out.numel();
+    std::vector<MPI_Request> requests;
+    if (n * world_ <= max_count()) {
+      // Open MPI's non-blocking reduce-scatter counts world x n in an int: both must fit.
+      check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), static_cast<int>(n),
+                                          type, mpi_op(op), MPI_COMM_WORLD,
+                                          &requests.emplace_back()),
+                "reduce_scatter");
+    } else {
+      // Too many for one call: rank r's chunk is reduced to r, piece by piece.
+      for (int root = 0; root < world_; ++root)
+        for_pieces(n, [&](int64_t offset, int length) {
+          check_mpi(MPI_Ireduce(at_element(in, root * n + offset),
+                                root == rank_ ? at_element(out, offset) : nullptr, length, type,
+                                mpi_op(op), root, MPI_COMM_WORLD, &requests.emplace_back()),
+                    "reduce_scatter");
+        });
+    }
     const int world = world_;
-    return std::make_shared<MpiWork>(request, "reduce_scatter", rank_, timeout_,
-                                     [output, input, op, world]() mutable {
-                                       if (op == ReduceOp::avg) output.div_(world);
+    return std::make_shared<MpiWork>(std::move(requests), "reduce_scatter", rank_, timeout_,
+                                     [output, out, in, op, world]() mutable {
+                                       if (op == ReduceOp::avg) out.div_(world);
+                                       if (!out.is_same(output)) output.copy_(out);
                                      });
   }
 
@@ -183,24 +250,40 @@ class MpiComm final : public Comm {
     check_tensor(input, "all_gather");
     LOOM_CHECK(output.numel() == input.numel() * world_, "all_gather: output has ",
                output.numel(), " elements, needs world_size x input = ", input.numel() * world_);
-    MPI_Datatype type = byte_view(input);
-    MPI_Request request;
-    check_mpi(MPI_Iallgather(input.data_ptr(), count(input, type), type, output.data_ptr(),
-                             count(input, type), type, MPI_COMM_WORLD, &request),
-              "all_gather");
-    return std::make_shared<MpiWork>(request, "all_gather", rank_, timeout_,
+    const MPI_Datatype type = element_type(input);
+    const int64_t n = input.numel();
+    std::vector<MPI_Request> requests;
+    if (n * world_ <= max_count()) {
+      check_mpi(MPI_Iallgather(input.data_ptr(), static_cast<int>(n), type, output.data_ptr(),
+                               static_cast<int>(n), type, MPI_COMM_WORLD,
+                               &requests.emplace_back()),
+                "all_gather");
+    } else {
+      // Too many for one call: each rank broadcasts its chunk, piece by piece, from its slot.
+      output.view(-1).narrow(0, rank_ * n, n).copy_(input.view(-1));
+      for (int root = 0; root < world_; ++root)
+        for_pieces(n, [&](int64_t offset, int length) {
+          check_mpi(MPI_Ibcast(at_element(output, root * n + offset), length, type, root,
+                               MPI_COMM_WORLD, &requests.emplace_back()),
+                    "all_gather");
+        });
+    }
+    return std::make_shared<MpiWork>(std::move(requests), "all_gather", rank_, timeout_,
                                      [output, input] {});
   }
 
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) override {
     check_tensor(tensor, "broadcast");
     LOOM_CHECK(root >= 0 && root < world_, "broadcast root ", root, " is not a rank");
-    MPI_Datatype type = byte_view(tensor);
-    MPI_Request request;
-    check_mpi(MPI_Ibcast(tensor.data_ptr(), count(tensor, type), type, root, MPI_COMM_WORLD,
-                         &request),
-              "broadcast");
-    return std::make_shared<MpiWork>(request, "broadcast", rank_, timeout_, [tensor] {});
+    const MPI_Datatype type = element_type(tensor);
+    std::vector<MPI_Request> requests;
+    for_pieces(tensor.numel(), [&](int64_t offset, int length) {
+      check_mpi(MPI_Ibcast(at_element(tensor, offset), length, type, root, MPI_COMM_WORLD,
+                           &requests.emplace_back()),
+                "broadcast");
+    });
+    return std::make_shared<MpiWork>(std::move(requests), "broadcast", rank_, timeout_,
+                                     [tensor] {});
   }
 
   std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) override {
@@ -208,20 +291,41 @@ class MpiComm final : public Comm {
     check_tensor(input, "all_to_all");
     LOOM_CHECK(input.numel() == output.numel() && input.numel() % world_ == 0,
                "all_to_all: input and output need the same numel, divisible by ", world_);
-    MPI_Datatype type = byte_view(input);
-    const int chunk = count(input, type) / world_;
-    MPI_Request request;
-    check_mpi(MPI_Ialltoall(input.data_ptr(), chunk, type, output.data_ptr(), chunk, type,
-                            MPI_COMM_WORLD, &request),
-              "all_to_all");
-    return std::make_shared<MpiWork>(request, "all_to_all", rank_, timeout_,
+    const MPI_Datatype type = element_type(input);
+    const int64_t chunk = input.numel() / world_;
+    std::vector<MPI_Request> requests;
+    if (input.numel() <= max_count()) {
+      check_mpi(MPI_Ialltoall(input.data_ptr(), static_cast<int>(chunk), type, output.data_ptr(),
+                              static_cast<int>(chunk), type, MPI_COMM_WORLD,
+                              &requests.emplace_back()),
+                "all_to_all");
+    } else {
+      // Too many for one call: rank j gathers piece [offset, +length) of every rank's chunk j.
+      // Its receive type spans one chunk, so rank r's piece lands at r x chunk + offset.
+      for (int root = 0; root < world_; ++root)
+        for_pieces(chunk, [&](int64_t offset, int length) {
+          MPI_Datatype piece = MPI_DATATYPE_NULL, strided = MPI_DATATYPE_NULL;
+          check_mpi(MPI_Type_contiguous(length, type, &piece), "all_to_all");
+          check_mpi(MPI_Type_create_resized(piece, 0, chunk * input.element_size(), &strided),
+                    "all_to_all");
+          check_mpi(MPI_Type_commit(&strided), "all_to_all");
+          check_mpi(MPI_Igather(at_element(input, root * chunk + offset), length, type,
+                                at_element(output, offset), 1, strided, root, MPI_COMM_WORLD,
+                                &requests.emplace_back()),
+                    "all_to_all");
+          // Freed types live on until the operations that use them complete (MPI 3.1 4.1.9).
+          MPI_Type_free(&strided);
+          MPI_Type_free(&piece);
+        });
+    }
+    return std::make_shared<MpiWork>(std::move(requests), "all_to_all", rank_, timeout_,
                                      [output, input] {});
   }
 
   void barrier() override {
-    MPI_Request request;
-    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &request), "barrier");
-    MpiWork(request, "barrier", rank_, timeout_, {}).wait();
+    std::vector<MPI_Request> requests(1);
+    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, requests.data()), "barrier");
+    MpiWork(std::move(requests), "barrier", rank_, timeout_, {}).wait();
   }
 
  private:
@@ -229,10 +333,9 @@ class MpiComm final : public Comm {
     LOOM_CHECK(t.is_cpu() && t.is_contiguous(), "mpi ", op,
                " needs contiguous CPU tensors; use the nccl backend for CUDA tensors");
   }
-  // Data movement without reduction works on raw bytes, whatever the dtype.
-  static MPI_Datatype byte_view(const at::Tensor&) { return MPI_BYTE; }
-  static int count(const at::Tensor& t, MPI_Datatype) {
-    return static_cast<int>(t.numel() * t.element_size());
+  // The tensor itself where MPI can reduce its dtype, else an fp32 copy (bf16, fp16).
+  static at::Tensor reducible(const at::Tensor& t) {
+    return mpi_type(t.scalar_type()) == MPI_DATATYPE_NULL ? t.to(at::kFloat) : t;
   }
 
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_world_ = 1;

@@ -1,9 +1,13 @@
 // Runs every collective of one backend on the ranks of a real multi-process job and checks
 // each result against what a single process computes from all ranks' (deterministic) inputs.
 // usage (under mpirun or loom-launch): loom_comm_check BACKEND
+// With LOOM_TEST_MPI_MAX_COUNT=5 the mpi backend splits every collective into pieces of at most
+// 5 elements (Note [MPI counts]); on gloo the traffic of reduce_scatter is also measured.
 #include <ATen/ATen.h>
 
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "loom/comm.h"
 #include "loom/cpu.h"
@@ -22,6 +26,70 @@ void expect(bool ok, const std::string& what, int rank) {
     std::cerr << "rank " << rank << ": MISMATCH in " << what << "\n";
     ++failures;
   }
+}
+
+// Bytes received on the loopback interface so far (every rank of a one-host gloo job talks over
+// it); -1 where /proc/net/dev cannot be read.
+int64_t loopback_bytes() {
+  std::ifstream in("/proc/net/dev");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string name;
+    int64_t bytes = -1;
+    if (fields >> name >> bytes && name == "lo:") return bytes;
+  }
+  return -1;
+}
+
+// reduce_scatter of every op and dtype against the reference reduced in fp64.
+void check_reduce_scatter(loom::Comm& comm, int64_t n) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const int64_t chunk = n / world;
+  const std::pair<loom::ReduceOp, const char*> ops[] = {{loom::ReduceOp::sum, "sum"},
+                                                        {loom::ReduceOp::avg, "avg"},
+                                                        {loom::ReduceOp::max, "max"},
+                                                        {loom::ReduceOp::min, "min"}};
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    for (const auto& [op, name] : ops) {
+      std::vector<at::Tensor> all;
+      for (int r = 0; r < world; ++r) all.push_back(input_of(r, n).to(dtype).to(at::kDouble));
+      const at::Tensor stacked = at::stack(all);
+      at::Tensor expected = op == loom::ReduceOp::max   ? stacked.amax(0)
+                            : op == loom::ReduceOp::min ? stacked.amin(0)
+                                                        : stacked.sum(0);
+      if (op == loom::ReduceOp::avg) expected /= world;
+      expected = expected.narrow(0, rank * chunk, chunk);
+      at::Tensor output = at::full({chunk}, -7.0, at::TensorOptions().dtype(dtype));
+      comm.reduce_scatter(output, input_of(rank, n).to(dtype), op)->wait();
+      const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+      expect(output.scalar_type() == dtype &&
+                 at::allclose(output.to(at::kDouble), expected, half ? 0.01 : 1e-6,
+                              half ? 0.5 : 1e-6),
+             std::string("reduce_scatter ") + name + " " + c10::toString(dtype), rank);
+    }
+  }
+}
+
+// Gloo's reduce-scatter must move about half of what an all-reduce of the same buffer moves
+// (Note [Gloo reduce-scatter]); an all-reduce-based one moves as much.
+void check_gloo_traffic(loom::Comm& comm) {
+  const int64_t n = int64_t{1} << 22;  // 16 MiB of fp32: large against stray loopback traffic
+  at::Tensor input = input_of(comm.rank(), n), output = at::empty({n / comm.world_size()});
+  comm.barrier();
+  const int64_t start = loopback_bytes();
+  comm.reduce_scatter(output, input, loom::ReduceOp::sum)->wait();
+  comm.barrier();
+  const int64_t middle = loopback_bytes();
+  comm.all_reduce(input, loom::ReduceOp::sum)->wait();
+  comm.barrier();
+  const int64_t end = loopback_bytes();
+  if (start < 0) return;
+  const double ratio = double(middle - start) / double(end - middle);
+  if (comm.rank() == 0)
+    std::cout << "gloo reduce_scatter moved " << ratio << " x the bytes of all_reduce\n";
+  expect(ratio < 0.75, "gloo reduce_scatter traffic (" + std::to_string(ratio) +
+                           " x all_reduce's; an all-reduce-based one is 1)", comm.rank());
 }
 
 }  // namespace
@@ -58,11 +126,20 @@ int main(int argc, char** argv) {
     expect(at::allclose(scattered, expected_sum.narrow(0, rank * chunk, chunk)),
            "reduce_scatter", rank);
 
+    check_reduce_scatter(*comm, n);
+    if (comm->backend() == "gloo") check_gloo_traffic(*comm);
+
     at::Tensor gathered = at::empty({chunk * world});
     comm->all_gather(gathered, input_of(rank, chunk))->wait();
     for (int r = 0; r < world; ++r)
       expect(at::equal(gathered.narrow(0, r * chunk, chunk), input_of(r, chunk)),
              "all_gather chunk " + std::to_string(r), rank);
+
+    at::Tensor gathered16 = at::empty({chunk * world}, at::kBFloat16);
+    comm->all_gather(gathered16, input_of(rank, chunk).to(at::kBFloat16))->wait();
+    for (int r = 0; r < world; ++r)
+      expect(at::equal(gathered16.narrow(0, r * chunk, chunk), input_of(r, chunk).to(at::kBFloat16)),
+             "all_gather bf16 chunk " + std::to_string(r), rank);
 
     at::Tensor ids = at::arange(n, at::kLong) + 1000 * rank;
     comm->broadcast(ids, world - 1)->wait();

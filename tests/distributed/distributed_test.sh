@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Multi-process tests with real processes: every collective of mpi (mpirun) and gloo
-# (loom-launch) against a single-process reference; N ranks with batch b end with the
+# Multi-process tests with real processes: every collective of mpi (mpirun; also split into
+# 5-element pieces) and gloo (loom-launch; reduce_scatter's traffic measured) against a
+# single-process reference; N ranks with batch b end with the
 # parameters of 1 rank with batch N*b (N = 1, 2, 4); a killed rank makes the others stop with a
 # clear error within the timeout; --max-restarts resumes to the same final parameters; bad
 # launches (wrong WORLD_SIZE, port in use, unreachable master, missing backend) are clear errors.
@@ -24,9 +25,12 @@ next_port() { port=$((port + 1)); }
 for n in 2 4; do
   if out=$(timeout 120 "${mpirun[@]}" -np $n "$check" mpi 2>&1) && [ "$(grep -c 'every collective matches' <<<"$out")" -eq $n ]; then
     ok "mpi collectives, $n ranks"; else fail "mpi collectives, $n ranks: $out"; fi
+  # At most 5 elements per MPI call: every collective split into pieces (Note [MPI counts]).
+  if out=$(timeout 120 "${mpirun[@]}" -x LOOM_TEST_MPI_MAX_COUNT=5 -np $n "$check" mpi 2>&1) && [ "$(grep -c 'every collective matches' <<<"$out")" -eq $n ]; then
+    ok "mpi collectives in pieces of 5 elements, $n ranks"; else fail "mpi chunked collectives, $n ranks: $out"; fi
   next_port
   if out=$(timeout 120 "$launch" --nproc-per-node $n --master-port $port "$check" gloo 2>&1) && [ "$(grep -c 'every collective matches' <<<"$out")" -eq $n ]; then
-    ok "gloo collectives, $n ranks"; else fail "gloo collectives, $n ranks: $out"; fi
+    ok "gloo collectives, $n ranks ($(grep -o 'reduce_scatter moved .* the bytes' <<<"$out"))"; else fail "gloo collectives, $n ranks: $out"; fi
 done
 
 # --- N ranks x batch b == 1 rank x batch N*b

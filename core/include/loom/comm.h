@@ -19,6 +19,24 @@ namespace loom {
 
 enum class ReduceOp { sum, avg, max, min };
 
+// Note [Work semantics] — the same on every backend unless said otherwise:
+// - A collective's buffers (its input and output) must stay untouched by the caller until its
+//   handle is waited for (or says completed()); the handle keeps them alive meanwhile.
+// - wait() returns once the result is in the output as the caller's next operation sees it:
+//   on CPU backends (local, mpi, gloo) the host blocks until the data is there, and the
+//   finishing step (avg's divide, a half-type copy back, gloo's reduce-scatter reduction) has
+//   run. On nccl it is stream-ordered: the current CUDA stream waits for the collective and
+//   the finishing step is queued on it; the host may return before the GPU is done, so
+//   anything reading the output on another stream or on the host synchronises that stream.
+// - wait() throws loom::Error naming the rank and the operation when the collective fails or
+//   does not finish within the timeout (CommOptions::timeout; on nccl, ProcessGroupNCCL's
+//   watchdog enforces it); a wait() after success returns at once.
+// - completed() never blocks; true means wait() would return at once (it has then run the
+//   finishing step).
+// - A handle destroyed unwaited waits in its destructor, so its result still lands; its error,
+//   if any, is lost: wait() is where errors surface.
+// - Handles are not thread-safe: wait on a handle from one thread at a time. Collectives must
+//   be started in the same order on every rank (each backend's own rule).
 class Work {
  public:
   virtual ~Work();
@@ -48,7 +66,8 @@ class Comm {
 
   // In place on `tensor`.
   virtual std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) = 0;
-  // input (world*n) -> output (n): output = reduce(input's rank-th chunk over ranks).
+  // input (world*n) -> output (n), same dtype: output = reduce(input's rank-th chunk over
+  // ranks). Each rank sends about (world-1)/world of its input: half an all-reduce's traffic.
   virtual std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
                                                ReduceOp op) = 0;
   // input (n) -> output (world*n), rank r's input at chunk r.
