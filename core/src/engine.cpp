@@ -29,10 +29,10 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/step_driver.h"
 #include "loom/trainer.h"
 #include "plugin_host.h"
 #include "resolve.h"
-#include "loom/step_driver.h"
 
 namespace loom {
 namespace {
@@ -272,9 +272,9 @@ class EngineImpl final : public Engine, public Trainer {
       Batch& drawn = window.back();
       if (!drawn.host_stats.known && (!drawn.input_ids.defined() || drawn.input_ids.is_cpu()))
         drawn.compute_host_stats();
-      local_targets += window.back().num_loss_targets();
-      samples += window.back().num_samples();
-      tokens += window.back().num_tokens();
+      local_targets += drawn.num_loss_targets();
+      samples += drawn.num_samples();
+      tokens += drawn.num_tokens();
     }
     state_.window_targets = local_targets;
     if (comm_->world_size() > 1) {
@@ -321,7 +321,8 @@ class EngineImpl final : public Engine, public Trainer {
       comm_->all_reduce(loss_total, ReduceOp::sum)->wait();
       state_.loss = loss_total.item<double>() / static_cast<double>(state_.window_targets);
     } else {
-      state_.loss = loss_total.item<double>() / static_cast<double>(std::max<int64_t>(1, local_targets));
+      state_.loss =
+          loss_total.item<double>() / static_cast<double>(std::max<int64_t>(1, local_targets));
     }
 
     fire(Event::before_update);
