@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -21,6 +20,7 @@
 #include "checkpoint_io.h"
 #include "device.h"
 #include "job.h"
+#include "param_groups.h"
 #include "loom/comm.h"
 #include "loom/cpu.h"
 #include "loom/data.h"
@@ -507,63 +507,9 @@ class EngineImpl final : public Engine, public Trainer {
       param.group = model_->no_weight_decay(item.key(), item.value()) ? 1 : 0;
       params_.push_back(param);
     }
-    apply_param_groups();
     LOOM_CHECK(!params_.empty(), "model '", resolved_.model.name,
                "' has no trainable parameters (all are frozen)");
-  }
-
-  // [optimizer] param_groups: per-group learning-rate multiplier and weight decay, matched by
-  // a regular expression over parameter names; the first entry that matches wins.
-  void apply_param_groups() {
-    const auto& opt = resolved_.section("optimizer");
-    const ConfigValue* groups = opt.get("param_groups");
-    if (!groups) return;
-    std::vector<bool> assigned(params_.size(), false);
-    int index = 0;
-    for (const auto& entry : std::get<ConfigArray>(groups->value)) {
-      const std::string where = entry.where;
-      LOOM_CHECK_AS(ConfigError, entry.is_table(), where, ": [optimizer] param_groups[", index,
-                    "] must be a table like {match = \"wte.*\", lr_scale = 0.1}");
-      const ConfigValue* match = entry.find("match");
-      LOOM_CHECK_AS(ConfigError, match && std::holds_alternative<std::string>(match->value),
-                    where, ": [optimizer] param_groups[", index, "] needs match = \"regex\"");
-      double lr_scale = 1.0, weight_decay = -1.0;
-      for (const auto& [key, value] : std::get<ConfigTable>(entry.value)) {
-        const double* d = std::get_if<double>(&value.value);
-        const int64_t* i = std::get_if<int64_t>(&value.value);
-        if (key == "match") continue;
-        LOOM_CHECK_AS(ConfigError, key == "lr_scale" || key == "weight_decay", value.where,
-                      ": unknown key '", key, "' in [optimizer] param_groups[", index,
-                      "]; use match, lr_scale, weight_decay");
-        LOOM_CHECK_AS(ConfigError, (d || i) && (d ? *d : static_cast<double>(*i)) >= 0,
-                      value.where, ": [optimizer] param_groups[", index, "] ", key,
-                      " must be a number >= 0, not ", value.to_text());
-        (key == "lr_scale" ? lr_scale : weight_decay) = d ? *d : static_cast<double>(*i);
-      }
-      const std::string& pattern = std::get<std::string>(match->value);
-      std::regex re;
-      try {
-        re = std::regex(pattern);
-      } catch (const std::regex_error& error) {
-        throw ConfigError(detail::cat(match->where, ": [optimizer] param_groups[", index,
-                                      "] match \"", pattern, "\" is not a valid regex: ",
-                                      error.what()));
-      }
-      int matched = 0;
-      for (size_t p = 0; p < params_.size(); ++p) {
-        if (assigned[p] || !std::regex_match(params_[p].name, re)) continue;
-        params_[p].lr_scale = lr_scale;
-        params_[p].weight_decay = weight_decay;
-        assigned[p] = true;
-        ++matched;
-      }
-      LOOM_CHECK_AS(ConfigError, matched > 0, match->where, ": [optimizer] param_groups[",
-                    index, "] match \"", pattern, "\" matches no trainable parameter (e.g. ",
-                    params_.front().name, "); the regex must match the whole name");
-      log::info("param group ", index, " (", pattern, "): ", matched, " tensor(s), lr x ",
-                lr_scale, weight_decay >= 0 ? detail::cat(", weight decay ", weight_decay) : "");
-      ++index;
-    }
+    apply_param_groups(resolved_.section("optimizer"), params_);
   }
 
   // The plugin filling Slot::step_driver makes the driver; else the core's default one.
