@@ -33,6 +33,7 @@
 #include "loom/trainer.h"
 #include "plugin_host.h"
 #include "resolve.h"
+#include "step_report.h"
 
 namespace loom {
 namespace {
@@ -350,7 +351,7 @@ class EngineImpl final : public Engine, public Trainer {
     fire(Event::after_update);
 
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    write_metrics(seconds, samples, tokens);
+    report_->report(state_, seconds, samples, tokens);
     fire(Event::step_end);
     const int64_t every = train.get_int("save_steps");
     if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps)
@@ -366,7 +367,7 @@ class EngineImpl final : public Engine, public Trainer {
       const int64_t first = state_.step;
       while (step()) {
       }
-      end_progress();
+      if (report_) report_->end_progress();
       const auto& train = resolved_.section("train");
       if (train.get_bool("save_final") && state_.step > first) summary.last_checkpoint = save_checkpoint();
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -376,7 +377,7 @@ class EngineImpl final : public Engine, public Trainer {
                 memory::format_bytes(memory::peak_rss_bytes()), ")");
       fire(Event::teardown);
     } catch (...) {
-      end_progress();
+      if (report_) report_->end_progress();
       try {
         if (setup_done_) fire(Event::teardown);
       } catch (const std::exception& error) {
@@ -587,11 +588,18 @@ class EngineImpl final : public Engine, public Trainer {
           " already holds checkpoints of an earlier run; set [train] resume = \"latest\" to "
           "continue it, or choose another output_dir (nothing was changed)"));
     }
-    metrics_path_ = output_dir_ + "/metrics.jsonl";
+    StepReport::Options report;
+    report.metrics_path = output_dir_ + "/metrics.jsonl";
+    report.rank = comm_->rank();
+    report.world_size = comm_->world_size();
+    report.progress_bar = train.get_bool("progress_bar");
+    report.logging_steps = train.get_int("logging_steps");
+    report.device = device_;
+    report_ = std::make_unique<StepReport>(report);
     if (!folder.empty()) {
       load_checkpoint(folder);
-    } else if (comm_->rank() == 0) {
-      std::ofstream(metrics_path_, std::ios::trunc);
+    } else {
+      report_->start_fresh();
     }
   }
 
@@ -648,49 +656,6 @@ class EngineImpl final : public Engine, public Trainer {
               ", sample ", contents.data.cursor, ")");
   }
 
-  void write_metrics(double seconds, int64_t samples, int64_t tokens) {
-    const auto memory_now = memory::device_stats(device_);
-    const double world = comm_->world_size();
-    if (comm_->rank() == 0) {
-      nlohmann::ordered_json line = {
-          {"step", state_.step},
-          {"loss", state_.loss},
-          {"lr", state_.lr},
-          {"grad_norm", state_.grad_norm},
-          {"step_time_s", seconds},
-          {"samples_per_s", samples * world / seconds},
-          {"tokens_per_s", tokens * world / seconds},
-          {"mem_current_bytes", memory_now.current_bytes},
-          {"mem_peak_bytes", memory_now.peak_bytes},
-          {"rss_peak_bytes", memory::peak_rss_bytes()},
-          {"skipped_updates", state_.skipped_updates},
-          {"loss_scale", state_.loss_scale}};
-      for (const auto& [key, value] : state_.metrics) line[key] = value;
-      std::ofstream out(metrics_path_, std::ios::app);
-      out << line.dump() << "\n";
-    }
-    const auto& train = resolved_.section("train");
-    const bool bar = train.get_bool("progress_bar") && comm_->rank() == 0 && ::isatty(2) &&
-                     log::level() <= log::Level::info;
-    if (bar) {
-      const int width = 30;
-      const int filled = static_cast<int>(width * state_.step / std::max<int64_t>(1, state_.max_steps));
-      std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f lr %.2e %.1f samples/s",
-                   std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                   static_cast<long long>(state_.step), static_cast<long long>(state_.max_steps),
-                   state_.loss, state_.lr, samples * world / seconds);
-      progress_shown_ = true;
-    } else {
-      const int64_t every = std::max<int64_t>(1, train.get_int("logging_steps"));
-      if (state_.step % every == 0 || state_.step == state_.max_steps)
-        log::info("step ", state_.step, "/", state_.max_steps, " loss ", state_.loss, " lr ",
-                  state_.lr, " grad_norm ", state_.grad_norm, " ", samples * world / seconds,
-                  " samples/s ", tokens * world / seconds, " tokens/s, memory ",
-                  memory::format_bytes(memory_now.current_bytes), " (peak ",
-                  memory::format_bytes(memory_now.peak_bytes), ")");
-    }
-  }
-
   // output_dir/run.json: what ran where, and the model-state bytes, for tools and benchmarks.
   void write_run_info() const {
     if (comm_->rank() != 0) return;
@@ -715,10 +680,6 @@ class EngineImpl final : public Engine, public Trainer {
     std::ofstream(output_dir_ + "/run.json") << info.dump(2) << "\n";
   }
 
-  void end_progress() {
-    if (progress_shown_) std::fprintf(stderr, "\n");
-    progress_shown_ = false;
-  }
 
   Job job_;
   PluginHost host_;
@@ -742,8 +703,9 @@ class EngineImpl final : public Engine, public Trainer {
   Batch batch_;
   Output output_;
   CheckpointData checkpoint_;
-  std::string output_dir_, metrics_path_;
-  bool setup_done_ = false, progress_shown_ = false;
+  std::unique_ptr<StepReport> report_;
+  std::string output_dir_;
+  bool setup_done_ = false;
 };
 
 void GradReadyHook::operator()(const torch::autograd::Variable&) {

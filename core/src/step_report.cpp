@@ -1,0 +1,69 @@
+// The per-step report. See step_report.h.
+#include "step_report.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "loom/log.h"
+#include "loom/memory.h"
+
+namespace loom {
+
+void StepReport::start_fresh() const {
+  if (options_.rank == 0) std::ofstream(options_.metrics_path, std::ios::trunc);
+}
+
+void StepReport::report(const TrainState& state, double seconds, int64_t samples,
+                        int64_t tokens) {
+  const auto memory_now = memory::device_stats(options_.device);
+  const double world = options_.world_size;
+  const double samples_per_s = samples * world / seconds, tokens_per_s = tokens * world / seconds;
+  if (options_.rank == 0) {
+    nlohmann::ordered_json line = {
+        {"step", state.step},
+        {"loss", state.loss},
+        {"lr", state.lr},
+        {"grad_norm", state.grad_norm},
+        {"step_time_s", seconds},
+        {"samples_per_s", samples_per_s},
+        {"tokens_per_s", tokens_per_s},
+        {"mem_current_bytes", memory_now.current_bytes},
+        {"mem_peak_bytes", memory_now.peak_bytes},
+        {"rss_peak_bytes", memory::peak_rss_bytes()},
+        {"skipped_updates", state.skipped_updates},
+        {"loss_scale", state.loss_scale}};
+    for (const auto& [key, value] : state.metrics) line[key] = value;
+    std::ofstream out(options_.metrics_path, std::ios::app);
+    out << line.dump() << "\n";
+  }
+  const bool bar = options_.progress_bar && options_.rank == 0 && ::isatty(2) &&
+                   log::level() <= log::Level::info;
+  if (bar) {
+    const int width = 30;
+    const int filled =
+        static_cast<int>(width * state.step / std::max<int64_t>(1, state.max_steps));
+    std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f lr %.2e %.1f samples/s",
+                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                 static_cast<long long>(state.step), static_cast<long long>(state.max_steps),
+                 state.loss, state.lr, samples_per_s);
+    progress_shown_ = true;
+    return;
+  }
+  const int64_t every = std::max<int64_t>(1, options_.logging_steps);
+  if (state.step % every == 0 || state.step == state.max_steps)
+    log::info("step ", state.step, "/", state.max_steps, " loss ", state.loss, " lr ", state.lr,
+              " grad_norm ", state.grad_norm, " ", samples_per_s, " samples/s ", tokens_per_s,
+              " tokens/s, memory ", memory::format_bytes(memory_now.current_bytes), " (peak ",
+              memory::format_bytes(memory_now.peak_bytes), ")");
+}
+
+void StepReport::end_progress() {
+  if (progress_shown_) std::fprintf(stderr, "\n");
+  progress_shown_ = false;
+}
+
+}  // namespace loom

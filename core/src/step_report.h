@@ -1,0 +1,38 @@
+// step_report.h (core-internal) — what a finished step tells the user: one JSON line in
+// output_dir/metrics.jsonl (rank 0; the engine's numbers plus every plugin's
+// TrainState::metrics), and on the terminal a progress bar, or a log line every logging_steps.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+#include "loom/engine.h"
+
+namespace loom {
+
+class StepReport {
+ public:
+  struct Options {
+    std::string metrics_path;  // output_dir/metrics.jsonl
+    int rank = 0, world_size = 1;
+    bool progress_bar = true;  // shown only on rank 0, on a terminal, at log level info
+    int64_t logging_steps = 10;
+    c10::Device device{c10::kCPU};  // whose memory statistics are reported
+  };
+  explicit StepReport(Options options) : options_(std::move(options)) {}
+
+  // A fresh run: an empty metrics.jsonl (a resumed run appends to the one it has).
+  void start_fresh() const;
+  // After step state.step: `seconds` it took, `samples` and `tokens` this rank trained.
+  void report(const TrainState& state, double seconds, int64_t samples, int64_t tokens);
+  // Ends the progress bar's line, if one is shown.
+  void end_progress();
+
+ private:
+  Options options_;
+  bool progress_shown_ = false;
+};
+
+}  // namespace loom
