@@ -87,6 +87,15 @@ void expect_bitwise(const TrainRun& want, const TrainRun& got) {
         << want.names[i] << " differs by " << max_abs_diff(want.params[i], got.params[i]);
 }
 
+// Trains the tiny GPT with `set` twice, plain and with the job tables `extra` added, and
+// expects both to end bitwise alike: a technique that must not change the arithmetic.
+void expect_trains_bitwise_alike(const std::string& extra, const std::vector<std::string>& set) {
+  TempDir plain_dir, extra_dir;
+  const TrainRun plain = train(tiny_gpt_job(plain_dir.str()), plain_dir, set);
+  const TrainRun with_extra = train(tiny_gpt_job(extra_dir.str()) + extra, extra_dir, set);
+  expect_bitwise(plain, with_extra);
+}
+
 // ---- the engine on CUDA ----
 
 TEST(Gpu, Fp32TrainingFollowsTheCpuRun) {
@@ -203,31 +212,20 @@ TEST(Gpu, Bf16Fp16AndTf32FollowTheFp32Loss) {
 
 TEST(Gpu, CheckpointingWithDropoutIsBitwiseThePlainRun) {
   LOOM_REQUIRE_GPU();
-  const std::vector<std::string> set = {"train.device=cuda", "model.dropout=0.1",
-                                        "model.n_layer=4", "train.max_steps=3",
-                                        "train.gradient_accumulation_steps=2"};
-  TempDir plain_dir, ckpt_dir;
-  const TrainRun plain = train(tiny_gpt_job(plain_dir.str()), plain_dir, set);
-  const TrainRun recomputed =
-      train(tiny_gpt_job(ckpt_dir.str()) + "\n[checkpointing]\nevery = 1\n", ckpt_dir, set);
-  expect_bitwise(plain, recomputed);
+  expect_trains_bitwise_alike("\n[checkpointing]\nevery = 1\n",
+                              {"train.device=cuda", "model.dropout=0.1", "model.n_layer=4",
+                               "train.max_steps=3", "train.gradient_accumulation_steps=2"});
 }
 
 TEST(Gpu, PreloadWithPinnedMemoryAndASideStreamTrainsTheSame) {
   LOOM_REQUIRE_GPU();
-  const std::vector<std::string> set = {"train.device=cuda", "train.max_steps=6"};
-  TempDir plain_dir, pre_dir;
-  const TrainRun plain = train(tiny_gpt_job(plain_dir.str()), plain_dir, set);
-  const TrainRun preloaded = train(tiny_gpt_job(pre_dir.str()) +
-                                  "\n[preload]\nnum_workers = 2\npin_memory = true\n",
-                              pre_dir, set);
-  expect_bitwise(plain, preloaded);
+  expect_trains_bitwise_alike("\n[preload]\nnum_workers = 2\npin_memory = true\n",
+                              {"train.device=cuda", "train.max_steps=6"});
 }
 
 TEST(Gpu, LoraTrainsOnlyTheAdaptersOnCuda) {
   LOOM_REQUIRE_GPU();
   TempDir dir;
-  std::vector<at::Tensor> frozen_before;
   auto trainer = Trainer::from_text(
       tiny_gpt_job(dir.str()) + "\n[lora]\nr = 4\ntarget_modules = [\"qkv\", \"proj\"]\n",
       dir.path(), {"train.device=cuda", "train.max_steps=3"});
@@ -323,14 +321,9 @@ TEST(Gpu, NcclCollectivesWithOneRank) {
 TEST(Gpu, DdpOverNcclTrainsLikeOneProcess) {
   LOOM_REQUIRE_GPU();
   one_rank_env();
-  TempDir local_dir, nccl_dir;
-  const std::vector<std::string> set = {"train.device=cuda", "train.max_steps=3"};
-  const TrainRun local = train(tiny_gpt_job(local_dir.str()), local_dir, set);
-  const TrainRun nccl = train(tiny_gpt_job(nccl_dir.str()) +
-                             "\n[distributed]\nbackend = \"nccl\"\n\n[ddp]\n",
-                         nccl_dir, set);
   // One rank: the all-reduce of a sum over one rank leaves every gradient as it was.
-  expect_bitwise(local, nccl);
+  expect_trains_bitwise_alike("\n[distributed]\nbackend = \"nccl\"\n\n[ddp]\n",
+                              {"train.device=cuda", "train.max_steps=3"});
 }
 
 // ---- bad input ----
