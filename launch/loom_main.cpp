@@ -1,4 +1,4 @@
-// The `loom` command: run, check, plugins, env. Every error is one line naming the thing and what
+// The `loom` command: run, check, plugins, env, consolidate. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
 #include <cstdio>
 #include <cstring>
@@ -23,6 +23,7 @@ usage:
   loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
+  loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
   loom --version | --help
 
 examples:
@@ -31,7 +32,7 @@ examples:
 )";
 
 struct Args {
-  std::string command, job;
+  std::string command, job, out;
   std::vector<std::string> overrides;
   std::vector<std::filesystem::path> paths;
 };
@@ -56,6 +57,8 @@ Args parse(int argc, char** argv) {
       args.command = a;
     } else if (args.job.empty()) {
       args.job = a;
+    } else if (args.command == "consolidate" && args.out.empty()) {
+      args.out = a;
     } else {
       throw loom::ConfigError("unexpected argument '" + a + "'; see loom --help");
     }
@@ -93,6 +96,15 @@ int main(int argc, char** argv) {
       std::cout << loom::describe_plugins(args.paths);
       return 0;
     }
+    if (args.command == "consolidate") {
+      if (args.job.empty() || args.out.empty())
+        throw loom::ConfigError(
+            "loom consolidate needs a checkpoint folder and an output file: loom consolidate "
+            "out/checkpoint-100 model.safetensors");
+      loom::consolidate_checkpoint(args.job, args.out);
+      std::cout << "wrote " << args.out << " from " << args.job << "\n";
+      return 0;
+    }
     if (args.command == "run" || args.command == "check") {
       if (args.job.empty())
         throw loom::ConfigError("loom " + args.command + " needs a job file: loom " +
@@ -110,7 +122,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, plugins or env (loom --help)");
+                            "'; use run, check, plugins, env or consolidate (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

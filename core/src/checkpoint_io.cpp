@@ -7,9 +7,13 @@
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "fsutil.h"
+#include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
@@ -18,7 +22,7 @@ namespace loom {
 namespace {
 
 constexpr const char* kFormat = "loom-checkpoint";
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 
 int64_t step_of(const std::filesystem::path& folder) {
   const std::string name = folder.filename().string();
@@ -45,78 +49,333 @@ std::vector<std::pair<int64_t, std::filesystem::path>> checkpoints_in(const std:
 
 }  // namespace
 
-std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
-                             int64_t keep) {
-  namespace fs = std::filesystem;
-  const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(c.step));
-  const fs::path temp_dir = fs::path(output_dir) / (".checkpoint-" + std::to_string(c.step) +
-                                                    ".tmp-" + std::to_string(::getpid()));
-  fs::remove_all(temp_dir);
-  fs::create_directories(temp_dir);
-  try {
-    std::map<std::string, NamedTensors> files = c.plugin.files;
-    for (const char* reserved : {"model", "optimizer", "trainer"})
-      LOOM_CHECK_AS(CheckpointError, !files.count(reserved), "a plugin tried to save a file '",
-                    reserved, "' that belongs to the core");
-    files["model"] = c.model;
-    files["optimizer"] = c.optimizer;
-    files["trainer"] = {{"rng.cpu", c.rng_cpu}};
-    if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
-    nlohmann::ordered_json manifest = {
-        {"format", kFormat},
-        {"format_version", kFormatVersion},
-        {"loom_version", LOOM_VERSION},
-        {"step", c.step},
-        {"seed", c.seed},
-        {"config_hash", c.config_hash},
-        {"update_rule", c.update_rule},
-        {"world_size", c.world_size},
-        {"data", {{"epoch", c.data.epoch}, {"cursor", c.data.cursor}}},
-        {"skipped_updates", c.skipped_updates},
-        {"loss_scale", c.loss_scale},
-        {"values", c.plugin.values}};
-    nlohmann::ordered_json listing = nlohmann::ordered_json::object();
-    for (const auto& [stem, tensors] : files) {
-      const fs::path file = temp_dir / (stem + ".safetensors");
-      safetensors::save(file, tensors, {{"format", "pt"}});
-      const auto d = fsutil::digest(file);
-      listing[stem + ".safetensors"] = {{"bytes", d.bytes}, {"crc32", d.crc32}};
+namespace {
+
+std::string optimizer_file_name(int rank, int writers) {
+  char name[64];
+  std::snprintf(name, sizeof name, "optimizer-%05d-of-%05d.safetensors", rank, writers);
+  return name;
+}
+
+// The StateReader over a checkpoint's optimizer files: headers up front (names, pieces, global
+// shapes), a file's tensors when a read first needs them (its crc32 checked then).
+class ShardedStateReader final : public StateReader {
+ public:
+  struct File {
+    std::filesystem::path path;
+    uint64_t bytes = 0;
+    uint32_t crc32 = 0;
+    bool verified = false;
+  };
+  // model: model.safetensors (verified already), whose tensors are served flattened as
+  // "weight/<name>".
+  ShardedStateReader(std::string folder, std::vector<File> files, int64_t step, bool layout,
+                     std::optional<File> model)
+      : folder_(std::move(folder)), files_(std::move(files)) {
+    const size_t shard_files = files_.size();
+    if (model) files_.push_back(*model);
+    for (size_t f = 0; f < files_.size(); ++f) {
+      auto header = safetensors::read_header(files_[f].path);
+      if (f >= shard_files) {  // the model file
+        for (const auto& entry : header.entries) {
+          int64_t numel = 1;
+          for (int64_t d : entry.shape) numel *= d;
+          pieces_["weight/" + entry.name].push_back({f, entry, {numel}, 0, true, entry.shape});
+        }
+        headers_.push_back(std::move(header));
+        continue;
+      }
+      nlohmann::json map = nlohmann::json::object();
+      if (layout) {
+        try {
+          map = nlohmann::json::parse(header.metadata.at("layout"));
+          const int64_t saved = std::stoll(header.metadata.at("step"));
+          LOOM_CHECK_AS(CheckpointError, saved == step, "optimizer shard '",
+                        files_[f].path.string(), "' is from step ", saved, " but the checkpoint is of step ",
+                        step, "; the shards come from different checkpoints");
+        } catch (const std::out_of_range&) {
+          throw CheckpointError(detail::cat("optimizer shard '", files_[f].path.string(),
+                                            "' lacks its layout metadata; it is not a loom shard"));
+        } catch (const nlohmann::json::exception& error) {
+          throw CheckpointError(detail::cat("optimizer shard '", files_[f].path.string(),
+                                            "' has corrupt layout metadata: ", error.what()));
+        }
+      }
+      for (const auto& entry : header.entries) {
+        Saved saved{f, entry, entry.shape, 0, false, {}};
+        if (map.contains(entry.name)) {
+          saved.global_shape = map[entry.name].at("shape").get<std::vector<int64_t>>();
+          saved.offset = map[entry.name].at("offset").get<int64_t>();
+          if (map[entry.name].contains("tensor_shape"))
+            saved.tensor_shape = map[entry.name].at("tensor_shape").get<std::vector<int64_t>>();
+        }
+        pieces_[entry.name].push_back(std::move(saved));
+      }
+      headers_.push_back(std::move(header));
     }
-    manifest["files"] = listing;
-    fsutil::write_file_atomic(temp_dir / "manifest.json", manifest.dump(2) + "\n");
-    fsutil::fsync_dir(temp_dir);
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);
-    fs::rename(temp_dir, final_dir);
-    fsutil::fsync_dir(output_dir);
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(temp_dir, ec);
-    throw;
   }
-  if (keep > 0) {
+
+  void read(const std::string& name, const std::vector<int64_t>& global_shape, int64_t offset,
+            at::Tensor& into) override {
+    auto it = pieces_.find(name);
+    LOOM_CHECK_AS(CheckpointError, it != pieces_.end(), where(), " has no tensor '", name,
+                  "' that the optimizer needs; was it saved by another optimizer or model?");
+    read_.insert(name);
+    const int64_t rows = into.dim() == 0 ? 1 : into.size(0);
+    std::vector<bool> covered(static_cast<size_t>(rows), false);
+    int64_t left = rows;
+    for (const Saved& saved : it->second) {
+      LOOM_CHECK_AS(CheckpointError,
+                    saved.global_shape == global_shape && saved.entry.dtype == into.scalar_type(),
+                    "'", files_[saved.file].path.string(), "': tensor '", name, "' is ",
+                    c10::IntArrayRef(saved.global_shape), " ", c10::toString(saved.entry.dtype),
+                    " but the job needs ", c10::IntArrayRef(global_shape), " ",
+                    c10::toString(into.scalar_type()),
+                    "; the checkpoint belongs to another model shape or optimizer");
+      const int64_t saved_rows = saved.flatten ? saved.global_shape[0]
+                                 : saved.entry.shape.empty() ? 1 : saved.entry.shape[0];
+      const int64_t a = std::max(offset, saved.offset);
+      const int64_t b = std::min(offset + rows, saved.offset + saved_rows);
+      if (a >= b) continue;
+      bool needed = false;
+      for (int64_t r = a; r < b; ++r) needed |= !covered[r - offset];
+      if (!needed) continue;
+      at::Tensor source = tensor_of(saved);
+      if (saved.flatten) source = source.reshape(-1);
+      at::NoGradGuard no_grad;
+      if (into.dim() == 0) {
+        into.copy_(source.reshape({}));
+      } else {
+        into.narrow(0, a - offset, b - a)
+            .copy_(source.narrow(0, a - saved.offset, b - a).to(into.device()));
+      }
+      for (int64_t r = a; r < b; ++r)
+        if (!covered[r - offset]) covered[r - offset] = true, --left;
+      if (left == 0) break;
+    }
+    LOOM_CHECK_AS(CheckpointError, left == 0, where(), ": rows [", offset, ", ", offset + rows,
+                  ") of '", name, "' are not all in the saved shards (", left,
+                  " missing); is a shard file missing from the manifest?");
+  }
+
+  std::vector<std::string> unread() const override {
+    std::vector<std::string> out;
+    for (const auto& [name, saved] : pieces_)
+      if (!read_.count(name) && name.rfind("weight/", 0) != 0) out.push_back(name);
+    return out;
+  }
+  std::string where() const override {
+    return "'" + folder_ + "/" +
+           (files_.size() == 1 ? files_.front().path.filename().string()
+                               : std::string("optimizer-*.safetensors")) +
+           "'";
+  }
+
+ private:
+  struct Saved {
+    size_t file;
+    safetensors::Entry entry;
+    std::vector<int64_t> global_shape;
+    int64_t offset;
+    bool flatten;  // a whole model tensor served as its 1-D flattening
+    std::vector<int64_t> tensor_shape;
+  };
+  at::Tensor tensor_of(const Saved& saved) {
+    File& file = files_[saved.file];
+    if (!file.verified) {
+      const auto d = fsutil::digest(file.path);
+      LOOM_CHECK_AS(CheckpointError, d.bytes == file.bytes && d.crc32 == file.crc32,
+                    "checkpoint file '", file.path.string(), "' is corrupt: ", d.bytes,
+                    " bytes with crc32 ", d.crc32, ", the manifest says ", file.bytes, " and ",
+                    file.crc32, "; resume from an earlier checkpoint");
+      file.verified = true;
+    }
+    // Piece by piece: the peak is one piece, whatever the checkpoint's size.
+    return safetensors::read_tensor(file.path, headers_[saved.file], saved.entry);
+  }
+
+ public:
+  // What the files hold, for `loom consolidate`: each name with its global shape, the shape of
+  // the tensor it flattens (if any), its dtype, and whether it is a whole model tensor.
+  struct Listing {
+    std::string name;
+    std::vector<int64_t> global_shape, tensor_shape;
+    at::ScalarType dtype;
+    bool from_model_file;
+  };
+  std::vector<Listing> listing() const {
+    std::vector<Listing> out;
+    for (const auto& [name, saved] : pieces_)
+      out.push_back({name, saved.front().global_shape, saved.front().tensor_shape,
+                     saved.front().entry.dtype, saved.front().flatten});
+    return out;
+  }
+
+ private:
+  std::string folder_;
+  std::vector<File> files_;
+  std::vector<safetensors::Header> headers_;
+  std::map<std::string, std::vector<Saved>> pieces_;
+  std::set<std::string> read_;
+};
+
+}  // namespace
+
+std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
+                             int64_t keep, Comm& comm) {
+  namespace fs = std::filesystem;
+  const int rank = comm.rank(), world = comm.world_size();
+  const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(c.step));
+  // One name every rank agrees on (ranks may run on several hosts sharing output_dir).
+  const fs::path temp_dir = fs::path(output_dir) / (".checkpoint-" + std::to_string(c.step) + ".tmp");
+  const int writers = c.optimizer_sharded ? world : 1;
+  // Rank 0 clears what a crashed save left; nobody writes before that.
+  std::string error;
+  try {
+    if (rank == 0) {
+      fs::remove_all(temp_dir);
+      fs::create_directories(temp_dir);
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  auto agree = [&](int64_t bytes, int64_t crc) {
+    // Every rank's (ok, bytes, crc32): a failure anywhere is known everywhere, no rank waits
+    // for a file that will never come.
+    at::Tensor mine = at::tensor({error.empty() ? int64_t{1} : int64_t{0}, bytes, crc},
+                                 at::TensorOptions().dtype(at::kLong)).to(comm.device());
+    at::Tensor all = at::empty({3 * world}, mine.options());
+    comm.all_gather(all, mine)->wait();
+    return all.cpu();
+  };
+  at::Tensor status = agree(0, 0);
+  for (int r = 0; r < world; ++r)
+    LOOM_CHECK_AS(CheckpointError, status[3 * r].item<int64_t>() == 1,
+                  "saving checkpoint-", c.step, ": rank 0 could not prepare ", temp_dir.string(),
+                  rank == 0 ? ": " + error : std::string());
+  int64_t bytes = 0, crc = 0;
+  if (rank < writers) {
+    try {
+      nlohmann::ordered_json layout = nlohmann::ordered_json::object();
+      NamedTensors tensors;
+      for (const auto& piece : c.optimizer) {
+        layout[piece.name] = {{"shape", piece.global_shape}, {"offset", piece.offset}};
+        if (!piece.tensor_shape.empty()) layout[piece.name]["tensor_shape"] = piece.tensor_shape;
+        tensors.emplace_back(piece.name, piece.tensor);
+      }
+      const fs::path file = temp_dir / optimizer_file_name(rank, writers);
+      safetensors::save(file, tensors,
+                        {{"format", "pt"}, {"layout", layout.dump()},
+                         {"step", std::to_string(c.step)}});
+      const auto d = fsutil::digest(file);
+      bytes = static_cast<int64_t>(d.bytes);
+      crc = static_cast<int64_t>(d.crc32);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  status = agree(bytes, crc);
+  std::string failed;
+  for (int r = 0; r < world; ++r)
+    if (status[3 * r].item<int64_t>() != 1) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  if (!failed.empty()) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(temp_dir, ec);
+    }
+    throw CheckpointError(detail::cat("saving checkpoint-", c.step, ": rank(s) ", failed,
+                                      " could not write their optimizer shard",
+                                      error.empty() ? "" : ": " + error,
+                                      "; the previous checkpoints are intact"));
+  }
+  if (rank == 0) {
+    try {
+      std::map<std::string, NamedTensors> files = c.plugin.files;
+      for (const char* reserved : {"model", "trainer"})
+        LOOM_CHECK_AS(CheckpointError, !files.count(reserved), "a plugin tried to save a file '",
+                      reserved, "' that belongs to the core");
+      for (const auto& [stem, tensors] : files)
+        LOOM_CHECK_AS(CheckpointError, stem.rfind("optimizer", 0) != 0,
+                      "a plugin tried to save a file '", stem, "' that belongs to the core");
+      files["model"] = c.model;
+      files["trainer"] = {{"rng.cpu", c.rng_cpu}};
+      if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
+      nlohmann::ordered_json manifest = {
+          {"format", kFormat},
+          {"format_version", kFormatVersion},
+          {"loom_version", LOOM_VERSION},
+          {"step", c.step},
+          {"seed", c.seed},
+          {"config_hash", c.config_hash},
+          {"update_rule", c.update_rule},
+          {"world_size", c.world_size},
+          {"data", {{"epoch", c.data.epoch}, {"cursor", c.data.cursor}}},
+          {"skipped_updates", c.skipped_updates},
+          {"loss_scale", c.loss_scale},
+          {"values", c.plugin.values}};
+      nlohmann::ordered_json listing = nlohmann::ordered_json::object();
+      for (const auto& [stem, tensors] : files) {
+        const fs::path file = temp_dir / (stem + ".safetensors");
+        safetensors::save(file, tensors, {{"format", "pt"}});
+        const auto d = fsutil::digest(file);
+        listing[stem + ".safetensors"] = {{"bytes", d.bytes}, {"crc32", d.crc32}};
+      }
+      nlohmann::ordered_json shards = nlohmann::ordered_json::array();
+      for (int r = 0; r < writers; ++r)
+        shards.push_back({{"file", optimizer_file_name(r, writers)},
+                          {"bytes", status[3 * r + 1].item<int64_t>()},
+                          {"crc32", static_cast<uint32_t>(status[3 * r + 2].item<int64_t>())}});
+      manifest["files"] = listing;
+      manifest["optimizer_shards"] = shards;
+      fsutil::write_file_atomic(temp_dir / "manifest.json", manifest.dump(2) + "\n");
+      fsutil::fsync_dir(temp_dir);
+      if (fs::exists(final_dir)) fs::remove_all(final_dir);
+      fs::rename(temp_dir, final_dir);
+      fsutil::fsync_dir(output_dir);
+      error.clear();
+    } catch (const std::exception& e) {
+      error = e.what();
+      std::error_code ec;
+      fs::remove_all(temp_dir, ec);
+    }
+  }
+  // Nobody goes on (and reads, or saves again) before the folder is complete or known failed.
+  status = agree(0, 0);
+  LOOM_CHECK_AS(CheckpointError, status[0].item<int64_t>() == 1, "saving checkpoint-", c.step,
+                " failed on rank 0", error.empty() ? std::string() : ": " + error,
+                "; the previous checkpoints are intact");
+  if (rank == 0 && keep > 0) {
     auto all = checkpoints_in(output_dir);
     for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i].second);
   }
   return final_dir.string();
 }
 
-CheckpointContents read_checkpoint(const std::string& folder) {
+namespace {
+
+// load = false: verify every file, load none (consolidate streams them itself).
+ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   namespace fs = std::filesystem;
   const fs::path manifest_path = fs::path(folder) / "manifest.json";
   LOOM_CHECK_AS(CheckpointError, fs::is_directory(folder), "checkpoint folder '", folder,
-                "' does not exist; check [train] resume");
+                "' does not exist (check the path, or [train] resume)");
   std::ifstream in(manifest_path);
   LOOM_CHECK_AS(CheckpointError, in.good(), "'", manifest_path.string(),
                 "' is missing: '", folder, "' is not a complete loom checkpoint");
   nlohmann::json manifest;
-  CheckpointContents c;
+  ReadCheckpoint out;
+  CheckpointContents& c = out.contents;
+  int version = 0;
+  std::vector<ShardedStateReader::File> shards;
+  std::optional<ShardedStateReader::File> model_file;
   try {
     in >> manifest;
     LOOM_CHECK_AS(CheckpointError, manifest.value("format", "") == kFormat, "'",
                   manifest_path.string(), "' is not a loom checkpoint manifest");
-    LOOM_CHECK_AS(CheckpointError, manifest.at("format_version").get<int>() == kFormatVersion,
-                  "'", manifest_path.string(), "' has format version ",
-                  manifest.at("format_version").dump(), "; this loom reads version ",
+    version = manifest.at("format_version").get<int>();
+    LOOM_CHECK_AS(CheckpointError, version == 1 || version == kFormatVersion, "'",
+                  manifest_path.string(), "' has format version ",
+                  manifest.at("format_version").dump(), "; this loom reads versions 1 and ",
                   kFormatVersion);
     c.step = manifest.at("step").get<int64_t>();
     c.seed = manifest.at("seed").get<uint64_t>();
@@ -128,6 +387,10 @@ CheckpointContents read_checkpoint(const std::string& folder) {
     c.skipped_updates = manifest.at("skipped_updates").get<int64_t>();
     c.loss_scale = manifest.at("loss_scale").get<double>();
     c.plugin.values = manifest.at("values").get<std::map<std::string, std::string>>();
+    if (version >= 2)
+      for (const auto& shard : manifest.at("optimizer_shards"))
+        shards.push_back({fs::path(folder) / shard.at("file").get<std::string>(),
+                          shard.at("bytes").get<uint64_t>(), shard.at("crc32").get<uint32_t>()});
   } catch (const nlohmann::json::exception& error) {
     throw CheckpointError(detail::cat("'", manifest_path.string(), "' is corrupt: ", error.what(),
                                       "; resume from an earlier checkpoint or delete this one"));
@@ -145,19 +408,120 @@ CheckpointContents read_checkpoint(const std::string& folder) {
     LOOM_CHECK_AS(CheckpointError, d.crc32 == crc, "checkpoint file '", file.string(),
                   "' is corrupt: crc32 ", d.crc32, ", the manifest says ", crc,
                   "; resume from an earlier checkpoint");
-    auto contents = safetensors::load(file);
     const std::string stem = name.substr(0, name.size() - std::string(".safetensors").size());
-    if (stem == "model") c.model = std::move(contents.tensors);
-    else if (stem == "optimizer") c.optimizer = std::move(contents.tensors);
+    if (stem == "optimizer" && version == 1) {
+      // Format 1: the whole optimizer state in one file, whole tensors.
+      shards.push_back({file, bytes, crc, true});
+      continue;
+    }
+    if (stem == "model") model_file = ShardedStateReader::File{file, bytes, crc, true};
+    if (!load) continue;
+    auto contents = safetensors::load(file);
+    if (stem == "model") {
+      c.model = std::move(contents.tensors);
+    }
     else if (stem == "trainer") {
       for (auto& [key, tensor] : contents.tensors)
         if (key == "rng.cpu") c.rng_cpu = tensor;
         else if (key == "rng.cuda") c.rng_device = tensor;
     } else c.plugin.files[stem] = std::move(contents.tensors);
   }
-  LOOM_CHECK_AS(CheckpointError, c.rng_cpu.defined(), "checkpoint '", folder,
+  // Shards: present and of the right size now (a missing or truncated one fails before any
+  // state changes); their crc32 when a rank first reads from them.
+  for (const auto& shard : shards) {
+    LOOM_CHECK_AS(CheckpointError, fs::exists(shard.path), "optimizer shard '",
+                  shard.path.string(), "' is missing; the checkpoint is incomplete");
+    const auto size = fs::file_size(shard.path);
+    LOOM_CHECK_AS(CheckpointError, size == shard.bytes, "optimizer shard '", shard.path.string(),
+                  "' is truncated or padded: ", size, " bytes, the manifest says ", shard.bytes,
+                  "; resume from an earlier checkpoint");
+  }
+  LOOM_CHECK_AS(CheckpointError, !load || c.rng_cpu.defined(), "checkpoint '", folder,
                 "' lacks trainer.safetensors (rng.cpu)");
-  return c;
+  LOOM_CHECK_AS(CheckpointError, model_file.has_value(), "checkpoint '", folder,
+                "' lacks model.safetensors");
+  out.state = std::make_unique<ShardedStateReader>(folder, std::move(shards), c.step, version >= 2,
+                                                   model_file);
+  return out;
+}
+
+}  // namespace
+
+ReadCheckpoint read_checkpoint(const std::string& folder) {
+  return read_checkpoint_files(folder, /*load=*/true);
+}
+
+void consolidate_checkpoint_folder(const std::string& folder, const std::string& out_file) {
+  namespace fs = std::filesystem;
+  ReadCheckpoint read = read_checkpoint_files(folder, /*load=*/false);
+  auto& reader = dynamic_cast<ShardedStateReader&>(*read.state);
+  // The model's tensors: every whole one of model.safetensors, and every weight kept as shards
+  // (ZeRO stage 3); a trainable weight with fp32 masters takes the masters' values (the truth
+  // of a mixed-precision run). Floating tensors come out fp32, others as they are.
+  struct Out {
+    std::string name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    bool master;
+  };
+  std::map<std::string, Out> outs;
+  std::set<std::string> masters;
+  const auto listing = reader.listing();
+  for (const auto& item : listing)
+    if (item.name.rfind("master/", 0) == 0) masters.insert(item.name.substr(7));
+  for (const auto& item : listing) {
+    if (item.name.rfind("weight/", 0) != 0) continue;
+    const std::string name = item.name.substr(7);
+    const auto shape = item.tensor_shape.empty() ? item.global_shape : item.tensor_shape;
+    const bool floating = at::isFloatingType(item.dtype);
+    outs[name] = {name, shape, floating ? at::kFloat : item.dtype, masters.count(name) > 0};
+  }
+  LOOM_CHECK_AS(CheckpointError, !outs.empty(), "checkpoint '", folder, "' holds no weights");
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  header["__metadata__"] = {{"format", "pt"},
+                            {"source", fs::absolute(folder).lexically_normal().string()},
+                            {"step", std::to_string(read.contents.step)}};
+  uint64_t offset = 0;
+  for (const auto& [name, out] : outs) {
+    int64_t numel = 1;
+    for (int64_t d : out.shape) numel *= d;
+    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(out.dtype);
+    header[name] = {{"dtype", safetensors::dtype_name(out.dtype)},
+                    {"shape", out.shape},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  fsutil::AtomicFile file(out_file);
+  unsigned char le[8];
+  for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(text.size() >> (8 * i));
+  file.write(le, 8);
+  file.write(text.data(), text.size());
+  // One tensor at a time: the peak is the largest tensor (plus the piece being copied).
+  for (const auto& [name, out] : outs) {
+    int64_t numel = 1;
+    for (int64_t d : out.shape) numel *= d;
+    at::Tensor flat;
+    if (out.master) {
+      flat = at::empty({numel}, at::kFloat);
+      reader.read("master/" + name, {numel}, 0, flat);
+    } else {
+      const auto& item = *std::find_if(listing.begin(), listing.end(), [&](const auto& l) {
+        return l.name == "weight/" + name;
+      });
+      flat = at::empty({numel}, item.dtype);
+      reader.read("weight/" + name, {numel}, 0, flat);
+      flat = flat.to(out.dtype);
+    }
+    file.write(flat.data_ptr(), static_cast<size_t>(flat.numel() * flat.element_size()));
+  }
+  file.commit();
+}
+
+void consolidate_checkpoint(const std::filesystem::path& checkpoint,
+                            const std::filesystem::path& out_file) {
+  consolidate_checkpoint_folder(checkpoint.string(), out_file.string());
 }
 
 std::string latest_checkpoint(const std::string& output_dir) {

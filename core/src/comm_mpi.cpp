@@ -2,6 +2,14 @@
 // MPI_Test against a deadline, so a stalled peer is an error after the timeout, never a hang
 // (and when a peer dies, mpirun ends the job with the dead rank's name).
 //
+// Note [MPI progress]: Open MPI moves a non-blocking collective forward only inside MPI calls
+// (its progress engine runs when the process tests or waits), so a collective started during
+// backward would sit still until the next MPI call, after backward: nothing overlapped. A
+// progress thread tests every outstanding collective every ~50 us while any exists (and sleeps
+// on a condition variable when none does). MPI runs in MPI_THREAD_SERIALIZED: one mutex
+// serialises every MPI call of the process, the progress thread's included. wait() then only
+// finds its collective done (and runs its finishing step on the caller's thread).
+//
 // Note [MPI counts]: MPI counts are `int`, tensors are not. A collective whose counts would
 // pass max_count() elements (INT_MAX; LOOM_TEST_MPI_MAX_COUNT lowers it so tests can force
 // this on small tensors) is split into pieces of at most that many elements, all started at
@@ -12,10 +20,15 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdlib>
 #include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,27 +49,104 @@ void check_mpi(int code, const char* what) {
   throw Error(detail::cat("MPI ", what, " failed: ", std::string(text, length)));
 }
 
-// MPI is initialised once per process and finalised at exit.
+// Every MPI call of the process holds this (MPI_THREAD_SERIALIZED; Note [MPI progress]).
+std::mutex& mpi_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// The requests of one collective, shared between its MpiWork and the progress thread.
+struct Pending {
+  std::vector<MPI_Request> requests;
+  std::atomic<bool> done{false};
+  int error = MPI_SUCCESS;
+};
+
+// Tests every outstanding collective while any exists (Note [MPI progress]).
+class ProgressThread {
+ public:
+  ProgressThread() : thread_([this] { loop(); }) {}
+  ~ProgressThread() {
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  void add(std::shared_ptr<Pending> pending) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      pending_.push_back(std::move(pending));
+    }
+    wake_.notify_all();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(queue_mutex_);
+    while (true) {
+      wake_.wait(lock, [this] { return stop_ || !pending_.empty(); });
+      if (stop_) return;
+      std::list<std::shared_ptr<Pending>> batch(pending_.begin(), pending_.end());
+      lock.unlock();
+      {
+        std::lock_guard<std::mutex> mpi(mpi_mutex());
+        for (auto& p : batch) {
+          if (p->done.load()) continue;
+          int flag = 0;
+          const int code = MPI_Testall(static_cast<int>(p->requests.size()), p->requests.data(),
+                                       &flag, MPI_STATUSES_IGNORE);
+          if (code != MPI_SUCCESS) p->error = code;
+          if (flag || code != MPI_SUCCESS) p->done.store(true);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      lock.lock();
+      pending_.remove_if([](const std::shared_ptr<Pending>& p) { return p->done.load(); });
+    }
+  }
+
+  std::mutex queue_mutex_;
+  std::condition_variable wake_;
+  std::list<std::shared_ptr<Pending>> pending_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// MPI is initialised once per process and finalised at exit (the progress thread first).
 struct MpiRuntime {
   MpiRuntime() {
     int initialised = 0;
     MPI_Initialized(&initialised);
     if (!initialised) {
       int provided = 0;
-      check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided),
+      check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided),
                 "MPI_Init_thread");
+      LOOM_CHECK(provided >= MPI_THREAD_SERIALIZED, "this MPI library offers thread level ",
+                 provided, ", below MPI_THREAD_SERIALIZED, which loom's progress thread needs");
       owned = true;
     }
     // Errors come back as codes (check_mpi) instead of aborting inside MPI.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    // LOOM_MPI_PROGRESS_THREAD=0 leaves progress to the waits (for comparisons).
+    const char* env = std::getenv("LOOM_MPI_PROGRESS_THREAD");
+    if (!env || std::string(env) != "0") progress = std::make_unique<ProgressThread>();
   }
   ~MpiRuntime() {
+    progress.reset();
     int finalised = 0;
     MPI_Finalized(&finalised);
     if (owned && !finalised) MPI_Finalize();
   }
   bool owned = false;
+  std::unique_ptr<ProgressThread> progress;
 };
+
+MpiRuntime& runtime() {
+  static MpiRuntime instance;
+  return instance;
+}
 
 MPI_Datatype mpi_type(at::ScalarType type) {
   switch (type) {
@@ -123,8 +213,11 @@ class MpiWork final : public Work {
  public:
   MpiWork(std::vector<MPI_Request> requests, const char* op, int rank,
           std::chrono::milliseconds timeout, std::function<void()> finish)
-      : requests_(std::move(requests)), op_(op), rank_(rank), timeout_(timeout),
-        finish_(std::move(finish)) {}
+      : pending_(std::make_shared<Pending>()), op_(op), rank_(rank), timeout_(timeout),
+        finish_(std::move(finish)) {
+    pending_->requests = std::move(requests);
+    if (runtime().progress) runtime().progress->add(pending_);
+  }
   ~MpiWork() override {
     // A handle dropped unwaited must still complete before its buffers may be freed.
     if (!done_) {
@@ -137,7 +230,7 @@ class MpiWork final : public Work {
   void wait() override {
     if (done_) return;
     const auto deadline = Clock::now() + timeout_;
-    while (!test()) {
+    while (!completed()) {
       if (Clock::now() > deadline)
         throw Error(detail::cat("rank ", rank_, ": MPI ", op_, " did not complete within ",
                                 timeout_.count() / 1000.0,
@@ -146,23 +239,24 @@ class MpiWork final : public Work {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
-  bool completed() override { return done_ || test(); }
-
- private:
-  // Every piece's request at once (Note [MPI counts]); finishes the work when all are done.
-  bool test() {
-    int flag = 0;
-    check_mpi(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag,
-                          MPI_STATUSES_IGNORE),
-              op_);
-    if (flag) {
-      done_ = true;
-      if (finish_) finish_();
+  bool completed() override {
+    if (done_) return true;
+    if (!runtime().progress) {  // no progress thread: this test is what moves it forward
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      int flag = 0;
+      pending_->error = MPI_Testall(static_cast<int>(pending_->requests.size()),
+                                    pending_->requests.data(), &flag, MPI_STATUSES_IGNORE);
+      if (flag || pending_->error != MPI_SUCCESS) pending_->done.store(true);
     }
-    return done_;
+    if (!pending_->done.load()) return false;
+    check_mpi(pending_->error, op_);
+    done_ = true;
+    if (finish_) finish_();
+    return true;
   }
 
-  std::vector<MPI_Request> requests_;
+ private:
+  std::shared_ptr<Pending> pending_;
   const char* op_;
   int rank_;
   std::chrono::milliseconds timeout_;
@@ -173,7 +267,8 @@ class MpiWork final : public Work {
 class MpiComm final : public Comm {
  public:
   explicit MpiComm(const CommOptions& options) : timeout_(options.timeout) {
-    static MpiRuntime runtime;
+    runtime();
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &world_);
     MPI_Comm local;
@@ -193,6 +288,7 @@ class MpiComm final : public Comm {
     // Half types have no MPI reduction: reduce an fp32 copy and write it back.
     at::Tensor buffer = reducible(tensor);
     std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     for_pieces(buffer.numel(), [&](int64_t offset, int length) {
       check_mpi(MPI_Iallreduce(MPI_IN_PLACE, at_element(buffer, offset), length,
                                mpi_type(buffer.scalar_type()), mpi_op(op), MPI_COMM_WORLD,
@@ -221,6 +317,7 @@ class MpiComm final : public Comm {
     const MPI_Datatype type = mpi_type(in.scalar_type());
     const int64_t n = out.numel();
     std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     if (n * world_ <= max_count()) {
       // Open MPI's non-blocking reduce-scatter counts world x n in an int: both must fit.
       check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), static_cast<int>(n),
@@ -253,6 +350,7 @@ class MpiComm final : public Comm {
     const MPI_Datatype type = element_type(input);
     const int64_t n = input.numel();
     std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     if (n * world_ <= max_count()) {
       check_mpi(MPI_Iallgather(input.data_ptr(), static_cast<int>(n), type, output.data_ptr(),
                                static_cast<int>(n), type, MPI_COMM_WORLD,
@@ -277,6 +375,7 @@ class MpiComm final : public Comm {
     LOOM_CHECK(root >= 0 && root < world_, "broadcast root ", root, " is not a rank");
     const MPI_Datatype type = element_type(tensor);
     std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     for_pieces(tensor.numel(), [&](int64_t offset, int length) {
       check_mpi(MPI_Ibcast(at_element(tensor, offset), length, type, root, MPI_COMM_WORLD,
                            &requests.emplace_back()),
@@ -294,6 +393,7 @@ class MpiComm final : public Comm {
     const MPI_Datatype type = element_type(input);
     const int64_t chunk = input.numel() / world_;
     std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
     if (input.numel() <= max_count()) {
       check_mpi(MPI_Ialltoall(input.data_ptr(), static_cast<int>(chunk), type, output.data_ptr(),
                               static_cast<int>(chunk), type, MPI_COMM_WORLD,
@@ -324,7 +424,10 @@ class MpiComm final : public Comm {
 
   void barrier() override {
     std::vector<MPI_Request> requests(1);
-    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, requests.data()), "barrier");
+    {
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, requests.data()), "barrier");
+    }
     MpiWork(std::move(requests), "barrier", rank_, timeout_, {}).wait();
   }
 

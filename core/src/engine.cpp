@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "checkpoint_io.h"
+#include "run_checkpoint.h"
 #include "device.h"
 #include "job.h"
 #include "param_groups.h"
@@ -396,27 +397,11 @@ class EngineImpl final : public Engine, public Trainer {
     setup();
     checkpoint_ = CheckpointData{};
     fire(Event::save);
-    CheckpointContents contents;
-    contents.step = state_.step;
-    contents.seed = seed_;
-    contents.config_hash = job_.hash();
-    contents.update_rule = rule_->name();
-    contents.world_size = comm_->world_size();
-    contents.data = data_->position();
-    contents.skipped_updates = state_.skipped_updates;
-    contents.loss_scale = state_.loss_scale;
-    contents.model = named_state();
-    contents.optimizer = driver_->state_tensors();
-    contents.rng_cpu = cpu_generator_state();
-    contents.rng_device = device_rng_state(device_);
-    contents.plugin = checkpoint_;
-    std::string folder;
-    if (comm_->rank() == 0) {
-      folder = write_checkpoint(output_dir_, contents,
-                                resolved_.section("train").get_int("save_total_limit"));
-      log::info("saved checkpoint ", folder);
-    }
-    if (comm_->world_size() > 1) comm_->barrier();
+    const CheckpointContents contents = checkpoint_contents(run_parts(), checkpoint_);
+    // Every rank takes part: sharded optimizer state is written by the ranks that hold it.
+    const std::string folder = write_checkpoint(
+        output_dir_, contents, resolved_.section("train").get_int("save_total_limit"), *comm_);
+    log::info("saved checkpoint ", folder);
     return folder;
   }
 
@@ -484,6 +469,10 @@ class EngineImpl final : public Engine, public Trainer {
   Batch& batch() override { return batch_; }
   Output& output() override { return output_; }
   CheckpointData& checkpoint() override { return checkpoint_; }
+  StepDriver& step_driver() override {
+    LOOM_CHECK(driver_, "the step driver exists from params_ready on");
+    return *driver_;
+  }
 
   void fire_grad_ready(size_t index) {
     for (auto& handler : grad_handlers_) handler(*this, params_[index]);
@@ -507,6 +496,14 @@ class EngineImpl final : public Engine, public Trainer {
       param.tensor = item.value();
       param.group = model_->no_weight_decay(item.key(), item.value()) ? 1 : 0;
       params_.push_back(param);
+    }
+    param_count_ = trainable_count_ = trainable_bytes_ = 0;
+    for (const auto& item : model_->named_parameters(true)) {
+      param_count_ += item.value().numel();
+      if (item.value().requires_grad()) {
+        trainable_count_ += item.value().numel();
+        trainable_bytes_ += item.value().numel() * item.value().element_size();
+      }
     }
     LOOM_CHECK(!params_.empty(), "model '", resolved_.model.name,
                "' has no trainable parameters (all are frozen)");
@@ -539,30 +536,21 @@ class EngineImpl final : public Engine, public Trainer {
   memory::ModelState model_state() const override {
     LOOM_CHECK(driver_, "the model state is known from params_ready on");
     memory::ModelState s;
-    for (const auto& item : model_->named_parameters(true)) {
-      s.param_count += item.value().numel();
-      s.param_bytes += item.value().numel() * item.value().element_size();
-      if (item.value().requires_grad()) {
-        s.trainable_count += item.value().numel();
-        s.grad_bytes += item.value().numel() * item.value().element_size();
-      }
-    }
+    // Counts as built (a sharding driver may since have released whole weights); bytes as held.
+    s.param_count = param_count_;
+    s.trainable_count = trainable_count_;
+    std::set<std::string> sharded;
+    for (const auto& name : driver_->sharded_weights()) sharded.insert(name);
+    for (const auto& item : model_->named_parameters(true))
+      if (!sharded.count(item.key()))
+        s.param_bytes += item.value().numel() * item.value().element_size();
+    s.param_bytes += driver_->sharded_weight_bytes();
+    if (driver_->grad_bytes() < 0)  // unsharded: one gradient per weight, as built
+      s.grad_bytes = trainable_bytes_;
+    if (driver_->grad_bytes() >= 0) s.grad_bytes = driver_->grad_bytes();  // sharded grads
     s.master_bytes = driver_->master_bytes();
     s.optimizer_bytes = driver_->state_bytes();
     return s;
-  }
-
-  NamedTensors named_state() const {
-    NamedTensors out;
-    for (const auto& item : model_->named_parameters(true)) out.emplace_back(item.key(), item.value());
-    for (const auto& item : model_->named_buffers(true)) out.emplace_back(item.key(), item.value());
-    return out;
-  }
-
-  static at::Tensor cpu_generator_state() {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    return generator.get_state();
   }
 
   void prepare_output_dir(const ConfigSection& train) {
@@ -604,56 +592,19 @@ class EngineImpl final : public Engine, public Trainer {
   }
 
   void load_checkpoint(const std::string& folder) {
-    CheckpointContents contents = read_checkpoint(folder);
-    if (contents.config_hash != job_.hash())
+    ReadCheckpoint read = read_checkpoint(folder);
+    if (read.contents.config_hash != job_.hash())
       log::warn("checkpoint ", folder, " was written by a job with another configuration (hash ",
-                contents.config_hash, ", now ", job_.hash(), "); continuing with the new one");
-    LOOM_CHECK_AS(CheckpointError, contents.update_rule == rule_->name(), "checkpoint ", folder,
-                  " holds optimizer state of '", contents.update_rule, "' but the job uses '",
-                  rule_->name(), "'; resume with the same [optimizer] name");
-    LOOM_CHECK_AS(CheckpointError, contents.world_size == comm_->world_size(), "checkpoint ",
-                  folder, " was written by ", contents.world_size, " rank(s), this run has ",
-                  comm_->world_size());
-    {
-      at::NoGradGuard no_grad;
-      std::map<std::string, at::Tensor> by_name(contents.model.begin(), contents.model.end());
-      const std::string file = folder + "/model.safetensors";
-      for (auto& [name, tensor] : named_state()) {
-        auto it = by_name.find(name);
-        LOOM_CHECK_AS(CheckpointError, it != by_name.end(), "'", file, "' has no tensor '", name,
-                      "' that model '", resolved_.model.name, "' needs; it belongs to another model");
-        LOOM_CHECK_AS(CheckpointError, it->second.sizes() == tensor.sizes(), "'", file,
-                      "': tensor '", name, "' is ", it->second.sizes(), " but the model needs ",
-                      tensor.sizes(), "; the checkpoint belongs to another model shape");
-        at::Tensor target = tensor;
-        target.detach().copy_(it->second);
-        by_name.erase(it);
-      }
-      LOOM_CHECK_AS(CheckpointError, by_name.empty(), "'", file, "' holds tensor '",
-                    by_name.empty() ? "" : by_name.begin()->first,
-                    "' that model '", resolved_.model.name, "' does not have");
-    }
-    driver_->load_state(contents.optimizer, folder + "/optimizer.safetensors");
-    {
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(contents.rng_cpu);
-    }
-    if (device_.is_cuda()) {
-      if (contents.rng_device.defined())
-        set_device_rng_state(device_, contents.rng_device);
-      else
-        log::warn("checkpoint ", folder, " holds no ", device_.str(), " RNG state (it was ",
-                  "written by a CPU run): dropout on the GPU will not repeat the original run's");
-    }
-    data_->seek(contents.data);
-    state_.step = contents.step;
-    state_.skipped_updates = contents.skipped_updates;
-    state_.loss_scale = contents.loss_scale;
-    checkpoint_ = contents.plugin;
+                read.contents.config_hash, ", now ", job_.hash(), "); continuing with the new one");
+    checkpoint_ = restore_run(run_parts(), read, folder);
     fire(Event::load);
-    log::info("resumed from ", folder, " at step ", state_.step, " (epoch ", contents.data.epoch,
-              ", sample ", contents.data.cursor, ")");
+    log::info("resumed from ", folder, " at step ", state_.step, " (epoch ",
+              read.contents.data.epoch, ", sample ", read.contents.data.cursor, ")");
+  }
+
+  RunParts run_parts() {
+    return RunParts{*model_, resolved_.model.name, *driver_, *data_, state_, *comm_,
+                    device_, seed_, job_.hash(), rule_->name()};
   }
 
   // output_dir/run.json: what ran where, and the model-state bytes, for tools and benchmarks.
@@ -694,6 +645,7 @@ class EngineImpl final : public Engine, public Trainer {
   std::unique_ptr<UpdateRule> rule_;
   std::unique_ptr<StepDriver> driver_;
   bool grad_hooks_installed_ = false;
+  int64_t param_count_ = 0, trainable_count_ = 0, trainable_bytes_ = 0;
   std::vector<Param> params_;
   std::array<std::vector<Registered>, static_cast<size_t>(Event::teardown) + 1> handlers_;
   std::vector<GradHandler> grad_handlers_;

@@ -27,12 +27,6 @@ constexpr DtypeName kDtypes[] = {
     {at::kByte, "U8"},    {at::kBool, "BOOL"},
 };
 
-const char* dtype_name(at::ScalarType type) {
-  for (const auto& d : kDtypes)
-    if (d.type == type) return d.name;
-  throw CheckpointError(detail::cat("safetensors cannot store dtype ", c10::toString(type)));
-}
-
 std::optional<at::ScalarType> dtype_of(const std::string& name) {
   for (const auto& d : kDtypes)
     if (name == d.name) return d.type;
@@ -42,6 +36,12 @@ std::optional<at::ScalarType> dtype_of(const std::string& name) {
 constexpr uint64_t kMaxHeader = 100ull << 20;  // the reference implementation's limit
 
 }  // namespace
+
+const char* dtype_name(at::ScalarType type) {
+  for (const auto& d : kDtypes)
+    if (d.type == type) return d.name;
+  throw CheckpointError(detail::cat("safetensors cannot store dtype ", c10::toString(type)));
+}
 
 void save(const std::filesystem::path& file, const NamedTensors& tensors,
           const Metadata& metadata) {
@@ -73,7 +73,7 @@ void save(const std::filesystem::path& file, const NamedTensors& tensors,
   out.commit();
 }
 
-Contents load(const std::filesystem::path& file) {
+Header read_header(const std::filesystem::path& file) {
   const std::string name = file.string();
   std::ifstream in(file, std::ios::binary);
   LOOM_CHECK_AS(CheckpointError, in.good(), "cannot open '", name, "'");
@@ -91,28 +91,21 @@ Contents load(const std::filesystem::path& file) {
                 " bytes but the file has ", size);
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
-  nlohmann::json header;
+  nlohmann::json json;
   try {
-    header = nlohmann::json::parse(text);
+    json = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& error) {
     throw CheckpointError(detail::cat("'", name, "' has a corrupt header: ", error.what()));
   }
-  LOOM_CHECK_AS(CheckpointError, header.is_object(), "'", name,
+  LOOM_CHECK_AS(CheckpointError, json.is_object(), "'", name,
                 "' has a corrupt header: not a JSON object");
   const uint64_t data_size = size - 8 - header_size;
-  struct Entry {
-    std::string name;
-    at::ScalarType type;
-    std::vector<int64_t> shape;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  Contents contents;
+  Header header;
+  header.data_start = 8 + header_size;
   try {
-    for (const auto& [key, value] : header.items()) {
+    for (const auto& [key, value] : json.items()) {
       if (key == "__metadata__") {
-        for (const auto& [mk, mv] : value.items())
-          contents.metadata[mk] = mv.get<std::string>();
+        for (const auto& [mk, mv] : value.items()) header.metadata[mk] = mv.get<std::string>();
         continue;
       }
       Entry entry{key, at::kFloat, value.at("shape").get<std::vector<int64_t>>(),
@@ -121,7 +114,7 @@ Contents load(const std::filesystem::path& file) {
       auto type = dtype_of(value.at("dtype").get<std::string>());
       LOOM_CHECK_AS(CheckpointError, type, "'", name, "': tensor '", key,
                     "' has unsupported dtype ", value.at("dtype").dump());
-      entry.type = *type;
+      entry.dtype = *type;
       uint64_t numel = 1;
       for (int64_t d : entry.shape) {
         LOOM_CHECK_AS(CheckpointError, d >= 0, "'", name, "': tensor '", key,
@@ -130,30 +123,44 @@ Contents load(const std::filesystem::path& file) {
       }
       LOOM_CHECK_AS(CheckpointError,
                     entry.begin <= entry.end && entry.end <= data_size &&
-                        entry.end - entry.begin == numel * c10::elementSize(entry.type),
+                        entry.end - entry.begin == numel * c10::elementSize(entry.dtype),
                     "'", name, "' is corrupt or truncated: tensor '", key, "' claims bytes [",
                     entry.begin, ", ", entry.end, ") of ", data_size, " for ", numel,
                     " elements");
-      entries.push_back(std::move(entry));
+      header.entries.push_back(std::move(entry));
     }
   } catch (const nlohmann::json::exception& error) {
     throw CheckpointError(detail::cat("'", name, "' has a malformed header: ", error.what()));
   }
+  auto& entries = header.entries;
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < entries.size(); ++i)
     LOOM_CHECK_AS(CheckpointError, entries[i - 1].end <= entries[i].begin, "'", name,
                   "' is corrupt: tensors '", entries[i - 1].name, "' and '", entries[i].name,
                   "' overlap");
-  for (const auto& entry : entries) {
-    at::Tensor tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.type));
-    in.seekg(static_cast<std::streamoff>(8 + header_size + entry.begin));
-    in.read(static_cast<char*>(tensor.data_ptr()),
-            static_cast<std::streamsize>(entry.end - entry.begin));
-    LOOM_CHECK_AS(CheckpointError, in.good(), "'", name, "': reading tensor '", entry.name,
-                  "' failed");
-    contents.tensors.emplace_back(entry.name, tensor);
-  }
+  return header;
+}
+
+at::Tensor read_tensor(const std::filesystem::path& file, const Header& header,
+                       const Entry& entry) {
+  std::ifstream in(file, std::ios::binary);
+  LOOM_CHECK_AS(CheckpointError, in.good(), "cannot open '", file.string(), "'");
+  at::Tensor tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
+  in.seekg(static_cast<std::streamoff>(header.data_start + entry.begin));
+  in.read(static_cast<char*>(tensor.data_ptr()),
+          static_cast<std::streamsize>(entry.end - entry.begin));
+  LOOM_CHECK_AS(CheckpointError, in.good(), "'", file.string(), "': reading tensor '",
+                entry.name, "' failed");
+  return tensor;
+}
+
+Contents load(const std::filesystem::path& file) {
+  Header header = read_header(file);
+  Contents contents;
+  contents.metadata = header.metadata;
+  for (const auto& entry : header.entries)
+    contents.tensors.emplace_back(entry.name, read_tensor(file, header, entry));
   return contents;
 }
 

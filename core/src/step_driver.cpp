@@ -31,7 +31,7 @@ DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule
   }
 }
 
-std::vector<at::Tensor> DefaultStepDriver::grads() const {
+std::vector<at::Tensor> DefaultStepDriver::defined_grads() const {
   std::vector<at::Tensor> out;
   for (const auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
@@ -42,27 +42,32 @@ std::vector<at::Tensor> DefaultStepDriver::grads() const {
 
 void DefaultStepDriver::zero_grad() {
   // Multi-tensor ops: on a GPU one launch covers many tensors, not one launch per tensor.
-  auto all = grads();
+  auto all = defined_grads();
   if (!all.empty()) at::_foreach_zero_(all);
 }
 
 at::Tensor DefaultStepDriver::grad_norm_squared() {
   // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
   // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
-  auto all = grads();
+  auto all = defined_grads();
   if (all.empty()) return at::zeros({}, at::kDouble);
   if (all.front().is_cuda()) {
     // One multi-tensor norm kernel (what clip_grad_norm_ runs), squared in fp64.
     return at::stack(at::_foreach_norm(all, 2)).to(at::kDouble).pow(2).sum();
   }
+  // fp32 squares summed in fp64: the total hardly depends on where a sharded driver cuts a
+  // tensor, so the clipping factor (applied in fp32) comes out the same for every cut.
   std::vector<at::Tensor> squares;
-  for (const at::Tensor& grad : all) squares.push_back(grad.to(at::kFloat).pow(2).sum());
-  return at::stack(squares).to(at::kDouble).sum();
+  for (const at::Tensor& grad : all)
+    squares.push_back(at::sum(grad.to(at::kFloat).pow(2), at::kDouble));
+  return at::stack(squares).sum();
 }
+
+std::vector<at::Tensor> DefaultStepDriver::grads() { return defined_grads(); }
 
 void DefaultStepDriver::scale_grads(double factor) {
   at::NoGradGuard no_grad;
-  auto all = grads();
+  auto all = defined_grads();
   if (!all.empty()) at::_foreach_mul_(all, factor);
 }
 
@@ -97,45 +102,28 @@ void DefaultStepDriver::update(int64_t step, double lr) {
   }
 }
 
-NamedTensors DefaultStepDriver::state_tensors() const {
-  NamedTensors out;
+StatePieces DefaultStepDriver::state_pieces() const {
+  StatePieces out;
   for (const auto& entry : entries_) {
     for (const auto& [key, tensor] : entry.segment.state)
-      out.emplace_back("state/" + entry.param.name + "/" + key, tensor);
-    if (entry.separate_master) out.emplace_back("master/" + entry.param.name, entry.master);
+      out.push_back({"state/" + entry.param.name + "/" + key, tensor, tensor.sizes().vec(), 0});
+    if (entry.separate_master)
+      out.push_back({"master/" + entry.param.name, entry.master, {entry.master.numel()}, 0});
   }
   return out;
 }
 
-void DefaultStepDriver::load_state(const NamedTensors& tensors, const std::string& file) {
-  std::map<std::string, const at::Tensor*> by_name;
-  for (const auto& [name, tensor] : tensors) by_name[name] = &tensor;
+void DefaultStepDriver::load_state(StateReader& reader) {
   at::NoGradGuard no_grad;
-  auto restore = [&](const std::string& name, at::Tensor& into) {
-    auto it = by_name.find(name);
-    LOOM_CHECK_AS(CheckpointError, it != by_name.end(), "'", file, "' has no tensor '", name,
-                  "' that the optimizer needs; was it saved by another optimizer or model?");
-    const at::Tensor& source = *it->second;
-    LOOM_CHECK_AS(CheckpointError,
-                  source.sizes() == into.sizes() && source.scalar_type() == into.scalar_type(),
-                  "'", file, "': tensor '", name, "' is ", source.sizes(), " ",
-                  c10::toString(source.scalar_type()), " but the job needs ", into.sizes(), " ",
-                  c10::toString(into.scalar_type()),
-                  "; the checkpoint belongs to another model shape or optimizer");
-    into.copy_(source);
-    by_name.erase(it);
-  };
   for (auto& entry : entries_) {
     for (auto& [key, tensor] : entry.segment.state)
-      restore("state/" + entry.param.name + "/" + key, tensor);
+      reader.read("state/" + entry.param.name + "/" + key, tensor.sizes().vec(), 0, tensor);
     if (entry.separate_master) {
-      restore("master/" + entry.param.name, entry.master);
+      reader.read("master/" + entry.param.name, {entry.master.numel()}, 0, entry.master);
       entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
     }
   }
-  LOOM_CHECK_AS(CheckpointError, by_name.empty(), "'", file, "' holds optimizer state '",
-                by_name.empty() ? "" : by_name.begin()->first,
-                "' that this job has no place for; it belongs to another model or optimizer");
+  check_nothing_unread(reader);
 }
 
 int64_t DefaultStepDriver::state_bytes() const {
@@ -154,6 +142,39 @@ int64_t DefaultStepDriver::master_bytes() const {
 }
 
 StepDriver::~StepDriver() = default;
+StateReader::~StateReader() = default;
+
+StatePiece state_piece(const std::string& name, const at::Tensor& piece, const at::Tensor& whole,
+                       int64_t segment_offset, int64_t segment_numel, int64_t tensor_numel) {
+  StatePiece out{name, piece, whole.sizes().vec(), 0};
+  if (segment_numel == tensor_numel || whole.dim() == 0) return out;
+  const int64_t rows = whole.size(0);
+  if (piece.dim() > 0 && piece.size(0) == rows) return out;  // kept whole on every holder
+  LOOM_INTERNAL_ASSERT((segment_offset * rows) % tensor_numel == 0, "state '", name,
+                       "' of ", rows, " rows cannot start at element ", segment_offset, " of ",
+                       tensor_numel);
+  out.offset = segment_offset * rows / tensor_numel;
+  return out;
+}
+
+NamedTensors whole_tensor_state_shapes(const UpdateRule& rule, const std::string& name,
+                                       const std::vector<int64_t>& shape, int group) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  Segment segment;
+  segment.name = name;
+  segment.param = at::empty({numel}, at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
+  segment.shape = shape;
+  segment.group = group;
+  return rule.init_state(segment);
+}
+
+void check_nothing_unread(const StateReader& reader) {
+  const auto left = reader.unread();
+  LOOM_CHECK_AS(CheckpointError, left.empty(), reader.where(), " holds optimizer state '",
+                left.empty() ? "" : left.front(),
+                "' that this job has no place for; it belongs to another model or optimizer");
+}
 
 std::unique_ptr<StepDriver> make_default_step_driver(const StepDriverOptions& options) {
   LOOM_INTERNAL_ASSERT(options.rule, "make_default_step_driver needs the update rule");

@@ -23,19 +23,20 @@ class DefaultStepDriver final : public StepDriver {
   // a 0-d fp64 tensor on the parameters' device, so reading it is the caller's one sync.
   at::Tensor grad_norm_squared() override;
   void scale_grads(double factor) override;
+  std::vector<at::Tensor> grads() override;
   // Runs the rule on every segment; step is the 1-based update count.
   void update(int64_t step, double lr) override;
 
   // "state/<param>/<key>" and "master/<param>" tensors, for checkpoints.
-  NamedTensors state_tensors() const override;
+  StatePieces state_pieces() const override;
   // Restores them; a missing or misshapen tensor is a CheckpointError naming it and `file`.
-  void load_state(const NamedTensors& tensors, const std::string& file) override;
+  void load_state(StateReader& reader) override;
   int64_t state_bytes() const override;
   int64_t master_bytes() const override;
 
  private:
   // The defined gradients, in parameter order.
-  std::vector<at::Tensor> grads() const;
+  std::vector<at::Tensor> defined_grads() const;
   struct Entry {
     Param param;
     at::Tensor master;  // fp32 (n); aliases the parameter when it is fp32 already

@@ -56,17 +56,7 @@ class Ddp final : public loom::Plugin {
  private:
   void start(loom::Engine& e) {
     auto& comm = e.comm();
-    at::NoGradGuard no_grad;
-    // One starting point for every replica: rank 0's weights (and buffers).
-    for (const auto& item : e.model().named_parameters(true)) {
-      at::Tensor t = item.value().detach();
-      comm.broadcast(t, 0)->wait();
-    }
-    if (broadcast_buffers_)
-      for (const auto& item : e.model().named_buffers(true)) {
-        at::Tensor t = item.value();
-        comm.broadcast(t, 0)->wait();
-      }
+    loom::sharding::start_from_rank0(e, broadcast_buffers_);
     buckets_ = std::make_unique<loom::sharding::GradBuckets>(e.params(), bucket_bytes_, comm,
                                                              overlap_);
     loom::log::info("ddp: ", comm.world_size(), " ranks over ", comm.backend(), ", ",

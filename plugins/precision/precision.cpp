@@ -15,6 +15,7 @@
 #include "cpu_support.h"
 #include "loom/comm.h"
 #include "loom/engine.h"
+#include "loom/step_driver.h"
 #include "loom/log.h"
 #include "loom/model.h"
 #include "loom/plugin.h"
@@ -299,10 +300,9 @@ class Precision final : public loom::Plugin {
     const double scale = state.loss_scale;
     // One fused pass per (device, dtype) group divides by the scale and flags inf/NaN.
     std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
-    for (const auto& param : engine.params()) {
-      const at::Tensor& grad = param.tensor.grad();
+    // The driver's gradients: the parameters' .grad, or ZeRO's shards.
+    for (const at::Tensor& grad : engine.step_driver().grads())
       if (grad.defined()) groups[{grad.device().str(), grad.scalar_type()}].push_back(grad);
-    }
     at::Tensor found_inf = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
     const double inverse = state.grads_scaled ? 1.0 / scale : 1.0;
     at::Tensor inv_scale = at::full({1}, inverse, at::TensorOptions().dtype(at::kFloat).device(device_));

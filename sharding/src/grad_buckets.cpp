@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "loom/error.h"
+#include "loom/model.h"
 
 namespace loom::sharding {
 
@@ -89,6 +90,21 @@ void GradBuckets::finish() {
     bucket.pending = bucket.slots.size();
     bucket.work.reset();
   }
+}
+
+void start_from_rank0(Engine& engine, bool buffers) {
+  auto& comm = engine.comm();
+  if (comm.world_size() == 1) return;
+  at::NoGradGuard no_grad;
+  for (const auto& item : engine.model().named_parameters(true)) {
+    at::Tensor t = item.value().detach();
+    comm.broadcast(t, 0)->wait();
+  }
+  if (buffers)
+    for (const auto& item : engine.model().named_buffers(true)) {
+      at::Tensor t = item.value();
+      comm.broadcast(t, 0)->wait();
+    }
 }
 
 }  // namespace loom::sharding

@@ -114,7 +114,7 @@ TEST(Checkpoint, FolderHoldsManifestAndPythonReadableWeights) {
   EXPECT_EQ(folder, dir / "checkpoint-2");
   const std::string manifest = test::read_text(folder / "manifest.json");
   for (const char* key : {"\"step\": 2", "\"config_hash\"", "\"crc32\"", "\"epoch\"",
-                          "\"model.safetensors\"", "\"optimizer.safetensors\""})
+                          "\"model.safetensors\"", "\"optimizer-00000-of-00001.safetensors\"", "\"optimizer_shards\""})
     EXPECT_NE(manifest.find(key), std::string::npos) << key << " in " << manifest;
   const std::string out = run_python(
       "from safetensors.torch import load_file\n"

@@ -16,9 +16,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 mpirun=(mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH)
 export LOOM_PLUGIN_PATH=$build/tests/plugins
 port=$((20000 + RANDOM % 20000))
-passed=0 failed=0
-ok() { echo "ok: $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
+# shellcheck source=testlib.sh
+source "$src/tests/distributed/testlib.sh"
 next_port() { port=$((port + 1)); }
 
 # --- every collective against the reference
@@ -116,12 +115,6 @@ if timeout 300 "$launch" --nproc-per-node 2 --max-restarts 1 --master-port $port
 else fail "restart: ${d:-} $(grep -v '^\[rank' "$work/restart.log" | tail -5)"; fi
 
 # --- bad launches
-expect_error() {  # NAME TEXT COMMAND...
-  local name=$1 text=$2; shift 2
-  local out; out=$("$@" 2>&1); local rc=$?
-  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF -- "$text" <<<"$out"; then ok "$name"; else
-    fail "$name (exit $rc): $(tail -3 <<<"$out")"; fi
-}
 next_port
 for r in 0 1; do
   RANK=$r WORLD_SIZE=3 LOCAL_RANK=$r MASTER_PORT=$port timeout 60 "$loom" run "$job" \

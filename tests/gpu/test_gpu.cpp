@@ -326,6 +326,20 @@ TEST(Gpu, DdpOverNcclTrainsLikeOneProcess) {
                               {"train.device=cuda", "train.max_steps=3"});
 }
 
+TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
+  LOOM_REQUIRE_GPU();
+  one_rank_env();
+  // One rank holds every chunk: stage 1's sharded masters and state, stage 2's gradient shards
+  // and stage 3's gathered and released unit weights must change no bit of the arithmetic.
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    expect_trains_bitwise_alike("\n[distributed]\nbackend = \"nccl\"\n\n[zero]\nstage = " +
+                                    std::to_string(stage) +
+                                    "\nstage3_param_persistence_threshold = 0\n",
+                                {"train.device=cuda", "train.max_steps=3"});
+  }
+}
+
 // ---- bad input ----
 
 TEST(Gpu, ADeviceIndexPastTheLastGpuIsAnErrorNamingTheKey) {

@@ -33,6 +33,7 @@ namespace loom {
 class Model;
 class DataSource;
 class Comm;
+class StepDriver;
 namespace nn {
 class UnitInterceptor;
 class UnitList;
@@ -123,6 +124,9 @@ class Engine {
   virtual CheckpointData& checkpoint() = 0;
   // Bytes of weights, fp32 masters, grads and optimizer state on this rank (from params_ready).
   virtual memory::ModelState model_state() const = 0;
+  // What turns gradients into updates (from params_ready on): its grads() are the gradients
+  // the update will read, wherever the driver keeps them (a loss scaler unscales those).
+  virtual StepDriver& step_driver() = 0;
 };
 
 }  // namespace loom

@@ -18,7 +18,7 @@
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 2u
+#define LOOM_PLUGIN_API_VERSION 3u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)

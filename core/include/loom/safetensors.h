@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "loom/update_rule.h"  // NamedTensors
 
@@ -29,6 +30,25 @@ struct Contents {
   Metadata metadata;
 };
 Contents load(const std::filesystem::path& file);
+
+// Reading tensor by tensor (peak memory: one tensor): the header, checked against the file's
+// size, then any tensor of it.
+struct Entry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte range within the data section
+};
+struct Header {
+  std::vector<Entry> entries;  // in file order
+  Metadata metadata;
+  uint64_t data_start = 0;
+};
+Header read_header(const std::filesystem::path& file);
+// The format's name of a dtype ("F32", "BF16"...); a dtype it cannot store is a CheckpointError.
+const char* dtype_name(at::ScalarType type);
+at::Tensor read_tensor(const std::filesystem::path& file, const Header& header,
+                       const Entry& entry);
 
 }  // namespace loom::safetensors
 

@@ -35,6 +35,51 @@ struct StepDriverOptions {
   Comm* comm = nullptr;
 };
 
+// One piece of a checkpoint tensor: rows [offset, offset + tensor.size(0)) along dim 0 of the
+// global tensor `name`, whose shape is global_shape. An unsharded tensor is one piece at offset
+// 0 with its own shape. Several ranks may hold the same rows (state a rule keeps whole on every
+// holder of a tensor, e.g. Adafactor's column statistics): a reader takes them from any one.
+struct StatePiece {
+  std::string name;
+  at::Tensor tensor;
+  std::vector<int64_t> global_shape;
+  int64_t offset = 0;
+  // For a flattened tensor (global_shape {numel}): its own shape, which `loom consolidate`
+  // restores ("weight/<param>" pieces of sharded weights). Empty: global_shape is the shape.
+  std::vector<int64_t> tensor_shape = {};
+};
+using StatePieces = std::vector<StatePiece>;
+
+// The saved pieces of every rank of a checkpoint, for a driver's load_state.
+class StateReader {
+ public:
+  virtual ~StateReader();
+  // Fills `into` with rows [offset, offset + into.size(0)) of the global tensor `name` of shape
+  // global_shape (into's dtype must be the saved one). Missing tensor, another global shape or
+  // dtype, or rows no saved piece covers: a CheckpointError naming the tensor and the files.
+  virtual void read(const std::string& name, const std::vector<int64_t>& global_shape,
+                    int64_t offset, at::Tensor& into) = 0;
+  // Saved tensor names no read() asked for, for the check that nothing is left over. The
+  // model's weights are readable too, flattened, as "weight/<param>" (global shape {numel}),
+  // whether the checkpoint holds them whole in model.safetensors or as shards; those names are
+  // never reported here (the engine checks the model's tensors itself).
+  virtual std::vector<std::string> unread() const = 0;
+  // The files, for messages ("checkpoint-10/optimizer-*.safetensors").
+  virtual std::string where() const = 0;
+};
+
+// The global shape and dim-0 offset of a piece of state that a rule made for a segment, found
+// from the state the rule makes for the whole tensor (`whole`, e.g. made on the meta device):
+// per-element and per-block state scales with the segment; state as large as the whole tensor's
+// on a partial segment is kept whole on every holder (offset 0).
+StatePiece state_piece(const std::string& name, const at::Tensor& piece, const at::Tensor& whole,
+                       int64_t segment_offset, int64_t segment_numel, int64_t tensor_numel);
+// A rule's state for a whole tensor of `shape`, made on the meta device: shapes only, no memory.
+NamedTensors whole_tensor_state_shapes(const UpdateRule& rule, const std::string& name,
+                                       const std::vector<int64_t>& shape, int group);
+// Checks after a load_state that the reader has nothing left (else a CheckpointError).
+void check_nothing_unread(const StateReader& reader);
+
 class StepDriver {
  public:
   virtual ~StepDriver();
@@ -47,20 +92,36 @@ class StepDriver {
   // all ranks and shards (a sharded driver all-reduces its partial sums): a 0-d fp64 tensor on
   // the parameters' device, so reading it is the caller's one host sync.
   virtual at::Tensor grad_norm_squared() = 0;
+  // The gradient tensors the next update reads, once backward (and the grad sync) is done: the
+  // parameters' .grad for the default driver, this rank's gradient shards for ZeRO. A loss
+  // scaler unscales and checks these in before_update.
+  virtual std::vector<at::Tensor> grads() = 0;
   // Multiplies every gradient by factor (clipping).
   virtual void scale_grads(double factor) = 0;
   // Runs the update rule; step is the 1-based update count, lr the schedule's value (times each
   // parameter's lr_scale). Afterwards the compute parameters hold the updated values.
   virtual void update(int64_t step, double lr) = 0;
 
-  // This rank's checkpoint state ("state/<param>/<key>", "master/<param>" for the default
-  // driver), and back: a missing or misshapen tensor is a CheckpointError naming it and `file`.
-  virtual NamedTensors state_tensors() const = 0;
-  virtual void load_state(const NamedTensors& tensors, const std::string& file) = 0;
+  // This rank's checkpoint state as pieces of global tensors ("state/<param>/<key>",
+  // "master/<param>"): see StatePiece. Every rank writes its pieces when state_is_sharded(),
+  // else rank 0 alone. load_state asks the reader for the rows it holds, whatever cut (stage,
+  // world size) the checkpoint was written with, and fails with a CheckpointError naming the
+  // tensor and file for anything missing, misshapen or left over.
+  virtual StatePieces state_pieces() const = 0;
+  virtual void load_state(StateReader& reader) = 0;
+  virtual bool state_is_sharded() const { return false; }
   // Bytes this rank holds for optimizer state and for fp32 masters kept apart from the
   // parameters (the model-state report and run.json).
   virtual int64_t state_bytes() const = 0;
   virtual int64_t master_bytes() const = 0;
+  // Bytes of gradients this rank holds between backward and update; -1: the engine counts
+  // every trainable parameter's gradient at the parameter's dtype (the unsharded case).
+  virtual int64_t grad_bytes() const { return -1; }
+  // Parameters whose weights the driver keeps as shards (ZeRO stage 3): the engine leaves them
+  // out of model.safetensors and out of its own loading; the driver saves and reads them as
+  // "weight/<param>" pieces. sharded_weight_bytes: what this rank holds of them.
+  virtual std::vector<std::string> sharded_weights() const { return {}; }
+  virtual int64_t sharded_weight_bytes() const { return 0; }
 };
 
 // The core's driver: one segment per trainable tensor, fp32 masters for parameters stored in

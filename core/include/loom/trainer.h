@@ -53,6 +53,14 @@ class Trainer {
 // extra_path: folders searched first. Load failures are listed, not thrown.
 std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path = {});
 
+// `loom consolidate CKPT OUT`: a checkpoint folder (any world size or ZeRO stage) streamed into
+// one safetensors file OUT holding the model's tensors by name, floating ones in fp32 (the
+// fp32 masters where the run kept them), that Python's safetensors loads. Peak memory: about
+// the largest tensor. Written under a temporary name and renamed: OUT appears whole or not at
+// all. A missing, truncated or corrupt file of the checkpoint is a CheckpointError naming it.
+void consolidate_checkpoint(const std::filesystem::path& checkpoint,
+                            const std::filesystem::path& out_file);
+
 }  // namespace loom
 
 #pragma GCC visibility pop

@@ -27,13 +27,14 @@ class CountingDriver final : public loom::StepDriver {
     return inner_->grad_norm_squared();
   }
   void scale_grads(double factor) override { inner_->scale_grads(factor); }
+  std::vector<at::Tensor> grads() override { return inner_->grads(); }
   void update(int64_t step, double lr) override {
     ++counts_->updates;
     inner_->update(step, lr);
   }
-  loom::NamedTensors state_tensors() const override { return inner_->state_tensors(); }
-  void load_state(const loom::NamedTensors& tensors, const std::string& file) override {
-    inner_->load_state(tensors, file);
+  loom::StatePieces state_pieces() const override { return inner_->state_pieces(); }
+  void load_state(loom::StateReader& reader) override {
+    inner_->load_state(reader);
   }
   int64_t state_bytes() const override { return inner_->state_bytes(); }
   int64_t master_bytes() const override { return inner_->master_bytes(); }

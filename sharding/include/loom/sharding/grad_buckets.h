@@ -61,6 +61,10 @@ class GradBuckets {
   BucketStats stats_;
 };
 
+// One starting point for every replica: rank 0's parameters (and buffers when `buffers`) are
+// broadcast to every rank. Collective; a no-op on one rank.
+void start_from_rank0(Engine& engine, bool buffers);
+
 }  // namespace loom::sharding
 
 #pragma GCC visibility pop

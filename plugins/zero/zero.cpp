@@ -1,0 +1,271 @@
+// The `zero` plugin: ZeRO data parallelism (Rajbhandari et al. 2020) in the grad_sync and
+// step_driver slots. [zero] stage = 0 is plain data parallelism on sharding's gradient buckets
+// (what [ddp] does); 1 shards the optimizer state and fp32 masters; 2 also the gradients; 3
+// also the weights of the model's units (sharding/zero_driver.h), gathered around each unit by
+// a unit interceptor. Every replica starts from rank 0's weights and buffers.
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "loom/comm.h"
+#include "loom/engine.h"
+#include "loom/log.h"
+#include "loom/memory.h"
+#include "loom/model.h"
+#include "loom/nn.h"
+#include "loom/plugin.h"
+#include "loom/sharding/grad_buckets.h"
+#include "loom/sharding/zero_driver.h"
+#include "loom/step_driver.h"
+
+namespace {
+
+// Stage 3: a unit's weights whole for its forward, released after; gathered again when backward
+// reaches the unit's output (the driver releases them once its gradients are bucketed). Added
+// last, so it is the innermost interceptor: activation checkpointing's recompute runs through
+// it and gathers again.
+class GatherUnits final : public loom::nn::UnitInterceptor {
+ public:
+  explicit GatherUnits(loom::sharding::ZeroDriver* driver) : driver_(driver) {}
+  std::string name() const override { return "zero-3"; }
+  at::Tensor intercept(int64_t, loom::nn::Unit& unit, const at::Tensor& x,
+                       const loom::nn::UnitFn& next) override {
+    if (!driver_->shards_unit(&unit)) return next(x);
+    driver_->gather_unit(&unit, /*forward=*/true);
+    at::Tensor y = next(x);
+    if (at::GradMode::is_enabled() && y.requires_grad()) {
+      auto* driver = driver_;
+      const void* key = &unit;
+      y.register_hook([driver, key](const at::Tensor&) { driver->gather_unit(key, false); });
+    }
+    driver_->release_unit(&unit);
+    return y;
+  }
+
+ private:
+  loom::sharding::ZeroDriver* driver_;
+};
+
+class Zero final : public loom::Plugin {
+ public:
+  std::string name() const override { return "zero"; }
+  std::string description() const override {
+    return "ZeRO data parallelism: stage 0 (replicated), 1 (optimizer state and fp32 masters "
+           "sharded), 2 (also gradients, reduce-scattered during backward)";
+  }
+  // Before LoRA (20), whose teardown writes the adapter from the weights gathered here.
+  int priority() const override { return 15; }
+  std::vector<loom::Slot> slots() const override {
+    return {loom::Slot::grad_sync, loom::Slot::step_driver};
+  }
+  std::vector<loom::Schema> schemas() const override {
+    loom::Schema s("zero");
+    s.key_int("stage", 2,
+              "0: data parallel, 1: + optimizer state sharded, 2: + gradients, 3: + weights")
+        .key_float("reduce_bucket_size", 25.0 * (1 << 20),
+                   "bytes of fp32 gradients per reduce-scatter (all-reduce at stage 0) bucket")
+        .key_float("allgather_bucket_size", 50.0 * (1 << 20),
+                   "bytes of updated parameters in flight in the all-gather after an update")
+        .key_bool("overlap_comm", true,
+                  "launch each bucket as soon as its gradients are ready (false: after backward)")
+        .key_bool("broadcast_buffers", true, "start every rank with rank 0's buffers too")
+        .key_float("stage3_prefetch_bucket_size", 5e7,
+                   "stage 3: prefetch the next unit's weights when it has at most this many "
+                   "elements (0: no prefetch)")
+        .key_float("stage3_param_persistence_threshold", 1e5,
+                   "stage 3: parameters with fewer elements stay whole on every rank")
+        .key_float("stage3_max_live_parameters", 1e9,
+                   "stage 3: no prefetch once this many elements are gathered")
+        .key_bool("stage3_gather_weights_at_end", true,
+                  "stage 3: make the weights whole again once training ends (for exporters "
+                  "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
+    return {s};
+  }
+  void configure(const loom::ConfigSection& t) override {
+    stage_ = static_cast<int>(t.get_int("stage"));
+    LOOM_CHECK_AS(ConfigError, stage_ >= 0 && stage_ <= 3, t.where("stage"),
+                  ": [zero] stage must be 0, 1, 2 or 3 (ZeRO's stages), got ", stage_);
+    where_stage_ = t.where("stage");
+    options_.prefetch_elements = static_cast<int64_t>(t.get_float("stage3_prefetch_bucket_size"));
+    persistence_threshold_ =
+        static_cast<int64_t>(t.get_float("stage3_param_persistence_threshold"));
+    options_.max_live_elements = static_cast<int64_t>(t.get_float("stage3_max_live_parameters"));
+    for (const char* key : {"stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                            "stage3_max_live_parameters"})
+      LOOM_CHECK_AS(ConfigError, t.get_float(key) >= 0, t.where(key), ": [zero] ", key,
+                    " must be >= 0, got ", t.get_float(key));
+    options_.stage = stage_;
+    options_.reduce_bucket_bytes = static_cast<int64_t>(t.get_float("reduce_bucket_size"));
+    options_.allgather_bucket_bytes = static_cast<int64_t>(t.get_float("allgather_bucket_size"));
+    LOOM_CHECK_AS(ConfigError, options_.reduce_bucket_bytes > 0, t.where("reduce_bucket_size"),
+                  ": [zero] reduce_bucket_size must be positive, got ", options_.reduce_bucket_bytes);
+    LOOM_CHECK_AS(ConfigError, options_.allgather_bucket_bytes > 0,
+                  t.where("allgather_bucket_size"), ": [zero] allgather_bucket_size must be "
+                  "positive, got ", options_.allgather_bucket_bytes);
+    options_.overlap = t.get_bool("overlap_comm");
+    broadcast_buffers_ = t.get_bool("broadcast_buffers");
+    gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
+  }
+
+  std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
+                                                       loom::Engine& engine) override {
+    // Every replica starts from rank 0's weights, before the driver copies its chunks.
+    loom::sharding::start_from_rank0(engine, broadcast_buffers_);
+    auto& comm = *options.comm;
+    if (stage_ == 0) {
+      buckets_ = std::make_unique<loom::sharding::GradBuckets>(
+          options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+      loom::log::info("zero: stage 0 (data parallel) over ", comm.world_size(), " rank(s), ",
+                      buckets_->bucket_count(), " gradient bucket(s)");
+      return loom::make_default_step_driver(options);
+    }
+    if (stage_ == 3) find_units(engine, options);
+    auto driver = std::make_unique<loom::sharding::ZeroDriver>(options, options_);
+    driver_ = driver.get();
+    if (stage_ == 3) engine.add_unit_interceptor(std::make_shared<GatherUnits>(driver_));
+    loom::log::info("zero: ", driver_->describe(), " (", comm.backend(), ", overlap ",
+                    options_.overlap ? "on" : "off", ")");
+    return driver;
+  }
+
+  void attach(loom::Engine& engine) override {
+    engine.on_grad_ready([this](loom::Engine& e, const loom::Param& p) {
+      // Stages 2 and 3 land every micro-step's gradient in the shard; 0 and 1 sync once.
+      if (buckets_ && e.state().sync_grads) buckets_->grad_ready(p);
+      if (driver_ && (stage_ >= 2 || e.state().sync_grads)) driver_->grad_ready(p);
+    });
+    engine.on(loom::Event::after_backward, [this](loom::Engine& e) {
+      const bool last = e.state().is_last_micro_step();
+      if (buckets_ && last) {
+        buckets_->finish();
+        e.state().metrics.emplace_back("zero_comm_s", buckets_->last_stats().comm_seconds);
+        e.state().metrics.emplace_back("zero_exposed_comm_s", buckets_->last_stats().exposed_seconds);
+      }
+      if (driver_ && (stage_ >= 2 || last)) {
+        driver_->finish_backward();
+        if (last) {
+          e.state().metrics.emplace_back("zero_comm_s", driver_->stats().comm_seconds);
+          e.state().metrics.emplace_back("zero_exposed_comm_s", driver_->stats().exposed_seconds);
+        }
+      }
+    });
+    // Note [Measured model state]: what the memory tracker sees allocated after the first update
+    // (weights, gradients or their shards, masters, optimizer state; activations are gone),
+    // against the ZeRO paper's formula for this stage, world size and precision.
+    engine.on(loom::Event::setup, [this](loom::Engine& e) {
+      baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
+    });
+    engine.on(loom::Event::after_update, [this](loom::Engine& e) {
+      if (measured_ || !driver_) return;
+      measured_ = true;
+      const int64_t measured =
+          loom::memory::device_stats(e.device()).current_bytes - baseline_bytes_;
+      const auto [formula, text] = formula_bytes(e);
+      e.state().metrics.emplace_back("zero_model_state_measured_bytes", static_cast<double>(measured));
+      e.state().metrics.emplace_back("zero_model_state_formula_bytes", static_cast<double>(formula));
+      char off[32];
+      std::snprintf(off, sizeof off, "%+.2f %%",
+                    formula > 0 ? 100.0 * static_cast<double>(measured - formula) / formula : 0.0);
+      loom::log::info("zero: model state on rank ", e.comm().rank(), " after the first update: ",
+                      loom::memory::format_bytes(measured), " measured (memory tracker), ",
+                      loom::memory::format_bytes(formula), " by ZeRO's formula ", text, " (",
+                      off, ")");
+    });
+    engine.on(loom::Event::teardown, [this](loom::Engine& e) {
+      // Only after a finished run: after an error a peer may be gone.
+      if (driver_ && stage_ == 3 && gather_at_end_ && e.state().step >= e.state().max_steps)
+        driver_->gather_all_weights();
+    });
+    engine.on(loom::Event::after_update, [this](loom::Engine& e) {
+      if (driver_)
+        e.state().metrics.emplace_back("zero_comm_elements",
+                                       static_cast<double>(driver_->stats().elements));
+    });
+  }
+
+ private:
+  // Stage 3's units: each unit of every UnitList, with its trainable parameters of at least
+  // the persistence threshold.
+  void find_units(loom::Engine& engine, const loom::StepDriverOptions& options) {
+    auto lists = engine.unit_lists();
+    LOOM_CHECK_AS(ConfigError, !lists.empty(), where_stage_,
+                  ": [zero] stage = 3 shards the weights of a model's repeated units, but model '",
+                  engine.section("train").get_string("model"),
+                  "' has no loom::nn::UnitList; build its layers as a UnitList (see "
+                  "loom/nn.h), or use stage = 2");
+    std::unordered_map<const void*, size_t> index_of;
+    for (size_t i = 0; i < options.params.size(); ++i)
+      index_of[options.params[i].tensor.unsafeGetTensorImpl()] = i;
+    options_.units.clear();
+    for (auto* list : lists)
+      for (size_t u = 0; u < list->size(); ++u) {
+        std::vector<size_t> indices;
+        for (const auto& p : (*list)[u].parameters(/*recurse=*/true)) {
+          auto found = index_of.find(p.unsafeGetTensorImpl());
+          if (found != index_of.end() && p.numel() >= persistence_threshold_)
+            indices.push_back(found->second);
+        }
+        options_.units.emplace_back(&(*list)[u], std::move(indices));
+      }
+  }
+
+  // The ZeRO paper's per-rank model state (Rajbhandari et al. 2020, section 3: weights 2Psi,
+  // gradients 2Psi, optimizer state K Psi in mixed precision with Adam, K = 12 with the fp32
+  // masters), with this run's bytes per element: weights and gradients in the weights' dtype,
+  // the masters (4 B, only for non-fp32 weights: fp32 weights are updated in place) and the
+  // rule's state (adamw: 8 B; another rule: what its state takes) sharded over N; stage 3's
+  // weights sharded except the declared whole-kept ones (outside units, below the threshold).
+  std::pair<int64_t, std::string> formula_bytes(loom::Engine& e) const {
+    const auto ms = e.model_state();
+    const double psi = static_cast<double>(ms.trainable_count);
+    const double n = e.comm().world_size();
+    const auto& params = e.params();
+    const double w = params.empty() ? 4.0 : static_cast<double>(params.front().tensor.element_size());
+    const double m = w == 4.0 ? 0.0 : 4.0;
+    const double k = e.section("optimizer").get_string("name") == "adamw"
+                         ? 8.0
+                         : static_cast<double>(driver_->state_bytes()) * n / psi;
+    double whole = 0;  // stage 3: elements kept whole
+    if (stage_ == 3) {
+      std::set<std::string> sharded;
+      for (const auto& name : driver_->sharded_weights()) sharded.insert(name);
+      for (const auto& p : params)
+        if (!sharded.count(p.name)) whole += static_cast<double>(p.tensor.numel());
+    }
+    const double frozen = static_cast<double>(ms.param_count - ms.trainable_count) * w;
+    double bytes = 0;
+    std::ostringstream text;
+    text.precision(3);
+    text << "(stage " << stage_ << ", N = " << n << ", " << w << " B weights and grads, K = "
+         << m + k << " B: ";
+    if (stage_ == 1) {
+      bytes = 2 * w * psi + (m + k) * psi / n;
+      text << 2 * w << " Psi + " << m + k << " Psi/N";
+    } else if (stage_ == 2) {
+      bytes = w * psi + (w + m + k) * psi / n;
+      text << w << " Psi + " << w + m + k << " Psi/N";
+    } else {
+      bytes = w * whole + w * (psi - whole) / n + (w + m + k) * psi / n;
+      text << 2 * w + m + k << " Psi/N, plus " << whole / psi * 100 << " % of the weights kept whole";
+    }
+    if (frozen > 0) text << ", plus " << loom::memory::format_bytes(static_cast<int64_t>(frozen)) << " frozen";
+    text << ")";
+    return {static_cast<int64_t>(bytes + frozen), text.str()};
+  }
+
+  int64_t baseline_bytes_ = 0;
+  bool measured_ = false;
+  int stage_ = 2;
+  int64_t persistence_threshold_ = 100000;
+  std::string where_stage_;
+  loom::sharding::ZeroOptions options_;
+  bool broadcast_buffers_ = true, gather_at_end_ = true;
+  std::unique_ptr<loom::sharding::GradBuckets> buckets_;
+  loom::sharding::ZeroDriver* driver_ = nullptr;  // owned by the engine
+};
+
+}  // namespace
+
+LOOM_DEFINE_PLUGIN(Zero, "zero", "0.1.0")

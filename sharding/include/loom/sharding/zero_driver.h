@@ -1,0 +1,159 @@
+// loom/sharding/zero_driver.h — ZeRO stages 1, 2 and 3 as a step driver (loom/step_driver.h).
+//
+// The trainable parameters are cut into flat groups (flat_layout.h): gradient buckets of about
+// reduce_bucket_size bytes, each cut across the ranks at the update rule's granularity. Each
+// rank keeps, for its chunk of every group only, the fp32 masters (when the weights are stored
+// in another dtype; fp32 weights are updated in place) and the rule's state.
+//   stage 1: gradients accumulate whole in .grad over the micro-steps; on the last one each
+//            bucket is reduce-scattered as soon as its gradients are ready (during backward);
+//            the rank's chunk of the averaged gradient lives until the update.
+//   stage 2: on every micro-step each gradient goes into its bucket and .grad is released at
+//            once; the bucket is reduce-scattered when full and its chunk added to the rank's
+//            gradient shard (in the weights' dtype): the whole gradient is never held.
+//   stage 3: as stage 2, and each unit of the model's UnitLists is one group whose weights are
+//            held as the rank's chunk only: all-gathered before the unit's forward (the next
+//            unit's gather prefetched), released after it, gathered again when backward
+//            reaches the unit's output (the previous unit prefetched), released once all its
+//            gradients are in their bucket. Parameters outside units (embeddings, final norm)
+//            and those below the persistence threshold stay whole, as at stage 2.
+// Then each rank updates its chunk (rules with whole-tensor statistics — Adafactor — add their
+// partial sums over ranks), and every whole-kept group's updated values are all-gathered into
+// the parameters, at most allgather_bucket_size bytes in flight.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/engine.h"
+#include "loom/sharding/flat_layout.h"
+#include "loom/step_driver.h"
+
+#pragma GCC visibility push(default)
+
+namespace loom::sharding {
+
+struct ZeroOptions {
+  int stage = 1;                                // 1 or 2
+  int64_t reduce_bucket_bytes = 25 << 20;       // of gradients per reduce-scatter (fp32)
+  int64_t allgather_bucket_bytes = 50 << 20;    // of parameters in flight in the all-gather
+  bool overlap = true;                          // reduce buckets during backward
+  // Stage 3: the units whose weights are sharded, in forward order: a key the unit
+  // interceptor passes back (the nn::Unit's address) and the unit's parameter indices.
+  std::vector<std::pair<const void*, std::vector<size_t>>> units;
+  int64_t prefetch_elements = 50'000'000;       // prefetch a unit up to this size (0: never)
+  int64_t max_live_elements = 1'000'000'000;    // gathered elements beyond which no prefetch
+};
+
+struct ZeroStats {
+  double comm_seconds = 0.0;     // launch to observed completion of the reduce-scatters
+  double exposed_seconds = 0.0;  // waiting for them after backward: not hidden behind compute
+  int64_t elements = 0;          // elements this rank put into collectives this step
+};
+
+class ZeroDriver final : public StepDriver {
+ public:
+  ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero);
+  ~ZeroDriver() override;
+  std::string name() const override;
+
+  // The grad-sync side, called by the zero plugin: a parameter's gradient is complete for this
+  // backward; and backward is over (launch what is left, wait, land the chunks).
+  void grad_ready(const Param& param);
+  void finish_backward();
+  const ZeroStats& stats() const { return stats_; }
+  // "2 ranks, 3 groups, chunk padding 0.1 %" for the log.
+  std::string describe() const;
+
+  // Stage 3, called by the zero plugin's unit interceptor: the unit's weights whole (waiting
+  // for a prefetch if one is in flight, and prefetching the next unit in `forward` or
+  // backward order), and released again. Units with no sharded weights are ignored.
+  bool shards_unit(const void* unit) const { return unit_group_.count(unit) > 0; }
+  void gather_unit(const void* unit, bool forward);
+  void release_unit(const void* unit);
+  // Every sharded weight whole in the model again, for good (the end of a run: exporters such
+  // as LoRA's adapter file read the model). Collective.
+  void gather_all_weights();
+
+  void zero_grad() override;
+  at::Tensor grad_norm_squared() override;
+  std::vector<at::Tensor> grads() override;
+  void scale_grads(double factor) override;
+  void update(int64_t step, double lr) override;
+  StatePieces state_pieces() const override;
+  void load_state(StateReader& reader) override;
+  bool state_is_sharded() const override { return world_ > 1; }
+  int64_t state_bytes() const override;
+  int64_t master_bytes() const override;
+  int64_t grad_bytes() const override;
+  std::vector<std::string> sharded_weights() const override;
+  int64_t sharded_weight_bytes() const override;
+
+ private:
+  struct Placement {  // where one parameter's elements go, for one rank's piece
+    size_t group;
+    int rank;
+    Piece piece;
+  };
+  struct Group {
+    FlatGroup plan;
+    std::vector<Segment> segments;           // this rank's pieces, as the rule sees them
+    std::vector<size_t> segment_param;       // parameter index of each segment
+    at::Tensor master;                       // (chunk) fp32, when the weights are not fp32
+    at::Tensor grad;                         // (chunk): stage 2 shard / stage 1 reduced chunk
+    // This backward's bucket:
+    at::Tensor send;                         // (world * chunk) fp32
+    at::Tensor received;                     // (chunk) fp32
+    std::shared_ptr<Work> work;
+    std::chrono::steady_clock::time_point launched;
+    size_t pending = 0;
+    // Stage 3 unit groups:
+    bool sharded = false;                    // weights held as this rank's chunk only
+    at::Tensor shard;                        // (chunk) in the weights' dtype
+    at::Tensor gathering;                    // (world * chunk), while an all-gather runs
+    std::shared_ptr<Work> gather_work;
+    bool live = false;                       // the parameters hold their whole weights
+  };
+
+  void pack(Group& group, size_t param_index, const at::Tensor& grad);
+  void launch(Group& group);
+  void land(Group& group);
+  // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
+  at::Tensor chunk_values(const Group& group) const;
+  void all_gather_params();
+  void start_gather(Group& group);
+  void gather(size_t g);
+  void release(size_t g);
+  void run_rule(int64_t step, double lr);
+
+  std::vector<Param> params_;
+  std::vector<TensorInfo> tensors_;
+  const UpdateRule& rule_;
+  double weight_decay_;
+  Comm& comm_;
+  ZeroOptions options_;
+  int rank_, world_;
+  at::ScalarType weight_dtype_;
+  c10::Device device_{c10::kCPU};
+  bool separate_master_ = false;
+  std::vector<Group> groups_;
+  std::vector<std::vector<Placement>> placements_;  // per parameter
+  std::vector<size_t> group_of_;                    // per parameter
+  std::vector<bool> ready_;                         // per parameter, this backward
+  std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> parameter index
+  std::vector<NamedTensors> whole_state_;             // per parameter: the rule's state, meta
+  ZeroStats stats_;
+  std::unordered_map<const void*, size_t> unit_group_;  // stage 3: unit -> its group
+  std::vector<size_t> unit_order_;                      // groups of units, forward order
+  std::vector<size_t> unit_position_;                   // per group: index in unit_order_
+  int64_t live_elements_ = 0;
+  bool in_backward_ = false;  // a unit's backward began this micro-step
+};
+
+}  // namespace loom::sharding
+
+#pragma GCC visibility pop

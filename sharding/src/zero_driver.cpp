@@ -1,0 +1,666 @@
+// ZeRO stages 1 and 2. See zero_driver.h.
+#include "loom/sharding/zero_driver.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "loom/error.h"
+#include "loom/memory.h"
+
+namespace loom::sharding {
+
+using Clock = std::chrono::steady_clock;
+
+ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero)
+    : params_(options.params),
+      rule_(*options.rule),
+      weight_decay_(options.weight_decay),
+      comm_(*options.comm),
+      options_(zero),
+      rank_(options.comm->rank()),
+      world_(options.comm->world_size()) {
+  LOOM_CHECK_AS(ConfigError, zero.stage >= 1 && zero.stage <= 3,
+                "the ZeRO driver runs stages 1 to 3, not ", zero.stage);
+  LOOM_INTERNAL_ASSERT(!params_.empty(), "ZeRO needs trainable parameters");
+  weight_dtype_ = params_.front().tensor.scalar_type();
+  device_ = params_.front().tensor.device();
+  for (const auto& p : params_) {
+    LOOM_CHECK_AS(ConfigError, p.tensor.scalar_type() == weight_dtype_ && p.tensor.device() == device_,
+                  "[zero] needs every trainable parameter in one dtype on one device, but '",
+                  p.name, "' is ", c10::toString(p.tensor.scalar_type()), " on ",
+                  p.tensor.device().str(), " and '", params_.front().name, "' is ",
+                  c10::toString(weight_dtype_), " on ", device_.str());
+    LOOM_INTERNAL_ASSERT(p.tensor.is_contiguous(), "parameter ", p.name, " is not contiguous");
+    tensors_.push_back({p.name, p.tensor.sizes().vec()});
+  }
+  separate_master_ = weight_dtype_ != at::kFloat;
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  // Stage 3: one group per unit, weights sharded; every other parameter in gradient buckets.
+  std::vector<std::vector<size_t>> members;
+  std::vector<const void*> member_unit;
+  std::vector<bool> in_unit(params_.size(), false);
+  if (options_.stage == 3)
+    for (const auto& [unit, indices] : options_.units) {
+      if (indices.empty()) continue;
+      std::vector<size_t> sorted = indices;
+      std::sort(sorted.begin(), sorted.end());
+      for (size_t index : sorted) in_unit.at(index) = true;
+      members.push_back(sorted);
+      member_unit.push_back(unit);
+    }
+  std::vector<size_t> rest;
+  std::vector<TensorInfo> rest_tensors;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!in_unit[i]) {
+      rest.push_back(i);
+      rest_tensors.push_back(tensors_[i]);
+    }
+  if (!rest.empty())
+    for (auto list : bucket_groups(rest_tensors, options_.reduce_bucket_bytes, 4)) {
+      for (auto& index : list) index = rest[index];
+      members.push_back(list);
+      member_unit.push_back(nullptr);
+    }
+  placements_.resize(params_.size());
+  group_of_.resize(params_.size());
+  ready_.assign(params_.size(), false);
+  at::NoGradGuard no_grad;
+  for (size_t m = 0; m < members.size(); ++m) {
+    const auto& list = members[m];
+    Group group;
+    group.plan = plan_group(tensors_, list, rule_.partitioning(), world_);
+    group.sharded = member_unit[m] != nullptr;
+    const size_t g = groups_.size();
+    if (group.sharded) {
+      unit_group_[member_unit[m]] = g;
+      unit_order_.push_back(g);
+    }
+    for (int r = 0; r < world_; ++r)
+      for (const Piece& piece : group.plan.ranks[r]) placements_[piece.tensor].push_back({g, r, piece});
+    for (size_t index : list) group_of_[index] = g;
+    group.pending = list.size();
+    if (separate_master_) group.master = at::zeros({group.plan.chunk}, fp32);
+    if (options_.stage >= 2)
+      group.grad = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
+    if (group.sharded) group.shard = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
+    for (const Piece& piece : group.plan.ranks[rank_]) {
+      const Param& p = params_[piece.tensor];
+      at::Tensor flat = p.tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+      Segment segment;
+      segment.name = p.name;
+      segment.shape = tensors_[piece.tensor].shape;
+      segment.offset = piece.offset;
+      segment.group = p.group;
+      if (group.sharded) group.shard.narrow(0, piece.chunk_offset, piece.numel).copy_(flat);
+      if (separate_master_) {
+        segment.param = group.master.narrow(0, piece.chunk_offset, piece.numel);
+        segment.param.copy_(flat);
+      } else if (group.sharded) {
+        segment.param = group.shard.narrow(0, piece.chunk_offset, piece.numel);  // in place
+      } else {
+        segment.param = flat;  // fp32 weights: the rank's piece is updated in place
+      }
+      segment.state = rule_.init_state(segment);
+      group.segments.push_back(std::move(segment));
+      group.segment_param.push_back(piece.tensor);
+    }
+    groups_.push_back(std::move(group));
+  }
+  for (const auto& group : groups_)
+    if (group.sharded)
+      for (size_t index : group.plan.tensors) {
+        const at::Tensor& t = params_[index].tensor;
+        LOOM_CHECK_AS(ConfigError,
+                      t.storage_offset() == 0 && t.storage().allocator() &&
+                          t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size(),
+                      "[zero] stage 3 frees the bytes of parameter '", params_[index].name,
+                      "' between uses, but it shares its storage with other tensors; give it a "
+                      "storage of its own, or raise stage3_param_persistence_threshold past its ",
+                      t.numel(), " elements");
+      }
+  unit_position_.assign(groups_.size(), 0);
+  for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
+  // Build-then-shard: the whole model existed on every rank until here; from now on a unit's
+  // weights exist whole only around its forward and backward.
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].sharded) {
+      groups_[g].live = true;
+      release(g);
+    }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    index_of_[params_[i].tensor.unsafeGetTensorImpl()] = i;
+    whole_state_.push_back(
+        whole_tensor_state_shapes(rule_, params_[i].name, tensors_[i].shape, params_[i].group));
+  }
+}
+
+ZeroDriver::~ZeroDriver() = default;
+
+std::string ZeroDriver::name() const { return "zero-" + std::to_string(options_.stage); }
+
+std::string ZeroDriver::describe() const {
+  int64_t numel = 0, padded = 0;
+  for (const auto& group : groups_) {
+    numel += group.plan.numel();
+    padded += group.plan.chunk * world_;
+  }
+  std::ostringstream out;
+  out.precision(3);
+  out << "ZeRO stage " << options_.stage << " over " << world_ << " rank(s): " << groups_.size()
+      << " flat group(s) cut at " << rule_.name() << "'s granularity, " << numel
+      << " trainable elements, " << padded / world_ << " per rank (padding "
+      << 100.0 * static_cast<double>(padded - numel) / static_cast<double>(std::max<int64_t>(1, numel))
+      << " %)" << (separate_master_ ? ", fp32 masters sharded" : "");
+  if (options_.stage == 3)
+    out << "; weights sharded in " << unit_order_.size() << " unit(s), "
+        << groups_.size() - unit_order_.size() << " group(s) kept whole";
+  return out.str();
+}
+
+// ---- gradients ----
+
+void ZeroDriver::pack(Group& group, size_t index, const at::Tensor& grad) {
+  const int64_t chunk = group.plan.chunk;
+  if (!group.send.defined())
+    group.send = at::zeros({chunk * world_}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  if (!grad.defined()) return;  // unused this backward: its elements stay zero
+  at::Tensor flat = grad.reshape(-1);
+  for (const Placement& where : placements_[index])
+    group.send.narrow(0, where.rank * chunk + where.piece.chunk_offset, where.piece.numel)
+        .copy_(flat.narrow(0, where.piece.offset, where.piece.numel));
+}
+
+void ZeroDriver::grad_ready(const Param& param) {
+  auto found = index_of_.find(param.tensor.unsafeGetTensorImpl());
+  LOOM_INTERNAL_ASSERT(found != index_of_.end(), "grad_ready for unknown parameter ", param.name);
+  const size_t index = found->second;
+  if (ready_[index]) return;
+  ready_[index] = true;
+  Group& group = groups_[group_of_[index]];
+  at::NoGradGuard no_grad;
+  pack(group, index, param.tensor.grad());
+  // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes.
+  if (options_.stage >= 2) at::Tensor(param.tensor).mutable_grad() = at::Tensor();
+  if (--group.pending == 0) {
+    if (options_.overlap) launch(group);
+    if (group.sharded) release(group_of_[index]);  // backward is done with this unit
+  }
+}
+
+void ZeroDriver::launch(Group& group) {
+  group.received = at::empty({group.plan.chunk}, group.send.options());
+  group.launched = Clock::now();
+  group.work = comm_.reduce_scatter(group.received, group.send, ReduceOp::sum);
+  stats_.elements += group.send.numel();
+}
+
+void ZeroDriver::land(Group& group) {
+  const auto waited = Clock::now();
+  group.work->wait();
+  const auto done = Clock::now();
+  stats_.exposed_seconds += std::chrono::duration<double>(done - waited).count();
+  stats_.comm_seconds += std::chrono::duration<double>(done - group.launched).count();
+  // The engine scaled each rank's loss by world / global targets: the average is the gradient.
+  group.received.div_(world_);
+  if (options_.stage >= 2) group.grad.add_(group.received);
+  // Stage 1: the window's whole gradient arrives at once, kept in the weights' dtype as the
+  // unsharded driver keeps .grad (so both update from the same values).
+  else group.grad = weight_dtype_ == at::kFloat ? group.received : group.received.to(weight_dtype_);
+  group.work.reset();
+  group.send = at::Tensor();
+  group.received = at::Tensor();
+  group.pending = group.plan.tensors.size();
+}
+
+void ZeroDriver::finish_backward() {
+  at::NoGradGuard no_grad;
+  stats_.comm_seconds = stats_.exposed_seconds = 0.0;
+  // Every rank launches every group, in the same order: parameters without a gradient this
+  // backward count as zeros.
+  for (auto& group : groups_) {
+    if (group.work) continue;
+    for (size_t index : group.plan.tensors)
+      if (!ready_[index]) {
+        pack(group, index, at::Tensor());
+        if (options_.stage >= 2) at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
+      }
+    launch(group);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].sharded) release(g);
+  in_backward_ = false;
+  for (auto& group : groups_) land(group);
+  std::fill(ready_.begin(), ready_.end(), false);
+}
+
+void ZeroDriver::zero_grad() {
+  at::NoGradGuard no_grad;
+  stats_.elements = 0;
+  if (options_.stage == 1) {
+    std::vector<at::Tensor> grads;
+    for (auto& p : params_)
+      if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+    if (!grads.empty()) at::_foreach_zero_(grads);
+    for (auto& group : groups_) group.grad = at::Tensor();
+  } else {
+    for (auto& p : params_) at::Tensor(p.tensor).mutable_grad() = at::Tensor();
+    for (auto& group : groups_) group.grad.zero_();
+  }
+}
+
+std::vector<at::Tensor> ZeroDriver::grads() {
+  std::vector<at::Tensor> out;
+  for (auto& group : groups_)
+    if (group.grad.defined()) out.push_back(group.grad);
+  return out;
+}
+
+at::Tensor ZeroDriver::grad_norm_squared() {
+  // Per piece, in parameter order, as the default driver sums per tensor, so one rank
+  // reproduces it bit for bit; then the sum over ranks.
+  std::vector<std::pair<size_t, at::Tensor>> pieces;
+  for (const auto& group : groups_) {
+    if (!group.grad.defined()) continue;
+    for (const Piece& piece : group.plan.ranks[rank_])
+      pieces.emplace_back(piece.tensor, group.grad.narrow(0, piece.chunk_offset, piece.numel));
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<at::Tensor> grads;
+  for (auto& [index, grad] : pieces) grads.push_back(grad);
+  at::Tensor total;
+  if (grads.empty()) {
+    total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  } else if (device_.is_cuda()) {
+    total = at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum();
+  } else {
+    // fp32 squares summed in fp64: the total hardly depends on where a sharded driver cuts a
+    // tensor, so the clipping factor (applied in fp32) comes out the same for every cut.
+    std::vector<at::Tensor> squares;
+    for (const at::Tensor& grad : grads)
+      squares.push_back(at::sum(grad.to(at::kFloat).pow(2), at::kDouble));
+    total = at::stack(squares).sum();
+  }
+  if (world_ > 1) {
+    total = total.reshape({1}).to(comm_.device());
+    comm_.all_reduce(total, ReduceOp::sum)->wait();
+  }
+  return total.to(device_).reshape({});
+}
+
+void ZeroDriver::scale_grads(double factor) {
+  at::NoGradGuard no_grad;
+  auto all = grads();
+  if (!all.empty()) at::_foreach_mul_(all, factor);
+}
+
+// ---- stage 3: whole weights around a unit's forward and backward ----
+
+// Note [Releasing a weight]: a released parameter keeps its shape, its autograd identity and
+// its storage object; only the storage's bytes go (FSDP's resize-to-zero). Autograd's saved
+// tensors of the unit (the weight, or views of it such as w.t()) share that storage, so the
+// forward's saved views hold no copy of the weights, and see them again once the backward
+// hook has gathered them into the same storage; gradient accumulators, built from the
+// parameter's shape, never see a shape of 0. A read of a released weight finds no bytes.
+namespace {
+
+c10::StorageImpl& storage_of(const at::Tensor& tensor) {
+  return *tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+}
+
+void free_storage(const at::Tensor& tensor) {
+  c10::StorageImpl& storage = storage_of(tensor);
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(0));
+  storage.set_nbytes(0);
+}
+
+void restore_storage(const at::Tensor& tensor) {
+  c10::StorageImpl& storage = storage_of(tensor);
+  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  if (storage.nbytes() == bytes) return;
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
+  storage.set_nbytes(bytes);
+}
+
+}  // namespace
+
+void ZeroDriver::start_gather(Group& group) {
+  at::Tensor values = group.shard;
+  // Half types travel as 16-bit integers: every backend moves those bit for bit.
+  if (values.element_size() == 2) values = values.view(at::kShort);
+  group.gathering = at::empty({values.numel() * world_}, values.options());
+  group.gather_work = comm_.all_gather(group.gathering, values);
+  stats_.elements += group.gathering.numel();
+}
+
+void ZeroDriver::gather(size_t g) {
+  Group& group = groups_[g];
+  if (group.live) return;
+  at::NoGradGuard no_grad;
+  if (!group.gather_work) start_gather(group);
+  try {
+    group.gather_work->wait();
+  } catch (const Error& error) {
+    throw Error(detail::cat(
+        "rank ", rank_, ": ZeRO stage 3 could not gather the weights of unit ",
+        unit_position_[g], " (", params_[group.plan.tensors.front()].name, "...): ", error.what(),
+        "; every rank must run the same units in the same order (did one rank skip a forward?)"));
+  }
+  at::Tensor values = group.gathering.element_size() == 2 && weight_dtype_ != at::kShort
+                          ? group.gathering.view(weight_dtype_)
+                          : group.gathering;
+  const int64_t chunk = group.plan.chunk;
+  for (size_t index : group.plan.tensors) {
+    const at::Tensor& param = params_[index].tensor;
+    restore_storage(param);
+    // A view of the bytes with a version counter of its own: filling them is no in-place
+    // change that autograd's saved tensors of this weight should notice (they wait for it).
+    at::Tensor flat = at::from_blob(param.data_ptr(), {param.numel()}, param.options());
+    for (const Placement& where : placements_[index])
+      flat.narrow(0, where.piece.offset, where.piece.numel)
+          .copy_(values.narrow(0, where.rank * chunk + where.piece.chunk_offset, where.piece.numel));
+  }
+  group.gathering = at::Tensor();
+  group.gather_work.reset();
+  group.live = true;
+  live_elements_ += group.plan.numel();
+}
+
+void ZeroDriver::release(size_t g) {
+  Group& group = groups_[g];
+  if (!group.live) return;
+  for (size_t index : group.plan.tensors) free_storage(params_[index].tensor);
+  group.live = false;
+  live_elements_ -= group.plan.numel();
+}
+
+void ZeroDriver::gather_unit(const void* unit, bool forward) {
+  auto found = unit_group_.find(unit);
+  if (found == unit_group_.end()) return;
+  const size_t g = found->second;
+  if (!forward) in_backward_ = true;
+  gather(g);
+  // Prefetch the unit that runs next (forward) or whose backward comes next. A forward during
+  // backward is activation checkpointing's recompute: the next unit's backward came before.
+  const size_t position = unit_position_[g];
+  if (options_.prefetch_elements <= 0 || (forward && in_backward_)) return;
+  const bool has_next = forward ? position + 1 < unit_order_.size() : position > 0;
+  if (!has_next) return;
+  Group& next = groups_[unit_order_[forward ? position + 1 : position - 1]];
+  if (next.live || next.gather_work || next.plan.numel() > options_.prefetch_elements ||
+      live_elements_ + next.plan.numel() > options_.max_live_elements)
+    return;
+  at::NoGradGuard no_grad;
+  start_gather(next);
+}
+
+void ZeroDriver::gather_all_weights() {
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].sharded) gather(g);
+}
+
+void ZeroDriver::release_unit(const void* unit) {
+  auto found = unit_group_.find(unit);
+  if (found != unit_group_.end()) release(found->second);
+}
+
+// ---- update ----
+
+void ZeroDriver::run_rule(int64_t step, double lr) {
+  struct Held {
+    Segment* segment;
+    size_t param;
+  };
+  std::vector<Held> held;
+  std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
+  for (auto& group : groups_) {
+    LOOM_INTERNAL_ASSERT(group.grad.defined(), "ZeRO update without a reduced gradient");
+    at::Tensor grad = group.grad.scalar_type() == at::kFloat ? group.grad : group.grad.to(at::kFloat);
+    fp32_grads.push_back(grad);
+    for (size_t k = 0; k < group.segments.size(); ++k) {
+      Segment& segment = group.segments[k];
+      const Piece* piece = nullptr;
+      for (const Piece& candidate : group.plan.ranks[rank_])
+        if (candidate.tensor == group.segment_param[k]) piece = &candidate;
+      segment.grad = grad.narrow(0, piece->chunk_offset, piece->numel);
+      held.push_back({&segment, group.segment_param[k]});
+    }
+  }
+  auto context_of = [&](size_t index) {
+    const Param& p = params_[index];
+    UpdateContext context;
+    context.step = step;
+    context.lr = lr * p.lr_scale;
+    context.weight_decay = p.weight_decay >= 0.0 ? p.weight_decay
+                           : p.group == 0        ? weight_decay_
+                                                 : 0.0;
+    return context;
+  };
+  const int rounds = rule_.reduction_rounds();
+  if (rounds == 0) {
+    // As the default driver: segments sharing lr and weight decay go to the rule together.
+    std::map<std::pair<double, double>, std::vector<Segment*>> batches;
+    for (const Held& h : held) {
+      const auto context = context_of(h.param);
+      batches[{context.lr, context.weight_decay}].push_back(h.segment);
+    }
+    for (auto& [key, segments] : batches) {
+      UpdateContext context;
+      context.step = step;
+      context.lr = key.first;
+      context.weight_decay = key.second;
+      rule_.update_many(segments, context);
+    }
+  } else {
+    // Whole-tensor statistics: every rank folds its pieces into a zero accumulator per tensor,
+    // the accumulators of all tensors go into one all-reduce per round, and each piece is then
+    // updated with its tensor's totals (UpdateRule::reduction_rounds).
+    std::vector<Segment*> mine(params_.size(), nullptr);
+    for (const Held& h : held) mine[h.param] = h.segment;
+    std::vector<UpdateContext> contexts;
+    for (size_t i = 0; i < params_.size(); ++i) contexts.push_back(context_of(i));
+    const auto empty = at::TensorOptions().dtype(at::kFloat).device(device_);
+    for (int round = 0; round < rounds; ++round) {
+      std::vector<at::Tensor> accumulators;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        Segment stand_in;
+        if (!mine[i]) {  // no piece here: the shape of the accumulator, nothing to add
+          stand_in.name = params_[i].name;
+          stand_in.shape = tensors_[i].shape;
+          stand_in.group = params_[i].group;
+          stand_in.param = at::empty({0}, empty);
+          stand_in.grad = at::empty({0}, empty);
+        }
+        const Segment& segment = mine[i] ? *mine[i] : stand_in;
+        at::Tensor accumulator = rule_.make_accumulator(segment, round);
+        if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
+        accumulators.push_back(accumulator);
+      }
+      if (world_ > 1) {
+        std::vector<at::Tensor> flat;
+        for (const auto& a : accumulators) flat.push_back(a.reshape(-1).to(comm_.device()));
+        at::Tensor all = at::cat(flat);
+        comm_.all_reduce(all, ReduceOp::sum)->wait();
+        int64_t at = 0;
+        for (auto& a : accumulators) {
+          a.copy_(all.narrow(0, at, a.numel()).view(a.sizes()));
+          at += a.numel();
+        }
+      }
+      for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
+    }
+    for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
+  }
+  for (const Held& h : held) h.segment->grad = at::Tensor();
+}
+
+at::Tensor ZeroDriver::chunk_values(const Group& group) const {
+  if (separate_master_) return group.master.to(weight_dtype_);
+  at::Tensor out = at::zeros({group.plan.chunk}, group.segments.empty()
+                                                     ? at::TensorOptions().dtype(weight_dtype_).device(device_)
+                                                     : group.segments.front().param.options());
+  for (const Piece& piece : group.plan.ranks[rank_])
+    out.narrow(0, piece.chunk_offset, piece.numel)
+        .copy_(params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel));
+  return out;
+}
+
+void ZeroDriver::all_gather_params() {
+  at::NoGradGuard no_grad;
+  struct InFlight {
+    size_t group;
+    at::Tensor gathered;
+    std::shared_ptr<Work> work;
+    int64_t bytes;
+  };
+  std::deque<InFlight> flying;
+  int64_t bytes_in_flight = 0;
+  const bool half = c10::elementSize(weight_dtype_) == 2;
+  auto finish = [&](InFlight& f) {
+    f.work->wait();
+    const Group& group = groups_[f.group];
+    at::Tensor values = half ? f.gathered.view(weight_dtype_) : f.gathered;
+    for (size_t index : group.plan.tensors) {
+      at::Tensor flat = params_[index].tensor.detach().view(-1);
+      for (const Placement& where : placements_[index])
+        flat.narrow(0, where.piece.offset, where.piece.numel)
+            .copy_(values.narrow(0, where.rank * group.plan.chunk + where.piece.chunk_offset,
+                                 where.piece.numel));
+    }
+    bytes_in_flight -= f.bytes;
+  };
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
+      if (separate_master_) groups_[g].shard.copy_(groups_[g].master);
+      continue;
+    }
+    at::Tensor values = chunk_values(groups_[g]);
+    // Half types travel as 16-bit integers: every backend moves those bit for bit.
+    if (half) values = values.view(at::kShort);
+    InFlight f{g, at::empty({values.numel() * world_}, values.options()), nullptr,
+               values.numel() * world_ * static_cast<int64_t>(values.element_size())};
+    f.work = comm_.all_gather(f.gathered, values);
+    stats_.elements += values.numel() * world_;
+    bytes_in_flight += f.bytes;
+    flying.push_back(std::move(f));
+    while (bytes_in_flight > options_.allgather_bucket_bytes && flying.size() > 1) {
+      finish(flying.front());
+      flying.pop_front();
+    }
+  }
+  for (auto& f : flying) finish(f);
+}
+
+void ZeroDriver::update(int64_t step, double lr) {
+  at::NoGradGuard no_grad;
+  // A prefetch nobody used (a unit a step did not reach) holds the old weights: drop it.
+  for (auto& group : groups_)
+    if (group.gather_work) {
+      group.gather_work->wait();
+      group.gather_work.reset();
+      group.gathering = at::Tensor();
+    }
+  run_rule(step, lr);
+  all_gather_params();
+  if (options_.stage == 1)
+    for (auto& group : groups_) group.grad = at::Tensor();
+}
+
+// ---- checkpoints and bytes ----
+
+StatePieces ZeroDriver::state_pieces() const {
+  StatePieces out;
+  for (const auto& group : groups_)
+    for (size_t k = 0; k < group.segments.size(); ++k) {
+      const Segment& segment = group.segments[k];
+      const size_t index = group.segment_param[k];
+      const int64_t n = segment.param.numel(), numel = tensors_[index].numel();
+      for (const auto& [key, tensor] : segment.state) {
+        const at::Tensor* whole = nullptr;
+        for (const auto& [wkey, wtensor] : whole_state_[index])
+          if (wkey == key) whole = &wtensor;
+        LOOM_INTERNAL_ASSERT(whole, "rule ", rule_.name(), " made state '", key,
+                             "' for a piece but not for the whole tensor");
+        out.push_back(state_piece("state/" + segment.name + "/" + key, tensor, *whole,
+                                  segment.offset, n, numel));
+      }
+      if (separate_master_)
+        out.push_back({"master/" + segment.name, segment.param, {numel}, segment.offset});
+    }
+  // Stage 3: the weights exist only as chunks.
+  for (const auto& group : groups_) {
+    if (!group.sharded) continue;
+    for (const Piece& piece : group.plan.ranks[rank_])
+      out.push_back({"weight/" + params_[piece.tensor].name,
+                     group.shard.narrow(0, piece.chunk_offset, piece.numel),
+                     {tensors_[piece.tensor].numel()}, piece.offset, tensors_[piece.tensor].shape});
+  }
+  return out;
+}
+
+void ZeroDriver::load_state(StateReader& reader) {
+  at::NoGradGuard no_grad;
+  for (const auto& piece : state_pieces()) {
+    at::Tensor into = piece.tensor;
+    reader.read(piece.name, piece.global_shape, piece.offset, into);
+  }
+  // Pieces other ranks hold are theirs to read; anything no rank of this job has a place for
+  // is an error on every rank.
+  std::set<std::string> expected;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [key, tensor] : whole_state_[i])
+      expected.insert("state/" + params_[i].name + "/" + key);
+    if (separate_master_) expected.insert("master/" + params_[i].name);
+  }
+  for (const auto& name : reader.unread())
+    LOOM_CHECK_AS(CheckpointError, expected.count(name), reader.where(),
+                  " holds optimizer state '", name,
+                  "' that this job has no place for; it belongs to another model or optimizer");
+  // The masters are the weights' truth: every rank's weights from the loaded chunks (stage 3's
+  // chunks from the masters).
+  if (separate_master_) all_gather_params();
+}
+
+int64_t ZeroDriver::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : groups_)
+    for (const auto& segment : group.segments)
+      for (const auto& [key, tensor] : segment.state) bytes += tensor.numel() * tensor.element_size();
+  return bytes;
+}
+
+int64_t ZeroDriver::master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : groups_)
+    if (group.master.defined()) bytes += group.master.numel() * 4;
+  return bytes;
+}
+
+std::vector<std::string> ZeroDriver::sharded_weights() const {
+  std::vector<std::string> names;
+  for (const auto& group : groups_)
+    if (group.sharded)
+      for (size_t index : group.plan.tensors) names.push_back(params_[index].name);
+  return names;
+}
+
+int64_t ZeroDriver::sharded_weight_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : groups_)
+    if (group.sharded) bytes += group.shard.numel() * group.shard.element_size();
+  return bytes;
+}
+
+int64_t ZeroDriver::grad_bytes() const {
+  if (options_.stage == 1) return -1;  // whole gradients in .grad, as without ZeRO
+  int64_t bytes = 0;
+  for (const auto& group : groups_) bytes += group.grad.numel() * group.grad.element_size();
+  return bytes;
+}
+
+}  // namespace loom::sharding

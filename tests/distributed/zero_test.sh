@@ -1,0 +1,263 @@
+#!/usr/bin/env bash
+# ZeRO stages 1-3 with real processes (mpirun: mpi; loom-launch: gloo; plain processes given
+# Slurm's variables): N ranks with batch b end with the parameters of 1 process with batch N*b
+# (20 steps, accumulation 2, clipping), for adamw, adafactor and adam8bit at N = 1, 2, 4 and sgd
+# and lion at N = 2; bf16 weights (fp32 masters sharded), fp16 with the loss scaler, activation
+# checkpointing and LoRA under stage 3 equal plain data parallelism; the communication volume
+# per step; a 4-rank stage-3 checkpoint resumes on 2 and 3 ranks (weights and optimizer state
+# resharded) to the uninterrupted run's parameters, and `loom consolidate` of it is the
+# single-process model in a file Python reads; a missing or foreign shard, bad [zero] keys and
+# stage 3 without units are clear errors. Parameters are compared through `loom consolidate`
+# (stage 3 checkpoints hold no whole weights; bf16 runs compare their fp32 masters).
+# usage: zero_test.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+build=$1 src=$2 python=$3
+loom=$build/bin/loom launch=$build/bin/loom-launch
+job=$src/tests/distributed/zero_job.toml
+work=$(mktemp -d)
+trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export LOOM_PLUGIN_PATH=$build/tests/plugins
+port=$((20000 + RANDOM % 20000))
+# shellcheck source=testlib.sh
+source "$src/tests/distributed/testlib.sh"
+
+# ranks BACKEND N OUT [--set ...]: a run of N ranks (N = 1: one plain process).
+ranks() {
+  local backend=$1 n=$2 out=$3; shift 3
+  if [ "$n" -eq 1 ]; then
+    timeout 300 "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  elif [ "$backend" = mpi ]; then
+    timeout 300 mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH -np "$n" \
+      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  else
+    port=$((port + 1))
+    timeout 300 "$launch" --nproc-per-node "$n" --master-port $port \
+      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  fi
+}
+# same_params A B TOLERANCE [STEP]: the final weights (fp32 masters where a run kept them).
+same_params() {
+  "$loom" consolidate "$1/checkpoint-${4:-20}" "$1.c${4:-20}.safetensors" >/dev/null &&
+  "$loom" consolidate "$2/checkpoint-${4:-20}" "$2.c${4:-20}.safetensors" >/dev/null &&
+  "$python" - "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3" <<'PY'
+import sys
+from safetensors.torch import load_file
+a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
+assert a.keys() == b.keys(), (sorted(a), sorted(b))
+worst = max(float((a[k].double() - b[k].double()).norm() / max(a[k].double().norm(), 1e-12)) for k in a)
+bitwise = all(bool((a[k] == b[k]).all()) for k in a)
+print(f"worst relative difference {worst:.1e}{', bitwise' if bitwise else ''}")
+sys.exit(0 if worst <= tol else 1)
+PY
+}
+
+declare -A rule_sets=(
+  [adamw]="--set optimizer.eps=1e-5"
+  [adafactor]="--set optimizer.name=adafactor --set optimizer.eps1=1e-10"
+  [adam8bit]="--set optimizer.name=adam8bit --set optimizer.eps=1e-5 --set optimizer.block_size=64 --set optimizer.min_8bit_size=256"
+  [sgd]="--set optimizer.name=sgd --set optimizer.momentum=0.9"
+  [lion]="--set optimizer.name=lion --set train.learning_rate=1e-4"
+)
+# --- N ranks x batch 2 == 1 process x batch 2N, stages 1 and 2
+# Adafactor divides by sqrt(g^2 + eps1): eps1 1e-10 keeps last-bit noise in gradients that are
+# zero in exact arithmetic (the key bias of attention) from becoming full-size updates, as eps
+# does for adamw (ddp_job.toml). 8-bit state cannot be held to 1e-6 against one process: a
+# last-bit gradient difference (the batch split alone makes one, in DDP too) moves a value
+# across a quantization code, so adam8bit is held to 2e-3 there (what DDP itself reaches) and
+# to bit-equality with DDP (stage 0) at the same world size, where the sums are the same.
+check_rule() {  # RULE SIZES...
+  local rule=$1; shift
+  local tolerance=1e-6
+  [ "$rule" = adam8bit ] && tolerance=2e-3
+  # shellcheck disable=SC2086
+  local sets=(${rule_sets[$rule]})
+  for n in "$@"; do
+    ranks none 1 "$work/$rule-ref$n" "${sets[@]}" --set zero.stage=0 \
+      --set "train.per_device_train_batch_size=$((2 * n))" ||
+      { fail "$rule reference for $n: $(tail -3 "$work/$rule-ref$n.log")"; continue; }
+    for stage in 1 2 3; do
+      local backend=mpi
+      [ $stage -eq 2 ] && backend=gloo
+      [ $stage -eq 3 ] && [ "$n" -eq 4 ] && backend=gloo
+      local out="$work/$rule-s$stage-n$n" d=""
+      if ranks $backend "$n" "$out" "${sets[@]}" --set zero.stage=$stage &&
+         d=$(same_params "$work/$rule-ref$n" "$out" $tolerance); then
+        ok "$rule, stage $stage, $n rank(s) over $backend == 1 process x batch $((2 * n)) ($d)"
+      else fail "$rule stage $stage $n ranks ($backend): ${d:-} $(grep -v '^\s*$' "$out.log" | tail -4)"; fi
+    done
+  done
+}
+check_rule adamw 1 2 4
+check_rule adafactor 1 2 4
+check_rule adam8bit 1 2 4
+for n in 2 4; do  # stage 1 sums like DDP: bitwise, 8-bit state and all
+  sets=(${rule_sets[adam8bit]})
+  if ranks mpi $n "$work/adam8bit-s0-n$n" "${sets[@]}" --set zero.stage=0 &&
+     d=$(same_params "$work/adam8bit-s0-n$n" "$work/adam8bit-s1-n$n" 0); then
+    ok "adam8bit, stage 1 == stage 0 (DDP) on $n ranks ($d)"
+  else fail "adam8bit stage 1 vs 0 on $n: ${d:-} $(tail -3 "$work/adam8bit-s0-n$n.log")"; fi
+done
+check_rule sgd 2
+check_rule lion 2
+# The other backend for each stage once.
+ranks gloo 2 "$work/adamw-s1-gloo" --set optimizer.eps=1e-5 --set zero.stage=1 &&
+  d=$(same_params "$work/adamw-ref2" "$work/adamw-s1-gloo" 1e-6) &&
+  ok "adamw, stage 1, 2 ranks over gloo ($d)" || fail "stage 1 gloo: $(tail -3 "$work/adamw-s1-gloo.log")"
+ranks mpi 2 "$work/adamw-s2-mpi" --set optimizer.eps=1e-5 --set zero.stage=2 &&
+  d=$(same_params "$work/adamw-ref2" "$work/adamw-s2-mpi" 1e-6) &&
+  ok "adamw, stage 2, 2 ranks over mpi ($d)" || fail "stage 2 mpi: $(tail -3 "$work/adamw-s2-mpi.log")"
+
+# --- bf16 weights: sharded fp32 masters train exactly like the replicated ones (stage 0).
+# Stages 2 and 3 accumulate each micro-step's reduced gradient in a bf16 shard where stage 0
+# accumulates before reducing, so they are compared without accumulation.
+bf16=(--set optimizer.eps=1e-5 --set 'precision.mode="full_bf16"')
+for stage in 1 2 3; do
+  acc=2; [ $stage -ge 2 ] && acc=1
+  if { [ -d "$work/bf16-s0-a$acc" ] || ranks mpi 2 "$work/bf16-s0-a$acc" "${bf16[@]}" --set zero.stage=0 --set train.gradient_accumulation_steps=$acc; } &&
+     ranks mpi 2 "$work/bf16-s$stage" "${bf16[@]}" --set zero.stage=$stage --set train.gradient_accumulation_steps=$acc &&
+     d=$(same_params "$work/bf16-s0-a$acc" "$work/bf16-s$stage" 1e-6); then
+    ok "bf16 weights, stage $stage == stage 0 on 2 ranks, accumulation $acc ($d)"
+  else fail "bf16 stage $stage: ${d:-} $(tail -3 "$work/bf16-s$stage.log")"; fi
+done
+# --- stage 3 composes: fp16 with the loss scaler, activation checkpointing (the recompute
+# gathers the unit again), LoRA (only the adapters are trainable, so only they are sharded).
+# Without accumulation, as for bf16: the sums are then DDP's, bit for bit.
+compose() {  # NAME SETS...
+  local name=$1; shift
+  local one=(--set optimizer.eps=1e-5 --set train.gradient_accumulation_steps=1)
+  if ranks gloo 2 "$work/$name-s0" "${one[@]}" --set zero.stage=0 "$@" &&
+     ranks gloo 2 "$work/$name-s3" "${one[@]}" --set zero.stage=3 "$@" &&
+     d=$(same_params "$work/$name-s0" "$work/$name-s3" 1e-6); then
+    ok "stage 3 with $name == stage 0 on 2 ranks ($d)"
+  else fail "stage 3 with $name: ${d:-} $(grep -v '^\s*$' "$work/$name-s3.log" | tail -3)"; fi
+}
+compose fp16 --set 'precision.mode="fp16"'
+compose checkpointing --set checkpointing.every=1
+compose lora --set lora.r=4 --set 'lora.target_modules=["qkv","fc_in"]'
+
+# --- communication per step: reduce-scatter + all-gather of the padded flat groups (2 Psi at
+# stage 1; stage 2 reduce-scatters each of the 2 micro-steps: 3 Psi).
+volume() {  # DIR: zero_comm_elements of step 1 / trainable parameters
+  "$python" - "$1" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1] + "/run.json"))
+step = json.loads(open(sys.argv[1] + "/metrics.jsonl").readline())
+print(f"{step['zero_comm_elements'] / run['model_state']['trainable_params']:.4f}")
+PY
+}
+# Stage 3 also gathers each unit's weights for forward and again for backward (2 x the units'
+# share, Psi_u); embeddings and the final norm stay whole and are all-gathered once, as at 2.
+units_share() {  # DIR: the units' share of the trainable parameters
+  "$python" - "$1" <<'PY'
+import json, sys
+from safetensors import safe_open
+run = json.load(open(sys.argv[1] + "/run.json"))
+with safe_open(sys.argv[1] + ".c20.safetensors", "pt") as f:
+    units = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape()[1] if len(f.get_slice(k).get_shape()) > 1 else 1) for k in f.keys() if k.startswith("h."))
+print(units / run["model_state"]["trainable_params"])
+PY
+}
+for stage in 1 2 3; do
+  want=$((stage + 1))
+  # 2 micro-steps at stage 3: 2 reduce-scatters (2 Psi), the whole-kept rest all-gathered once
+  # ((1 - u) Psi), each unit gathered for forward and for backward in each (4 u Psi).
+  [ $stage -eq 3 ] && want=$("$python" -c "u = $(units_share "$work/adamw-s3-n4"); print(round(3 + 3 * u, 4))")
+  v=$(volume "$work/adamw-s$stage-n4")
+  if "$python" -c "import sys; sys.exit(0 if abs($v - $want) <= 0.02 * $want else 1)"; then
+    ok "stage $stage, 4 ranks, accumulation 2: $v x Psi elements per rank per step (want $want Psi)"
+  else fail "stage $stage communication volume $v Psi, want $want Psi"; fi
+done
+
+# --- model-state bytes per rank: the memory tracker after the first update against ZeRO's
+# formula (a model of 0.8 M parameters, so a batch's few kilobytes do not count)
+memory() {  # DIR: measured / formula on rank 0
+  "$python" - "$1/metrics.jsonl" <<'PY'
+import json, sys
+m = json.loads(open(sys.argv[1]).readline())
+print(f"{m['zero_model_state_measured_bytes'] / m['zero_model_state_formula_bytes']:.4f}")
+PY
+}
+for n in 2 4; do
+  for stage in 1 2 3; do
+    for mode in fp32 full_bf16; do
+      [ $mode = full_bf16 ] && [ $stage -ne 2 ] && continue
+      out="$work/mem-$mode-s$stage-n$n"
+      if ranks mpi $n "$out" --set zero.stage=$stage --set train.max_steps=1 --set model.n_embd=128 \
+           --set model.n_layer=4 --set "precision.mode=\"$mode\"" --set train.log_level=info && r=$(memory "$out") &&
+         "$python" -c "import sys; sys.exit(0 if abs($r - 1) <= 0.02 else 1)"; then
+        ok "stage $stage, $n ranks, $mode: measured model state = ${r} x ZeRO's formula ($(grep -o 'by ZeRO.s formula ([^)]*)' "$out.log" | head -1 | cut -c18-))"
+      else fail "memory stage $stage $n ranks $mode: ${r:-} $(tail -2 "$out.log")"; fi
+    done
+  done
+done
+
+# --- a 4-rank stage-3 run checkpointed at step 10 resumes on 2 and on 3 ranks (same global
+# batch of 12)
+base=(--set optimizer.eps=1e-5 --set zero.stage=3 --set train.gradient_accumulation_steps=1 --set train.save_steps=10)
+ranks gloo 4 "$work/r4" "${base[@]}" --set train.per_device_train_batch_size=3 ||
+  fail "4-rank run to reshard: $(tail -3 "$work/r4.log")"
+for n in 2 3; do
+  mkdir -p "$work/r$n" && cp -r "$work/r4/checkpoint-10" "$work/r$n/"
+  backend=mpi; [ $n -eq 3 ] && backend=gloo
+  if ranks $backend $n "$work/r$n" "${base[@]}" --set train.per_device_train_batch_size=$((12 / n)) \
+       --set train.resume=latest --set train.log_level=info &&
+     grep -q "resuming a 4-rank checkpoint on $n ranks" "$work/r$n.log" &&
+     d=$(same_params "$work/r4" "$work/r$n" 1e-6); then
+    ok "4-rank stage-3 checkpoint-10 resumed on $n ranks ($backend) == the 4-rank run ($d)"
+  else fail "reshard 4 -> $n: ${d:-} $(grep -v '^\s*$' "$work/r$n.log" | tail -4)"; fi
+done
+# ...and on one process with plain data parallelism (stage 0 reads the sharded weights).
+mkdir -p "$work/r1" && cp -r "$work/r4/checkpoint-10" "$work/r1/"
+if ranks none 1 "$work/r1" "${base[@]}" --set zero.stage=0 --set train.per_device_train_batch_size=12 \
+     --set train.resume=latest && d=$(same_params "$work/r4" "$work/r1" 1e-6); then
+  ok "4-rank stage-3 checkpoint-10 resumed by one stage-0 process == the 4-rank run ($d)"
+else fail "reshard 4 -> 1 (stage 0): ${d:-} $(tail -3 "$work/r1.log")"; fi
+# The consolidated model equals the single process's, in a file Python's safetensors reads.
+ranks none 1 "$work/r-single" "${base[@]}" --set zero.stage=0 --set train.per_device_train_batch_size=12 &&
+  d=$(same_params "$work/r-single" "$work/r4" 1e-6) &&
+  n=$("$python" -c "from safetensors.torch import load_file; t = load_file('$work/r4.c20.safetensors'); print(len(t), t['h.1.attn.qkv.weight'].dtype)") &&
+  ok "loom consolidate of the 4-rank stage-3 checkpoint == 1 process ($d; Python reads $n)" ||
+  fail "consolidate: ${d:-} ${n:-}"
+
+# --- ranks started with Slurm's variables, as srun starts them (rendezvous from MASTER_ADDR)
+port=$((port + 1))
+for r in 0 1; do
+  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_LOCALID=$r SLURM_NTASKS=2 SLURM_NTASKS_PER_NODE=2 \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 300 "$loom" run "$job" --set "train.output_dir=$work/slurm" \
+    --set optimizer.eps=1e-5 --set zero.stage=3 --set 'distributed.backend="gloo"' >"$work/slurm$r.log" 2>&1 &
+  eval "spid$r=$!"
+done
+wait $spid0; c0=$?; wait $spid1; c1=$?
+if [ $c0 -eq 0 ] && [ $c1 -eq 0 ] && d=$(same_params "$work/adamw-ref2" "$work/slurm" 1e-6); then
+  ok "2 ranks from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS, stage 3 == 1 process ($d)"
+else fail "slurm variables: ${d:-} $(tail -3 "$work/slurm0.log")"; fi
+
+# --- bad input
+expect_error "stage 4" "[zero] stage must be 0, 1, 2 or 3" "$loom" run "$job" --set "train.output_dir=$work/bad" --set zero.stage=4
+expect_error "stage -1" "[zero] stage must be 0, 1, 2 or 3" "$loom" run "$job" --set "train.output_dir=$work/bad" --set zero.stage=-1
+expect_error "bucket size" "[zero] reduce_bucket_size must be positive" "$loom" run "$job" --set "train.output_dir=$work/bad" --set zero.reduce_bucket_size=0
+expect_error "zero and ddp" "slot 'grad_sync' is claimed twice" "$loom" run "$job" --set "train.output_dir=$work/bad" --set ddp.reduce_bucket_size=100
+sed -e 's/^model = "gpt"/model = "plain_lm"/' -e '/^\[model\]/,/^$/d' "$job" >"$work/plain.toml"
+expect_error "stage 3 without units" "has no loom::nn::UnitList" "$loom" run "$work/plain.toml" \
+  --set "train.output_dir=$work/bad" --set zero.stage=3
+expect_error "consolidate: no folder" "does not exist" "$loom" consolidate "$work/nope" "$work/x.safetensors"
+expect_error "consolidate: no output" "needs a checkpoint folder and an output file" "$loom" consolidate "$work/r4/checkpoint-20"
+# A shard gone: the error names it, before any state changed.
+cp -r "$work/r4" "$work/gone" && rm "$work/gone/checkpoint-20/optimizer-00002-of-00004.safetensors"
+rm -rf "$work/gone/checkpoint-10"
+expect_error "missing shard" "optimizer-00002-of-00004.safetensors' is missing" \
+  "$loom" run "$job" --set "train.output_dir=$work/gone" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+# A shard of another step in its place: named.
+cp -r "$work/r4" "$work/mixed" && cp "$work/r4/checkpoint-10/optimizer-00001-of-00004.safetensors" "$work/mixed/checkpoint-20/"
+rm -rf "$work/mixed/checkpoint-10"
+expect_error "shard of another step" "optimizer-00001-of-00004.safetensors" \
+  "$loom" run "$job" --set "train.output_dir=$work/mixed" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+# Another update rule's state.
+cp -r "$work/r4" "$work/other" && rm -rf "$work/other/checkpoint-10"
+expect_error "another rule" "holds optimizer state of 'adamw' but the job uses 'lion'" \
+  "$loom" run "$job" --set "train.output_dir=$work/other" --set zero.stage=2 --set optimizer.name=lion \
+  --set train.max_steps=22 --set train.resume=latest
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
