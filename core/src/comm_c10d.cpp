@@ -22,6 +22,7 @@
 #endif
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 
@@ -252,14 +253,45 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0;
 }
 
+// The local address this host reaches `host` from (the interface its route to rank 0 leaves
+// by), or "" when that cannot be found: a UDP socket "connected" to it sends nothing but picks
+// the route, and getsockname names the source address.
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || !found) return "";
+  std::string address;
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t length = sizeof local;
+    char text[INET_ADDRSTRLEN] = {};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+        ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text))
+      address = text;
+  }
+  if (fd >= 0) ::close(fd);
+  freeaddrinfo(found);
+  return address;
+}
+
 }  // namespace
 
 std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env) {
   auto store = rendezvous(env, options.timeout);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  // Each rank's gloo device: loopback when the job is on one host, else this host's interface.
+  // Each rank's gloo device: loopback when the job is on one host; else GLOO_SOCKET_IFNAME's
+  // interface when the user names one; else the address this host reaches rank 0 from (a
+  // hostname may resolve to an address the other hosts cannot reach, e.g. 127.0.1.1).
+  const std::string towards_master =
+      is_loopback(env.master_addr) || std::getenv("GLOO_SOCKET_IFNAME")
+          ? std::string()
+          : local_address_towards(env.master_addr);
   gloo_options->devices = {is_loopback(env.master_addr)
                                ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                           : !towards_master.empty()
+                               ? c10d::ProcessGroupGloo::createDeviceForHostname(towards_master)
                                : c10d::ProcessGroupGloo::createDefaultDevice()};
   try {
     auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,

@@ -87,7 +87,15 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
     if (separate_master_) group.master = at::zeros({group.plan.chunk}, fp32);
     if (options_.stage >= 2)
       group.grad = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
-    if (group.sharded) group.shard = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
+    // Stage 3: the chunk, then one element that travels with every gather: the unit's position,
+    // so a rank that gathered another unit is caught (Note [Diverged ranks]).
+    if (group.sharded) {
+      group.shard = at::zeros({group.plan.chunk + 1}, fp32.dtype(weight_dtype_));
+      // Half types: the tag is the element's bits as int16, exact to 32767 units.
+      const auto position = static_cast<int64_t>(unit_order_.size() - 1);
+      if (group.shard.element_size() == 2) group.shard.view(at::kShort)[group.plan.chunk] = position;
+      else group.shard[group.plan.chunk] = position;
+    }
     for (const Piece& piece : group.plan.ranks[rank_]) {
       const Param& p = params_[piece.tensor];
       at::Tensor flat = p.tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
@@ -330,12 +338,12 @@ void restore_storage(const at::Tensor& tensor) {
 }  // namespace
 
 void ZeroDriver::start_gather(Group& group) {
-  at::Tensor values = group.shard;
-  // Half types travel as 16-bit integers: every backend moves those bit for bit.
-  if (values.element_size() == 2) values = values.view(at::kShort);
+  // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
+  const at::Tensor values = group.shard.element_size() == 2 ? group.shard.view(at::kByte)
+                                                             : group.shard;
   group.gathering = at::empty({values.numel() * world_}, values.options());
   group.gather_work = comm_.all_gather(group.gathering, values);
-  stats_.elements += group.gathering.numel();
+  stats_.elements += group.shard.numel() * world_;
 }
 
 void ZeroDriver::gather(size_t g) {
@@ -351,10 +359,25 @@ void ZeroDriver::gather(size_t g) {
         unit_position_[g], " (", params_[group.plan.tensors.front()].name, "...): ", error.what(),
         "; every rank must run the same units in the same order (did one rank skip a forward?)"));
   }
-  at::Tensor values = group.gathering.element_size() == 2 && weight_dtype_ != at::kShort
-                          ? group.gathering.view(weight_dtype_)
-                          : group.gathering;
+  const bool half = c10::elementSize(weight_dtype_) == 2;
+  const at::Tensor values = half ? group.gathering.view(weight_dtype_) : group.gathering;
   const int64_t chunk = group.plan.chunk;
+  // Note [Diverged ranks]: every rank's chunk ends with the position of the unit it sent. A
+  // rank that skipped a unit's forward (or ran units in another order) sends another unit's
+  // chunk in this collective; same-sized units would otherwise mix silently.
+  const at::Tensor sent = (half ? group.gathering.view(at::kShort) : group.gathering)
+                             .view({world_, chunk + 1})
+                             .select(1, chunk)
+                             .to(at::kLong)
+                             .cpu();
+  for (int r = 0; r < world_; ++r) {
+    const int64_t unit = sent[r].item<int64_t>();
+    LOOM_CHECK(unit == static_cast<int64_t>(unit_position_[g]), "rank ", rank_,
+               ": ZeRO stage 3 gathered the weights of unit ", unit_position_[g],
+               " but rank ", r, " sent those of unit ", unit,
+               ": the ranks diverged (did one rank skip a forward, or run its units in another "
+               "order?); every rank must run the same units in the same order");
+  }
   for (size_t index : group.plan.tensors) {
     const at::Tensor& param = params_[index].tensor;
     restore_storage(param);
@@ -363,7 +386,8 @@ void ZeroDriver::gather(size_t g) {
     at::Tensor flat = at::from_blob(param.data_ptr(), {param.numel()}, param.options());
     for (const Placement& where : placements_[index])
       flat.narrow(0, where.piece.offset, where.piece.numel)
-          .copy_(values.narrow(0, where.rank * chunk + where.piece.chunk_offset, where.piece.numel));
+          .copy_(values.narrow(0, where.rank * (chunk + 1) + where.piece.chunk_offset,
+                               where.piece.numel));
   }
   group.gathering = at::Tensor();
   group.gather_work.reset();
@@ -536,16 +560,17 @@ void ZeroDriver::all_gather_params() {
   };
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
-      if (separate_master_) groups_[g].shard.copy_(groups_[g].master);
+      if (separate_master_)
+        groups_[g].shard.narrow(0, 0, groups_[g].plan.chunk).copy_(groups_[g].master);
       continue;
     }
     at::Tensor values = chunk_values(groups_[g]);
-    // Half types travel as 16-bit integers: every backend moves those bit for bit.
-    if (half) values = values.view(at::kShort);
+    stats_.elements += values.numel() * world_;
+    // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
+    if (half) values = values.view(at::kByte);
     InFlight f{g, at::empty({values.numel() * world_}, values.options()), nullptr,
                values.numel() * world_ * static_cast<int64_t>(values.element_size())};
     f.work = comm_.all_gather(f.gathered, values);
-    stats_.elements += values.numel() * world_;
     bytes_in_flight += f.bytes;
     flying.push_back(std::move(f));
     while (bytes_in_flight > options_.allgather_bucket_bytes && flying.size() > 1) {
