@@ -316,6 +316,7 @@ class EngineImpl final : public Engine, public Trainer {
       loss.backward();
       loss_total.add_(output_.loss_sum.detach().to(at::kDouble).reshape({1}));
       fire(Event::after_backward);
+      output_.logits = at::Tensor();  // see Engine::output()
     }
     if (comm_->world_size() > 1) {
       // The reported loss is the window's mean over all ranks' targets.

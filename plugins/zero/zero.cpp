@@ -158,7 +158,7 @@ class Zero final : public loom::Plugin {
       baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
-      if (measured_ || !driver_) return;
+      if (measured_ || (!driver_ && !buckets_)) return;
       measured_ = true;
       const int64_t measured =
           loom::memory::device_stats(e.device()).current_bytes - baseline_bytes_;
@@ -224,11 +224,13 @@ class Zero final : public loom::Plugin {
     const auto& params = e.params();
     const double w = params.empty() ? 4.0 : static_cast<double>(params.front().tensor.element_size());
     const double m = w == 4.0 ? 0.0 : 4.0;
+    // The rule's state per element over all ranks (stage 0: every rank holds it all).
     const double k = e.section("optimizer").get_string("name") == "adamw"
                          ? 8.0
-                         : static_cast<double>(driver_->state_bytes()) * n / psi;
+                         : static_cast<double>(e.step_driver().state_bytes()) *
+                               (stage_ == 0 ? 1.0 : n) / psi;
     double whole = 0;  // stage 3: elements kept whole
-    if (stage_ == 3) {
+    if (stage_ == 3 && driver_) {
       std::set<std::string> sharded;
       for (const auto& name : driver_->sharded_weights()) sharded.insert(name);
       for (const auto& p : params)
@@ -240,7 +242,13 @@ class Zero final : public loom::Plugin {
     text.precision(3);
     text << "(stage " << stage_ << ", N = " << n << ", " << w << " B weights and grads, K = "
          << m + k << " B: ";
-    if (stage_ == 1) {
+    if (stage_ == 0) {
+      // Declared buffers: the gradient buckets, a second fp32 copy of the gradients.
+      const double buckets = static_cast<double>(buckets_->buffer_bytes());
+      bytes = (2 * w + m + k) * psi + buckets;
+      text << 2 * w + m + k << " Psi, replicated, plus "
+           << loom::memory::format_bytes(static_cast<int64_t>(buckets)) << " gradient buckets";
+    } else if (stage_ == 1) {
       bytes = 2 * w * psi + (m + k) * psi / n;
       text << 2 * w << " Psi + " << m + k << " Psi/N";
     } else if (stage_ == 2) {

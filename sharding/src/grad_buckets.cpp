@@ -41,6 +41,12 @@ GradBuckets::GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes,
   }
 }
 
+int64_t GradBuckets::buffer_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) bytes += bucket.flat.numel() * bucket.flat.element_size();
+  return bytes;
+}
+
 void GradBuckets::grad_ready(const Param& param) {
   auto found = where_.find(param.tensor.unsafeGetTensorImpl());
   LOOM_INTERNAL_ASSERT(found != where_.end(), "grad_ready for unknown parameter ", param.name);

@@ -261,6 +261,16 @@ cp -r "$work/r4" "$work/mixed" && cp "$work/r4/checkpoint-10/optimizer-00001-of-
 rm -rf "$work/mixed/checkpoint-10"
 expect_error "shard of another step" "optimizer-00001-of-00004.safetensors" \
   "$loom" run "$job" --set "train.output_dir=$work/mixed" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+# A truncated shard: named, by its size, before any state changed.
+cp -r "$work/r4" "$work/short" && rm -rf "$work/short/checkpoint-10" &&
+  truncate -s 1000 "$work/short/checkpoint-20/optimizer-00003-of-00004.safetensors"
+expect_error "truncated shard" "optimizer-00003-of-00004.safetensors' is truncated" \
+  "$loom" run "$job" --set "train.output_dir=$work/short" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+# Another model shape: the sharded tensor is named with both shapes.
+cp -r "$work/r4" "$work/wider" && rm -rf "$work/wider/checkpoint-10"
+expect_error "another model shape" "the checkpoint belongs to another model shape" \
+  "$loom" run "$job" --set "train.output_dir=$work/wider" "${base[@]}" --set model.n_embd=48 \
+  --set train.max_steps=22 --set train.resume=latest
 # Another update rule's state.
 cp -r "$work/r4" "$work/other" && rm -rf "$work/other/checkpoint-10"
 expect_error "another rule" "holds optimizer state of 'adamw' but the job uses 'lion'" \

@@ -119,7 +119,10 @@ class Engine {
   // Trainable parameters, from params_ready on.
   virtual const std::vector<Param>& params() const = 0;
   virtual Batch& batch() = 0;    // the current micro-batch (from batch on)
-  virtual Output& output() = 0;  // the current forward's output (from after_forward on)
+  // The current forward's output, from after_forward on. Its logits are released after the
+  // micro-batch's after_backward (the loss stays): (batch x tokens x vocabulary) values would
+  // otherwise live through the update into the next forward.
+  virtual Output& output() = 0;
   // During save and load.
   virtual CheckpointData& checkpoint() = 0;
   // Bytes of weights, fp32 masters, grads and optimizer state on this rank (from params_ready).

@@ -38,6 +38,8 @@ class GradBuckets {
   void finish();
   const BucketStats& last_stats() const { return stats_; }
   size_t bucket_count() const { return buckets_.size(); }
+  // The buckets' own bytes (kept between steps: a second fp32 copy of the gradients).
+  int64_t buffer_bytes() const;
 
  private:
   struct Slot {
