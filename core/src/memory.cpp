@@ -126,6 +126,9 @@ Stats device_stats(c10::Device device) {
 #ifdef LOOM_WITH_CUDA
   if (device.is_cuda()) {
     using namespace c10::CachingDeviceAllocator;
+    // Before the first CUDA allocation the caching allocator has no devices yet (asking it
+    // then is "Invalid device argument"): nothing is allocated.
+    if (!c10::cuda::CUDACachingAllocator::get()->initialized()) return {};
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const auto& bytes = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)];
     const auto& count = stats.allocation[static_cast<size_t>(StatType::AGGREGATE)];
@@ -140,7 +143,8 @@ Stats device_stats(c10::Device device) {
 void reset_device_peak(c10::Device device) {
 #ifdef LOOM_WITH_CUDA
   if (device.is_cuda()) {
-    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    if (c10::cuda::CUDACachingAllocator::get()->initialized())
+      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
     return;
   }
 #endif
