@@ -118,10 +118,8 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       group.segment_param.push_back(piece.tensor);
     }
     groups_.push_back(std::move(group));
-  }
-  for (const auto& group : groups_)
-    if (group.sharded)
-      for (size_t index : group.plan.tensors) {
+    if (groups_.back().sharded) {
+      for (size_t index : groups_.back().plan.tensors) {
         const at::Tensor& t = params_[index].tensor;
         LOOM_CHECK_AS(ConfigError,
                       t.storage_offset() == 0 && t.storage().allocator() &&
@@ -131,15 +129,16 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
                       "storage of its own, or raise stage3_param_persistence_threshold past its ",
                       t.numel(), " elements");
       }
-  unit_position_.assign(groups_.size(), 0);
-  for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
-  // Build-then-shard: the whole model existed on every rank until here; from now on a unit's
-  // weights exist whole only around its forward and backward.
-  for (size_t g = 0; g < groups_.size(); ++g)
-    if (groups_[g].sharded) {
-      groups_[g].live = true;
+      // Build-then-shard, a unit at a time: the unit's whole weights go as soon as its chunk
+      // is taken, so the peak is the whole model plus one unit's chunk state, not both whole.
+      // From here on a unit's weights exist whole only around its forward and backward.
+      groups_.back().live = true;
+      live_elements_ += groups_.back().plan.numel();
       release(g);
     }
+  }
+  unit_position_.assign(groups_.size(), 0);
+  for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
   for (size_t i = 0; i < params_.size(); ++i) {
     index_of_[params_[i].tensor.unsafeGetTensorImpl()] = i;
     whole_state_.push_back(
