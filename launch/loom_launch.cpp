@@ -2,11 +2,14 @@
 // WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT),
 // prefixes each rank's output, stops the others when one fails and exits with its code,
 // restarts the node's group up to --max-restarts times (the job resumes from its latest
-// checkpoint), and forwards SIGINT/SIGTERM. Not a scheduler: one launcher per node, as torchrun
-// in its static mode.
+// checkpoint), and forwards SIGINT/SIGTERM: the first lets the ranks finish their step and save
+// (Note [Graceful stop] in loom/trainer.h) and is waited for; a second stops them at once. The
+// ranks die with the launcher (PR_SET_PDEATHSIG): a killed launcher leaves no rank training
+// on. Not a scheduler: one launcher per node, as torchrun in its static mode.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -39,8 +43,19 @@ Starts --nproc-per-node copies of COMMAND on this node with torchrun's environme
 example: loom-launch --nproc-per-node 2 build/bin/loom run examples/ddp.toml
 )";
 
-volatile sig_atomic_t g_signal = 0;
-void on_signal(int sig) { g_signal = sig; }
+volatile sig_atomic_t g_signal = 0, g_signal_count = 0;
+int64_t g_last_signal_ns = 0;
+// A repeat within half a second is the same request (Note [Signals arrive twice] in
+// core/src/stop_signal.cpp: `timeout` and Slurm deliver one stop twice).
+void on_signal(int sig) {
+  timespec t{};
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  const int64_t now = static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+  if (g_signal_count > 0 && now - g_last_signal_ns < 500'000'000) return;
+  g_last_signal_ns = now;
+  g_signal = sig;
+  g_signal_count = g_signal_count + 1;
+}
 
 [[noreturn]] void usage_error(const std::string& what) {
   std::cerr << "loom-launch: error: " << what << "\n" << kUsage;
@@ -147,9 +162,13 @@ pid_t spawn(const Options& o, Child& c, int attempt) {
     std::perror("loom-launch: pipe");
     std::exit(1);
   }
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);  // its own group: a signal to the rank reaches its children too
+    // Dies with the launcher, even by SIGKILL; if the launcher is already gone, at once.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher) ::_exit(128 + SIGKILL);
     ::dup2(pipefd[1], STDOUT_FILENO);
     ::dup2(pipefd[1], STDERR_FILENO);
     ::close(pipefd[0]);
@@ -208,6 +227,7 @@ int run_group(const Options& o, int attempt, int* failed_rank) {
   }
   int result = 0;
   bool stopping = false;
+  sig_atomic_t forwarded = 0;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   size_t running = children.size();
   while (running > 0 || std::any_of(children.begin(), children.end(),
@@ -217,12 +237,20 @@ int run_group(const Options& o, int attempt, int* failed_rank) {
       if (c.out >= 0) fds.push_back({c.out, POLLIN, 0});
     ::poll(fds.data(), fds.size(), 100);
     for (auto& c : children) drain(c, false);
-    if (g_signal && !stopping) {
-      std::fprintf(stderr, "[loom-launch] %s: stopping all ranks\n", strsignal(g_signal));
+    if (g_signal_count > forwarded) {
+      forwarded = g_signal_count;
       signal_all(children, g_signal);
-      stopping = true;
       result = 128 + g_signal;
-      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace);
+      if (forwarded == 1 && !stopping) {
+        std::fprintf(stderr, "[loom-launch] %s: passed to every rank; they stop after their "
+                     "current step (saving a checkpoint if the job saves); send it again to "
+                     "stop them at once\n", strsignal(g_signal));
+      } else {
+        std::fprintf(stderr, "[loom-launch] %s again: stopping all ranks now\n",
+                     strsignal(g_signal));
+        stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace);
+      }
+      stopping = true;
     }
     for (auto& c : children) {
       if (!c.running) continue;

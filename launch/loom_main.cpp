@@ -114,8 +114,10 @@ int main(int argc, char** argv) {
         std::cout << trainer->describe() << "ok: the job is valid\n";
         return 0;
       }
-      trainer->run();
-      return 0;
+      loom::install_stop_handlers();
+      const loom::RunSummary summary = trainer->run();
+      // Stopped early by SIGTERM/SIGINT: the shell's convention for death by that signal.
+      return summary.stopped_by_signal ? 128 + summary.stopped_by_signal : 0;
     }
     if (args.command.empty()) {
       std::cerr << kUsage;

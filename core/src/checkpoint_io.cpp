@@ -2,9 +2,14 @@
 #include "checkpoint_io.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <map>
@@ -221,13 +226,36 @@ class ShardedStateReader final : public StateReader {
 
 }  // namespace
 
-std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
-                             int64_t keep, Comm& comm) {
+namespace {
+
+// One name every rank agrees on (ranks may run on several hosts sharing output_dir).
+std::filesystem::path temp_folder(const std::string& output_dir, int64_t step) {
+  return std::filesystem::path(output_dir) / (".checkpoint-" + std::to_string(step) + ".tmp");
+}
+
+// "" if every floating tensor to be written is finite, else what is not.
+std::string non_finite_problem(const CheckpointContents& c) {
+  auto bad = [](const at::Tensor& t) {
+    return t.defined() && at::isFloatingType(t.scalar_type()) && t.numel() > 0 &&
+           !at::isfinite(t).all().item<bool>();
+  };
+  for (const auto& [name, tensor] : c.model)
+    if (bad(tensor))
+      return detail::cat("the model's '", name, "' holds non-finite values at step ", c.step,
+                         ": training diverged (lower [train] learning_rate)");
+  for (const auto& piece : c.optimizer)
+    if (bad(piece.tensor))
+      return detail::cat("optimizer state '", piece.name, "' holds non-finite values at step ",
+                         c.step, ": training diverged (lower [train] learning_rate)");
+  return "";
+}
+
+std::string write_checkpoint_folder(const std::string& output_dir, const CheckpointContents& c,
+                                    int64_t keep, Comm& comm) {
   namespace fs = std::filesystem;
   const int rank = comm.rank(), world = comm.world_size();
   const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(c.step));
-  // One name every rank agrees on (ranks may run on several hosts sharing output_dir).
-  const fs::path temp_dir = fs::path(output_dir) / (".checkpoint-" + std::to_string(c.step) + ".tmp");
+  const fs::path temp_dir = temp_folder(output_dir, c.step);
   const int writers = c.optimizer_sharded ? world : 1;
   // Rank 0 clears what a crashed save left; nobody writes before that.
   std::string error;
@@ -248,11 +276,15 @@ std::string write_checkpoint(const std::string& output_dir, const CheckpointCont
     comm.all_gather(all, mine)->wait();
     return all.cpu();
   };
+  // A diverged run (an infinite learning rate) must not leave a checkpoint a resume would
+  // trust: every rank checks what it would write.
+  if (error.empty()) error = non_finite_problem(c);
   at::Tensor status = agree(0, 0);
   for (int r = 0; r < world; ++r)
-    LOOM_CHECK_AS(CheckpointError, status[3 * r].item<int64_t>() == 1,
-                  "saving checkpoint-", c.step, ": rank 0 could not prepare ", temp_dir.string(),
-                  rank == 0 ? ": " + error : std::string());
+    LOOM_CHECK_AS(CheckpointError, status[3 * r].item<int64_t>() == 1, "saving checkpoint-",
+                  c.step, ": rank ", r, " refused or failed",
+                  error.empty() ? std::string() : ": " + error,
+                  "; nothing was written, the previous checkpoints are intact");
   int64_t bytes = 0, crc = 0;
   if (rank < writers) {
     try {
@@ -351,7 +383,121 @@ std::string write_checkpoint(const std::string& output_dir, const CheckpointCont
   return final_dir.string();
 }
 
+}  // namespace
+
+std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
+                             int64_t keep, Comm& comm) {
+  try {
+    return write_checkpoint_folder(output_dir, c, keep, comm);
+  } catch (...) {
+    // Whatever failed (a peer gone mid-save included), no half-written folder stays behind.
+    if (comm.rank() == 0) {
+      std::error_code ec;
+      std::filesystem::remove_all(temp_folder(output_dir, c.step), ec);
+    }
+    throw;
+  }
+}
+
+// ---- Note [One run per output_dir] ----
+
 namespace {
+
+std::mutex g_claims_mutex;
+std::map<std::string, std::pair<int, int>> g_claims;  // canonical dir -> (lock fd, holders)
+
+}  // namespace
+
+OutputDirClaim::OutputDirClaim(const std::string& output_dir) {
+  namespace fs = std::filesystem;
+  dir_ = fs::weakly_canonical(output_dir).string();
+  std::lock_guard<std::mutex> lock(g_claims_mutex);
+  auto held = g_claims.find(dir_);
+  if (held != g_claims.end()) {  // this process has it already (an embedding program's trainers)
+    ++held->second.second;
+    return;
+  }
+  const std::string lock_path = dir_ + "/.loom.lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  LOOM_CHECK_AS(CheckpointError, fd >= 0, "output_dir ", dir_, ": cannot create ", lock_path,
+                ": ", std::strerror(errno), "; give the job a writable [train] output_dir");
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char owner[128] = {0};
+    const ssize_t n = ::pread(fd, owner, sizeof owner - 1, 0);
+    ::close(fd);
+    std::string who = n > 0 ? std::string(owner, static_cast<size_t>(n)) : std::string("?");
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    throw CheckpointError(detail::cat(
+        "output_dir ", dir_, " is in use by another loom run (", who,
+        ", holding ", lock_path, "); give this job its own [train] output_dir, or wait for "
+        "that run to end (nothing was changed)"));
+  }
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  const std::string owner = detail::cat("pid ", ::getpid(), " on ", host, "\n");
+  if (::ftruncate(fd, 0) == 0) {
+    const ssize_t ignored = ::pwrite(fd, owner.data(), owner.size(), 0);
+    (void)ignored;
+  }
+  g_claims[dir_] = {fd, 1};
+  // Holding the lock, every temporary checkpoint folder here belongs to a run that is gone: a
+  // save it never finished (killed, or out of disk).
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".checkpoint-", 0) == 0 && name.size() > 4 &&
+        name.compare(name.size() - 4, 4, ".tmp") == 0 && entry.is_directory(ec)) {
+      std::error_code removed;
+      fs::remove_all(entry.path(), removed);
+      if (!removed) removed_.push_back(name);
+    }
+  }
+}
+
+OutputDirClaim::~OutputDirClaim() {
+  std::lock_guard<std::mutex> lock(g_claims_mutex);
+  auto held = g_claims.find(dir_);
+  if (held == g_claims.end() || --held->second.second > 0) return;
+  ::close(held->second.first);  // releases the lock; the file stays (removing it would race)
+  g_claims.erase(held);
+}
+
+namespace {
+
+// A FIFO would block the read forever and /dev/zero never end: a checkpoint holds regular
+// files only (a symlink to one is fine).
+void require_regular_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(file, ec);
+  LOOM_CHECK_AS(CheckpointError, !ec && std::filesystem::is_regular_file(status),
+                "checkpoint file '", file.string(), "' is not a regular file (",
+                std::filesystem::is_directory(status) ? "a directory"
+                : std::filesystem::is_fifo(status)    ? "a FIFO"
+                : std::filesystem::is_character_file(status) || std::filesystem::is_block_file(status)
+                    ? "a device"
+                    : "not a file",
+                "); a checkpoint holds regular files only: resume from another checkpoint");
+}
+
+// The manifest names files inside its folder: no paths.
+void check_file_name(const std::filesystem::path& manifest, const std::string& name) {
+  LOOM_CHECK_AS(CheckpointError,
+                !name.empty() && name.find('/') == std::string::npos && name != "." &&
+                    name != ".." && name.size() > 12 &&
+                    name.compare(name.size() - 12, 12, ".safetensors") == 0,
+                "'", manifest.string(), "' is corrupt: it lists a file '", name,
+                "', not a .safetensors file of the checkpoint's folder");
+}
+
+// nlohmann's "[json.exception.out_of_range.403] key 'crc32' not found" in words.
+std::string json_problem(const nlohmann::json::exception& error) {
+  std::string what = error.what();
+  const auto bracket = what.find("] ");
+  if (bracket != std::string::npos) what = what.substr(bracket + 2);
+  if (error.id == 403) return "a field is missing (" + what + ")";
+  if (error.id == 302) return "a field has the wrong type (" + what + ")";
+  return what;
+}
 
 // load = false: verify every file, load none (consolidate streams them itself).
 ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
@@ -359,15 +505,24 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   const fs::path manifest_path = fs::path(folder) / "manifest.json";
   LOOM_CHECK_AS(CheckpointError, fs::is_directory(folder), "checkpoint folder '", folder,
                 "' does not exist (check the path, or [train] resume)");
+  LOOM_CHECK_AS(CheckpointError, fs::exists(manifest_path), "'", manifest_path.string(),
+                "' is missing: '", folder, "' is not a complete loom checkpoint");
+  require_regular_file(manifest_path);
   std::ifstream in(manifest_path);
   LOOM_CHECK_AS(CheckpointError, in.good(), "'", manifest_path.string(),
-                "' is missing: '", folder, "' is not a complete loom checkpoint");
+                "' cannot be read: ", std::strerror(errno));
   nlohmann::json manifest;
   ReadCheckpoint out;
   CheckpointContents& c = out.contents;
   int version = 0;
   std::vector<ShardedStateReader::File> shards;
   std::optional<ShardedStateReader::File> model_file;
+  struct Listed {
+    std::string name;
+    uint64_t bytes;
+    uint32_t crc;
+  };
+  std::vector<Listed> listed;
   try {
     in >> manifest;
     LOOM_CHECK_AS(CheckpointError, manifest.value("format", "") == kFormat, "'",
@@ -388,20 +543,42 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
     c.loss_scale = manifest.at("loss_scale").get<double>();
     c.plugin.values = manifest.at("values").get<std::map<std::string, std::string>>();
     if (version >= 2)
-      for (const auto& shard : manifest.at("optimizer_shards"))
-        shards.push_back({fs::path(folder) / shard.at("file").get<std::string>(),
-                          shard.at("bytes").get<uint64_t>(), shard.at("crc32").get<uint32_t>()});
+      for (const auto& shard : manifest.at("optimizer_shards")) {
+        const auto name = shard.at("file").get<std::string>();
+        check_file_name(manifest_path, name);
+        shards.push_back({fs::path(folder) / name, shard.at("bytes").get<uint64_t>(),
+                          shard.at("crc32").get<uint32_t>()});
+      }
+    // Numbers a resume trusts, bounded here: a wrong one is a corrupt manifest, not a run that
+    // "finishes" at once or an internal error later.
+    auto at_least = [&](const char* field, int64_t value, int64_t min) {
+      LOOM_CHECK_AS(CheckpointError, value >= min, "'", manifest_path.string(), "' is corrupt: ",
+                    field, " is ", value, ", it must be >= ", min,
+                    "; resume from an earlier checkpoint or delete this one");
+    };
+    at_least("step", c.step, 0);
+    at_least("world_size", c.world_size, 1);
+    at_least("data.epoch", c.data.epoch, 0);
+    at_least("data.cursor", c.data.cursor, 0);
+    at_least("skipped_updates", c.skipped_updates, 0);
+    LOOM_CHECK_AS(CheckpointError, std::isfinite(c.loss_scale) && c.loss_scale > 0, "'",
+                  manifest_path.string(), "' is corrupt: loss_scale is ", c.loss_scale,
+                  ", it must be a positive finite number");
+    for (const auto& [name, info] : manifest.at("files").items()) {
+      listed.push_back({name, info.at("bytes").get<uint64_t>(), info.at("crc32").get<uint32_t>()});
+      check_file_name(manifest_path, name);
+    }
   } catch (const nlohmann::json::exception& error) {
-    throw CheckpointError(detail::cat("'", manifest_path.string(), "' is corrupt: ", error.what(),
+    throw CheckpointError(detail::cat("'", manifest_path.string(), "' is corrupt: ",
+                                      json_problem(error),
                                       "; resume from an earlier checkpoint or delete this one"));
   }
-  for (const auto& [name, info] : manifest.at("files").items()) {
+  for (const auto& [name, bytes, crc] : listed) {
     const fs::path file = fs::path(folder) / name;
     LOOM_CHECK_AS(CheckpointError, fs::exists(file), "checkpoint file '", file.string(),
                   "' is missing; the checkpoint is incomplete");
+    require_regular_file(file);
     const auto d = fsutil::digest(file);
-    const auto bytes = info.at("bytes").get<uint64_t>();
-    const auto crc = info.at("crc32").get<uint32_t>();
     LOOM_CHECK_AS(CheckpointError, d.bytes == bytes, "checkpoint file '", file.string(),
                   "' is truncated or padded: ", d.bytes, " bytes, the manifest says ", bytes,
                   "; resume from an earlier checkpoint");
@@ -431,6 +608,7 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   for (const auto& shard : shards) {
     LOOM_CHECK_AS(CheckpointError, fs::exists(shard.path), "optimizer shard '",
                   shard.path.string(), "' is missing; the checkpoint is incomplete");
+    require_regular_file(shard.path);
     const auto size = fs::file_size(shard.path);
     LOOM_CHECK_AS(CheckpointError, size == shard.bytes, "optimizer shard '", shard.path.string(),
                   "' is truncated or padded: ", size, " bytes, the manifest says ", shard.bytes,

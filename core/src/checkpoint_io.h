@@ -14,6 +14,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/data.h"
 #include "loom/engine.h"
@@ -54,6 +55,25 @@ ReadCheckpoint read_checkpoint(const std::string& folder);
 // Streams a checkpoint (sharded or not) into one safetensors file of the model's tensors,
 // fp32 for floating ones (masters where the run kept them): see loom/trainer.h.
 void consolidate_checkpoint_folder(const std::string& folder, const std::string& out_file);
+// Note [One run per output_dir]: rank 0 holds an exclusive flock on <output_dir>/.loom.lock for
+// its run (released by the kernel when the process dies, however it dies), so a second job on
+// the same folder is refused instead of racing the first one's checkpoints. Holding the lock,
+// it removes the temporary folders of saves that never finished (`.checkpoint-N.tmp`: a kill
+// during a save). Several trainers of one process share the claim.
+class OutputDirClaim {
+ public:
+  explicit OutputDirClaim(const std::string& output_dir);  // CheckpointError when taken
+  ~OutputDirClaim();
+  OutputDirClaim(const OutputDirClaim&) = delete;
+  OutputDirClaim& operator=(const OutputDirClaim&) = delete;
+  // Unfinished checkpoint folders this claim removed.
+  const std::vector<std::string>& removed_temp_folders() const { return removed_; }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> removed_;
+};
+
 // The newest complete checkpoint folder in output_dir, or "".
 std::string latest_checkpoint(const std::string& output_dir);
 

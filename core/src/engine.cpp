@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -95,6 +96,34 @@ class EngineImpl final : public Engine, public Trainer {
                   "' is unknown; use constant, linear or cosine");
     log_level_ = log::parse_level(train.get_string("log_level"));
     cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
+    const auto& distributed = resolved_.section("distributed");
+    LOOM_CHECK_AS(ConfigError, distributed.get_float("timeout_seconds") > 0,
+                  distributed.where("timeout_seconds"),
+                  ": [distributed] timeout_seconds must be positive (seconds a collective may "
+                  "take before a peer counts as dead), got ",
+                  distributed.get_float("timeout_seconds"));
+    const auto& optimizer = resolved_.section("optimizer");
+    if (optimizer.schema().find("weight_decay") && optimizer.get("weight_decay"))
+      LOOM_CHECK_AS(ConfigError, optimizer.get_float("weight_decay") >= 0,
+                    optimizer.where("weight_decay"), ": [optimizer] weight_decay must be >= 0, got ",
+                    optimizer.get_float("weight_decay"));
+    // Note [One validation]: everything `loom check` can know without building is checked here,
+    // at construction, so check and run refuse the same jobs: each table plugin's configure()
+    // and each provider's validate() against the whole job.
+    const Plugin::JobTables tables = [this](const std::string& name) -> const ConfigSection* {
+      auto it = resolved_.sections.find(name);
+      return it == resolved_.sections.end() ? nullptr : &it->second;
+    };
+    for (const auto* choice : {&resolved_.model, &resolved_.data, &resolved_.update_rule})
+      if (choice->provider)
+        choice->provider->plugin->validate(
+            choice->name,
+            resolved_.section(choice == &resolved_.model  ? "model"
+                              : choice == &resolved_.data ? "data"
+                                                          : "optimizer"),
+            tables);
+    for (auto* plugin : resolved_.table_plugins)
+      plugin->plugin->configure(resolved_.section(plugin->name));
   }
 
   ~EngineImpl() override {
@@ -183,8 +212,6 @@ class EngineImpl final : public Engine, public Trainer {
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
 
-    for (auto* plugin : resolved_.table_plugins)
-      plugin->plugin->configure(resolved_.section(plugin->name));
     for (auto* plugin : resolved_.active) {
       current_priority_ = plugin->plugin->priority();
       plugin->plugin->attach(*this);
@@ -294,7 +321,8 @@ class EngineImpl final : public Engine, public Trainer {
         static_cast<double>(comm_->world_size()) / static_cast<double>(state_.window_targets);
 
     // The window's summed loss stays on the device until the step's one host sync below.
-    at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    // Element 1 carries this rank's stop request to the all-reduce below (Note [Graceful stop]).
+    at::Tensor loss_total = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
       state_.micro_step = k;
       state_.sync_grads = state_.is_last_micro_step();
@@ -314,18 +342,24 @@ class EngineImpl final : public Engine, public Trainer {
         state_.grads_scaled = true;
       }
       loss.backward();
-      loss_total.add_(output_.loss_sum.detach().to(at::kDouble).reshape({1}));
+      loss_total.narrow(0, 0, 1).add_(output_.loss_sum.detach().to(at::kDouble).reshape({1}));
       fire(Event::after_backward);
       output_.logits = at::Tensor();  // see Engine::output()
     }
+    const int signal = stop_requested();
     if (comm_->world_size() > 1) {
-      // The reported loss is the window's mean over all ranks' targets.
+      // The reported loss is the window's mean over all ranks' targets; and the ranks agree
+      // whether to stop after this step (one of them was signalled).
+      loss_total.narrow(0, 1, 1).fill_(signal != 0 ? 1.0 : 0.0);
       loss_total = loss_total.to(comm_->device());
       comm_->all_reduce(loss_total, ReduceOp::sum)->wait();
-      state_.loss = loss_total.item<double>() / static_cast<double>(state_.window_targets);
+      const at::Tensor host = loss_total.cpu();
+      state_.loss = host[0].item<double>() / static_cast<double>(state_.window_targets);
+      if (host[1].item<double>() > 0) stop_signal_ = signal != 0 ? signal : SIGTERM;
     } else {
-      state_.loss =
-          loss_total.item<double>() / static_cast<double>(std::max<int64_t>(1, local_targets));
+      state_.loss = loss_total[0].item<double>() /
+                    static_cast<double>(std::max<int64_t>(1, local_targets));
+      stop_signal_ = signal;
     }
 
     fire(Event::before_update);
@@ -334,6 +368,11 @@ class EngineImpl final : public Engine, public Trainer {
       log::warn("step ", state_.step + 1, ": update skipped (", state_.skipped_updates,
                 " so far)");
     } else {
+      // After the loss scaler had its say: an fp16 overflow it skips is not divergence.
+      LOOM_CHECK(std::isfinite(state_.loss), "step ", state_.step + 1, ": the loss is ",
+                 state_.loss, ": training diverged (or the model produced non-finite values); "
+                 "lower [train] learning_rate, check the data, or use [precision] with loss "
+                 "scaling for fp16; no checkpoint of this step is written");
       LOOM_INTERNAL_ASSERT(!state_.grads_scaled,
                            "gradients are still scaled by the loss scale at update time; the "
                            "precision plugin must unscale them in before_update");
@@ -367,11 +406,26 @@ class EngineImpl final : public Engine, public Trainer {
       setup();
       const auto start = Clock::now();
       const int64_t first = state_.step;
-      while (step()) {
+      while (!stop_signal_ && step()) {
       }
       if (report_) report_->end_progress();
       const auto& train = resolved_.section("train");
-      if (train.get_bool("save_final") && state_.step > first) summary.last_checkpoint = save_checkpoint();
+      const bool saves = train.get_int("save_steps") > 0 || train.get_bool("save_final");
+      if (stop_signal_) {
+        log::warn("stopped by ", stop_signal_ == SIGINT ? "SIGINT" : "SIGTERM", " after step ",
+                  state_.step, " of ", state_.max_steps);
+        if (saves && train.get_bool("save_on_signal")) {
+          summary.last_checkpoint =
+              saved_step_ == state_.step ? saved_folder_ : save_checkpoint();
+          log::info("resume with [train] resume = \"latest\" (or \"", summary.last_checkpoint,
+                    "\")");
+        }
+        summary.stopped_by_signal = stop_signal_;
+      } else if (train.get_bool("save_final") && state_.step > first && saved_step_ != state_.step) {
+        summary.last_checkpoint = save_checkpoint();
+      } else if (saved_step_ == state_.step) {
+        summary.last_checkpoint = saved_folder_;
+      }
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       log::info("done: ", state_.step, " steps, final loss ", state_.loss, ", ",
                 state_.step - first, " steps in ", seconds, " s, peak memory ",
@@ -403,6 +457,8 @@ class EngineImpl final : public Engine, public Trainer {
     const std::string folder = write_checkpoint(
         output_dir_, contents, resolved_.section("train").get_int("save_total_limit"), *comm_);
     log::info("saved checkpoint ", folder);
+    saved_step_ = state_.step;
+    saved_folder_ = folder;
     return folder;
   }
 
@@ -556,6 +612,11 @@ class EngineImpl final : public Engine, public Trainer {
 
   void prepare_output_dir(const ConfigSection& train) {
     std::filesystem::create_directories(output_dir_);
+    if (comm_->rank() == 0) {
+      claim_ = std::make_unique<OutputDirClaim>(output_dir_);
+      for (const auto& name : claim_->removed_temp_folders())
+        log::info("removed ", output_dir_, "/", name, ": a checkpoint save that never finished");
+    }
     std::string resume = train.get_string("resume");
     if (resume.empty() && std::getenv("TORCHELASTIC_RESTART_COUNT") &&
         std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) > 0) {
@@ -658,7 +719,11 @@ class EngineImpl final : public Engine, public Trainer {
   CheckpointData checkpoint_;
   std::unique_ptr<StepReport> report_;
   std::string output_dir_;
+  std::unique_ptr<OutputDirClaim> claim_;  // rank 0: Note [One run per output_dir]
   bool setup_done_ = false;
+  int stop_signal_ = 0;         // the ranks agreed to stop after this step (Note [Graceful stop])
+  int64_t saved_step_ = -1;     // the step of the newest checkpoint this run wrote
+  std::string saved_folder_;
 };
 
 void GradReadyHook::operator()(const torch::autograd::Variable&) {

@@ -5,6 +5,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -97,7 +98,54 @@ Job from_toml(const toml::table& parsed, const std::filesystem::path& file,
 
 }  // namespace
 
+namespace {
+
+// Note [Bounded nesting]: the TOML parser recurses once per level of nested arrays, inline
+// tables and dotted keys, so a hostile or broken file 12 000 levels deep overflows the stack.
+// Real jobs nest two or three levels; past kMaxNesting the file is refused, naming the line.
+constexpr int kMaxNesting = 64;
+
+void check_nesting(const std::string& text, const std::filesystem::path& name) {
+  int depth = 0, line = 1, dots = 0;
+  bool key_part = true;  // before this line's '=' (where dots nest tables), at depth 0
+  char quote = 0;        // inside a string: its quote
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '\n') {
+      ++line;
+      key_part = depth == 0;
+      dots = 0;
+      continue;
+    }
+    if (quote) {
+      if (ch == '\\' && quote == '"') ++i;
+      else if (ch == quote) quote = 0;
+      continue;
+    }
+    if (ch == '"' || ch == '\'') quote = ch;
+    else if (ch == '#') {
+      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
+    } else if (ch == '[' || ch == '{') ++depth;
+    else if (ch == ']' || ch == '}') depth = std::max(0, depth - 1);
+    else if (ch == '=') key_part = false;
+    else if (ch == '.' && (key_part || depth > 0) && !std::isdigit(static_cast<unsigned char>(i + 1 < text.size() ? text[i + 1] : 0)))
+      ++dots;
+    LOOM_CHECK_AS(ConfigError, depth <= kMaxNesting && dots <= kMaxNesting, name.string(), ":",
+                  line, ": the job nests deeper than ", kMaxNesting,
+                  " levels (arrays, inline tables or dotted keys); a loom job needs a few");
+  }
+}
+
+}  // namespace
+
 Job Job::load(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  LOOM_CHECK_AS(ConfigError, !std::filesystem::exists(file, ec) || std::filesystem::is_regular_file(file, ec),
+                "job file '", file.string(), "' is not a regular file; pass the path of a "
+                ".toml job file");
+  LOOM_CHECK_AS(ConfigError,
+                !std::filesystem::exists(file, ec) || std::filesystem::file_size(file, ec) <= (16u << 20),
+                "job file '", file.string(), "' is over 16 MiB; a job file is a few kilobytes");
   std::ifstream in(file);
   LOOM_CHECK_AS(ConfigError, in.good(), "cannot read job file '", file.string(),
                 "': it does not exist or is not readable; pass the path of a .toml job file");
@@ -108,6 +156,7 @@ Job Job::load(const std::filesystem::path& file, const std::vector<std::string>&
 
 Job Job::parse(const std::string& text, const std::filesystem::path& name,
                const std::vector<std::string>& overrides) {
+  check_nesting(text, name);
   try {
     auto parsed = toml::parse(text, name.string());
     return from_toml(parsed, name, overrides);

@@ -4,6 +4,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -182,6 +183,24 @@ std::string ModelState::describe() const {
       << format_bytes(optimizer_bytes) << " (" << per_param(optimizer_bytes)
       << "), total " << format_bytes(total()) << " (" << per_param(total()) << ")";
   return out.str();
+}
+
+int64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+void check_model_fits(double params, const std::string& where, const std::string& keys) {
+  const double need = params * 4.0;  // fp32 weights, before gradients or optimizer state
+  const auto have = static_cast<double>(physical_memory_bytes());
+  if (have <= 0 || need <= have) return;
+  const auto shown = [](double bytes) {
+    return bytes < 9e18 ? format_bytes(static_cast<int64_t>(bytes)) : detail::cat(bytes, " B");
+  };
+  throw ConfigError(detail::cat(where, ": [model] ", keys, " make a model of about ", params,
+                                " parameters, whose fp32 weights alone need ", shown(need),
+                                "; this machine has ", shown(have),
+                                " of memory: choose smaller sizes"));
 }
 
 }  // namespace loom::memory

@@ -3,6 +3,7 @@
 #include "resolve.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 
 namespace loom {
@@ -126,6 +127,9 @@ std::vector<Schema> core_schemas() {
       .key_string("output_dir", "runs/default", "checkpoints and metrics.jsonl go here")
       .key_int("save_steps", 0, "save a checkpoint every N steps (0 = only at the end)")
       .key_bool("save_final", true, "save a checkpoint after the last step")
+      .key_bool("save_on_signal", true,
+                "on SIGTERM/SIGINT finish the step and save a checkpoint, if the job saves at "
+                "all (save_steps or save_final); a second signal stops at once")
       .key_int("save_total_limit", 0, "keep only the newest N checkpoints (0 = all)")
       .key_string("resume", "", "\"\" (fresh) | \"latest\" | path of a checkpoint folder")
       .key_int("logging_steps", 10, "log a line every N steps (metrics.jsonl gets every step)")
@@ -179,6 +183,11 @@ ConfigSection validate(const std::string& table_name, const ConfigValue* table,
       LOOM_CHECK_AS(ConfigError, type_matches(spec->type, value), value.where, ": [",
                     table_name, "] ", key, " must be ", to_string(spec->type), ", not ",
                     value.to_text(), " (", spec->doc, ")");
+      // inf and nan parse as TOML floats, and no key means them: a run with them would
+      // "succeed" with garbage (an infinite learning rate) or never time out.
+      if (const auto* d = std::get_if<double>(&value.value))
+        LOOM_CHECK_AS(ConfigError, std::isfinite(*d), value.where, ": [", table_name, "] ", key,
+                      " must be a finite number, not ", value.to_text(), " (", spec->doc, ")");
       values.emplace_back(key, value);
     }
   }

@@ -55,6 +55,9 @@ CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std:
   LOOM_CHECK_AS(CheckpointError, contents.update_rule == run.update_rule, "checkpoint ", folder,
                 " holds optimizer state of '", contents.update_rule, "' but the job uses '",
                 run.update_rule, "'; resume with the same [optimizer] name");
+  LOOM_CHECK_AS(CheckpointError, contents.step <= run.state.max_steps, "checkpoint ", folder,
+                " is at step ", contents.step, ", past this job's [train] max_steps ",
+                run.state.max_steps, "; raise max_steps to train on from it");
   const int world = run.comm.world_size();
   if (contents.world_size != world) {
     // Note [Resharding a run]: the sampler's cursor counts each rank's samples; the samples
@@ -86,6 +89,11 @@ CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std:
       LOOM_CHECK_AS(CheckpointError, it->second.sizes() == tensor.sizes(), "'", file,
                     "': tensor '", name, "' is ", it->second.sizes(), " but the model needs ",
                     tensor.sizes(), "; the checkpoint belongs to another model shape");
+      LOOM_CHECK_AS(CheckpointError, it->second.scalar_type() == tensor.scalar_type(), "'",
+                    file, "': tensor '", name, "' is ", c10::toString(it->second.scalar_type()),
+                    " but the model holds ", c10::toString(tensor.scalar_type()),
+                    "; the file was changed, or the checkpoint comes from a run of another "
+                    "precision (loom consolidate, then load the weights, to change precision)");
       at::Tensor target = tensor;
       target.detach().copy_(it->second);
       by_name.erase(it);

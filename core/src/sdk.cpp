@@ -61,6 +61,8 @@ std::shared_ptr<const Dataset> Plugin::create_dataset(const std::string& name,
   throw InternalError(detail::cat("plugin '", this->name(), "' declares data source '", name,
                                   "' but does not implement create_dataset"));
 }
+void Plugin::validate(const std::string&, const ConfigSection&, const JobTables&) const {}
+
 std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
                                                        const ConfigSection&) {
   throw InternalError(detail::cat("plugin '", this->name(), "' declares optimizer '", name,

@@ -71,6 +71,17 @@ void DefaultStepDriver::scale_grads(double factor) {
   if (!all.empty()) at::_foreach_mul_(all, factor);
 }
 
+UpdateContext update_context(const Param& param, int64_t step, double lr,
+                             double default_weight_decay) {
+  UpdateContext context;
+  context.step = step;
+  context.lr = lr * param.lr_scale;
+  context.weight_decay = param.weight_decay >= 0.0 ? param.weight_decay
+                         : param.group == 0        ? default_weight_decay
+                                                   : 0.0;
+  return context;
+}
+
 void DefaultStepDriver::update(int64_t step, double lr) {
   at::NoGradGuard no_grad;
   // Tensors that share a learning rate and weight decay go to the rule together (update_many),
@@ -81,10 +92,8 @@ void DefaultStepDriver::update(int64_t step, double lr) {
     if (!grad.defined()) continue;  // unused this step (e.g. a frozen branch)
     entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.view(-1)
                                                           : grad.to(at::kFloat).view(-1);
-    const double weight_decay = entry.param.weight_decay >= 0.0 ? entry.param.weight_decay
-                                : entry.param.group == 0        ? weight_decay_
-                                                                : 0.0;
-    groups[{lr * entry.param.lr_scale, weight_decay}].push_back(&entry);
+    const UpdateContext context = update_context(entry.param, step, lr, weight_decay_);
+    groups[{context.lr, context.weight_decay}].push_back(&entry);
   }
   for (auto& [key, group] : groups) {
     UpdateContext context;

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "loom/engine.h"
+#include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
@@ -114,6 +115,40 @@ class BertPlugin final : public loom::Plugin {
         .key_float("initializer_range", 0.02, "std of the initial weights");
     return {s};
   }
+  void validate(const std::string&, const loom::ConfigSection& t,
+                const JobTables& job) const override {
+    for (const char* key : {"vocab_size", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads", "intermediate_size", "max_position_embeddings",
+                            "type_vocab_size", "num_labels"})
+      LOOM_CHECK_AS(ConfigError, t.get_int(key) > 0, t.where(key), ": [model] ", key,
+                    " must be positive, got ", t.get_int(key));
+    const int64_t hidden = t.get_int("hidden_size"), heads = t.get_int("num_attention_heads");
+    LOOM_CHECK_AS(ConfigError, hidden % heads == 0, t.where("num_attention_heads"),
+                  ": [model] hidden_size ", hidden, " must be divisible by num_attention_heads ",
+                  heads);
+    for (const char* key : {"hidden_dropout_prob", "attention_probs_dropout_prob"})
+      LOOM_CHECK_AS(ConfigError, t.get_float(key) >= 0 && t.get_float(key) < 1, t.where(key),
+                    ": [model] ", key, " must be in [0, 1)");
+    LOOM_CHECK_AS(ConfigError, t.get_float("layer_norm_eps") > 0, t.where("layer_norm_eps"),
+                  ": [model] layer_norm_eps must be positive");
+    if (const loom::ConfigSection* data = job("data");
+        data && data->schema().find("seq_len") && data->get("seq_len"))
+      LOOM_CHECK_AS(ConfigError, data->get_int("seq_len") <= t.get_int("max_position_embeddings"),
+                    data->where("seq_len"), ": [data] seq_len ", data->get_int("seq_len"),
+                    " exceeds [model] max_position_embeddings ",
+                    t.get_int("max_position_embeddings"),
+                    "; shorten seq_len or raise max_position_embeddings");
+    const double d = static_cast<double>(hidden);
+    const double params =
+        static_cast<double>(t.get_int("num_hidden_layers")) *
+            (4 * d * d + 2 * d * static_cast<double>(t.get_int("intermediate_size"))) +
+        d * static_cast<double>(t.get_int("vocab_size") + t.get_int("max_position_embeddings"));
+    loom::memory::check_model_fits(
+        params, t.where("num_hidden_layers"),
+        loom::detail::cat("num_hidden_layers = ", t.get_int("num_hidden_layers"),
+                          ", hidden_size = ", hidden));
+  }
+
   std::shared_ptr<loom::Model> create_model(const std::string&, const loom::ConfigSection& t,
                                             loom::Engine&) override {
     BertConfig c{t.get_int("vocab_size"),          t.get_int("hidden_size"),
@@ -122,14 +157,6 @@ class BertPlugin final : public loom::Plugin {
                  t.get_int("type_vocab_size"),     t.get_int("num_labels"),
                  t.get_float("hidden_dropout_prob"), t.get_float("attention_probs_dropout_prob"),
                  t.get_float("layer_norm_eps"),    t.get_float("initializer_range")};
-    for (const char* key : {"vocab_size", "hidden_size", "num_hidden_layers",
-                            "num_attention_heads", "intermediate_size", "max_position_embeddings",
-                            "type_vocab_size", "num_labels"})
-      LOOM_CHECK_AS(ConfigError, t.get_int(key) > 0, t.where(key), ": [model] ", key,
-                    " must be positive");
-    LOOM_CHECK_AS(ConfigError, c.hidden_size % c.num_attention_heads == 0,
-                  t.where("num_attention_heads"), ": [model] hidden_size ", c.hidden_size,
-                  " must be divisible by num_attention_heads ", c.num_attention_heads);
     return std::make_shared<Bert>(c);
   }
 };

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "loom/engine.h"
+#include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
@@ -111,19 +112,41 @@ class GptPlugin final : public loom::Plugin {
         .key_bool("tie_word_embeddings", true, "the LM head shares the token embedding");
     return {s};
   }
+  void validate(const std::string&, const loom::ConfigSection& t,
+                const JobTables& job) const override {
+    for (const char* key : {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head"})
+      LOOM_CHECK_AS(ConfigError, t.get_int(key) > 0, t.where(key), ": [model] ", key,
+                    " must be positive, got ", t.get_int(key));
+    LOOM_CHECK_AS(ConfigError, t.get_int("n_inner") >= 0, t.where("n_inner"),
+                  ": [model] n_inner must be >= 0 (0: 4 x n_embd), got ", t.get_int("n_inner"));
+    const int64_t n_embd = t.get_int("n_embd"), n_head = t.get_int("n_head");
+    LOOM_CHECK_AS(ConfigError, n_embd % n_head == 0, t.where("n_head"), ": [model] n_embd ",
+                  n_embd, " must be divisible by n_head ", n_head);
+    LOOM_CHECK_AS(ConfigError, t.get_float("dropout") >= 0 && t.get_float("dropout") < 1,
+                  t.where("dropout"), ": [model] dropout must be in [0, 1)");
+    LOOM_CHECK_AS(ConfigError, t.get_float("layer_norm_epsilon") > 0,
+                  t.where("layer_norm_epsilon"), ": [model] layer_norm_epsilon must be positive");
+    if (const loom::ConfigSection* data = job("data");
+        data && data->schema().find("seq_len") && data->get("seq_len"))
+      LOOM_CHECK_AS(ConfigError, data->get_int("seq_len") <= t.get_int("n_positions"),
+                    data->where("seq_len"), ": [data] seq_len ", data->get_int("seq_len"),
+                    " exceeds [model] n_positions ", t.get_int("n_positions"),
+                    "; shorten seq_len or raise n_positions");
+    const double d = static_cast<double>(n_embd), layers = static_cast<double>(t.get_int("n_layer"));
+    const double inner = t.get_int("n_inner") > 0 ? static_cast<double>(t.get_int("n_inner")) : 4 * d;
+    const double params = layers * (4 * d * d + 2 * d * inner) +
+                          d * static_cast<double>(t.get_int("vocab_size") + t.get_int("n_positions"));
+    loom::memory::check_model_fits(params, t.where("n_layer"),
+                                   loom::detail::cat("n_layer = ", t.get_int("n_layer"),
+                                                     ", n_embd = ", n_embd));
+  }
+
   std::shared_ptr<loom::Model> create_model(const std::string&, const loom::ConfigSection& t,
                                             loom::Engine&) override {
     GptConfig c{t.get_int("vocab_size"), t.get_int("n_positions"), t.get_int("n_embd"),
                 t.get_int("n_layer"),    t.get_int("n_head"),      t.get_int("n_inner"),
                 t.get_float("dropout"),  t.get_float("layer_norm_epsilon"),
                 t.get_float("initializer_range"), t.get_bool("tie_word_embeddings")};
-    for (const char* key : {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head"})
-      LOOM_CHECK_AS(ConfigError, t.get_int(key) > 0, t.where(key), ": [model] ", key,
-                    " must be positive");
-    LOOM_CHECK_AS(ConfigError, c.n_embd % c.n_head == 0, t.where("n_head"), ": [model] n_embd ",
-                  c.n_embd, " must be divisible by n_head ", c.n_head);
-    LOOM_CHECK_AS(ConfigError, c.dropout >= 0 && c.dropout < 1, t.where("dropout"),
-                  ": [model] dropout must be in [0, 1)");
     return std::make_shared<Gpt>(c);
   }
 };

@@ -115,7 +115,6 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       }
       segment.state = rule_.init_state(segment);
       group.segments.push_back(std::move(segment));
-      group.segment_param.push_back(piece.tensor);
     }
     groups_.push_back(std::move(group));
     if (groups_.back().sharded) {
@@ -188,22 +187,48 @@ void ZeroDriver::grad_ready(const Param& param) {
   const size_t index = found->second;
   if (ready_[index]) return;
   ready_[index] = true;
+  if (!backward_open_) {  // this backward's first gradient: its statistics start here
+    backward_open_ = true;
+    stats_.comm_seconds = stats_.exposed_seconds = 0.0;
+  }
   Group& group = groups_[group_of_[index]];
   at::NoGradGuard no_grad;
   pack(group, index, param.tensor.grad());
   // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes.
   if (options_.stage >= 2) at::Tensor(param.tensor).mutable_grad() = at::Tensor();
   if (--group.pending == 0) {
-    if (options_.overlap) launch(group);
+    if (options_.overlap) launch(group_of_[index]);
     if (group.sharded) release(group_of_[index]);  // backward is done with this unit
   }
 }
 
-void ZeroDriver::launch(Group& group) {
+void ZeroDriver::launch(size_t g) {
+  Group& group = groups_[g];
   group.received = at::empty({group.plan.chunk}, group.send.options());
   group.launched = Clock::now();
   group.work = comm_.reduce_scatter(group.received, group.send, ReduceOp::sum);
+  group.launched_this_backward = true;
   stats_.elements += group.send.numel();
+  flying_.push_back(g);
+  flying_bytes_ += (group.send.numel() + group.received.numel()) * 4;
+  land_finished();
+}
+
+// Note [Bucket memory]: a launched group holds its send buffer (world x chunk fp32: the
+// group's whole gradient) and its received chunk until it lands. Landing them all after
+// backward would hold the model's whole fp32 gradient at backward's end, which is what stages
+// 2 and 3 exist to avoid. So groups land in launch order as they go: any that finished, and,
+// past two reduce buckets in flight, the oldest even if it has not (backward then waits on
+// it, which the exposed-communication metric shows).
+void ZeroDriver::land_finished() {
+  while (!flying_.empty()) {
+    Group& oldest = groups_[flying_.front()];
+    const bool over = flying_bytes_ > 2 * options_.reduce_bucket_bytes && flying_.size() > 1;
+    if (!over && !oldest.work->completed()) break;
+    flying_bytes_ -= (oldest.send.numel() + oldest.received.numel()) * 4;
+    flying_.pop_front();
+    land(oldest);
+  }
 }
 
 void ZeroDriver::land(Group& group) {
@@ -226,22 +251,26 @@ void ZeroDriver::land(Group& group) {
 
 void ZeroDriver::finish_backward() {
   at::NoGradGuard no_grad;
-  stats_.comm_seconds = stats_.exposed_seconds = 0.0;
+  if (!backward_open_) stats_.comm_seconds = stats_.exposed_seconds = 0.0;
+  backward_open_ = false;
   // Every rank launches every group, in the same order: parameters without a gradient this
   // backward count as zeros.
-  for (auto& group : groups_) {
-    if (group.work) continue;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& group = groups_[g];
+    if (group.launched_this_backward) continue;
     for (size_t index : group.plan.tensors)
       if (!ready_[index]) {
         pack(group, index, at::Tensor());
         if (options_.stage >= 2) at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
       }
-    launch(group);
+    launch(g);
   }
   for (size_t g = 0; g < groups_.size(); ++g)
     if (groups_[g].sharded) release(g);
   in_backward_ = false;
-  for (auto& group : groups_) land(group);
+  for (; !flying_.empty(); flying_.pop_front()) land(groups_[flying_.front()]);
+  flying_bytes_ = 0;
+  for (auto& group : groups_) group.launched_this_backward = false;
   std::fill(ready_.begin(), ready_.end(), false);
 }
 
@@ -446,23 +475,15 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
     at::Tensor grad = group.grad.scalar_type() == at::kFloat ? group.grad : group.grad.to(at::kFloat);
     fp32_grads.push_back(grad);
     for (size_t k = 0; k < group.segments.size(); ++k) {
+      // Segment k is this rank's piece k (the constructor made them in that order).
+      const Piece& piece = group.plan.ranks[rank_][k];
       Segment& segment = group.segments[k];
-      const Piece* piece = nullptr;
-      for (const Piece& candidate : group.plan.ranks[rank_])
-        if (candidate.tensor == group.segment_param[k]) piece = &candidate;
-      segment.grad = grad.narrow(0, piece->chunk_offset, piece->numel);
-      held.push_back({&segment, group.segment_param[k]});
+      segment.grad = grad.narrow(0, piece.chunk_offset, piece.numel);
+      held.push_back({&segment, piece.tensor});
     }
   }
   auto context_of = [&](size_t index) {
-    const Param& p = params_[index];
-    UpdateContext context;
-    context.step = step;
-    context.lr = lr * p.lr_scale;
-    context.weight_decay = p.weight_decay >= 0.0 ? p.weight_decay
-                           : p.group == 0        ? weight_decay_
-                                                 : 0.0;
-    return context;
+    return update_context(params_[index], step, lr, weight_decay_);
   };
   const int rounds = rule_.reduction_rounds();
   if (rounds == 0) {
@@ -602,7 +623,7 @@ StatePieces ZeroDriver::state_pieces() const {
   for (const auto& group : groups_)
     for (size_t k = 0; k < group.segments.size(); ++k) {
       const Segment& segment = group.segments[k];
-      const size_t index = group.segment_param[k];
+      const size_t index = group.plan.ranks[rank_][k].tensor;
       const int64_t n = segment.param.numel(), numel = tensors_[index].numel();
       for (const auto& [key, tensor] : segment.state) {
         const at::Tensor* whole = nullptr;

@@ -93,8 +93,26 @@ TEST(Config, BadValuesAreNamed) {
                     ConfigError, "lr_scheduler_type 'cosin' is unknown");
   auto bad_beta = from(tiny_gpt_job(dir.str()), {"optimizer.beta2=1.0"});
   EXPECT_THROW_WITH(bad_beta->setup(), ConfigError, "beta2 must be in [0, 1), got 1");
-  auto bad_heads = from(tiny_gpt_job(dir.str()), {"model.n_head=3"});
-  EXPECT_THROW_WITH(bad_heads->setup(), ConfigError, "n_embd 32 must be divisible by n_head 3");
+  // Model keys are checked before anything is built (Note [One validation]): `loom check`
+  // refuses what `loom run` would.
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_head=3"}), ConfigError,
+                    "n_embd 32 must be divisible by n_head 3");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_layer=0"}), ConfigError,
+                    "n_layer must be positive, got 0");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"data.seq_len=64"}), ConfigError,
+                    "seq_len 64 exceeds [model] n_positions 16");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"optimizer.weight_decay=-1"}), ConfigError,
+                    "weight_decay must be >= 0, got -1");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"distributed.timeout_seconds=0"}),
+                    ConfigError, "timeout_seconds must be positive");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"train.learning_rate=inf"}), ConfigError,
+                    "learning_rate must be a finite number, not inf");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.layer_norm_epsilon=nan"}), ConfigError,
+                    "layer_norm_epsilon must be a finite number, not nan");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_layer=100000000"}), ConfigError,
+                    "fp32 weights alone need");
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_embd=1000000000000000000", "model.n_head=1"}),
+                    ConfigError, "choose smaller sizes");
 }
 
 TEST(Config, ClosestMatch) {

@@ -71,7 +71,7 @@ TEST(Sampler, TooFewSamplesIsAnError) {
 
 std::string job_with_data(const std::string& out, const std::string& data) {
   return "[train]\nmodel = \"gpt\"\nmax_steps = 1\noutput_dir = \"" + out +
-         "\"\nlog_level = \"warn\"\n[model]\nvocab_size = 300\nn_positions = 16\nn_embd = 16\n"
+         "\"\nlog_level = \"warn\"\n[model]\nvocab_size = 300\nn_positions = 128\nn_embd = 16\n"
          "n_layer = 1\nn_head = 2\n[data]\n" + data;
 }
 

@@ -32,6 +32,12 @@ Stats device_stats(c10::Device device);
 void reset_device_peak(c10::Device device);
 
 int64_t peak_rss_bytes();     // the process's high-water mark (VmHWM)
+int64_t physical_memory_bytes();  // the machine's RAM
+// For model providers' validate(): refuses (ConfigError at `where`) a model of `params`
+// parameters (a double: sizes like n_embd = 1e18 overflow integers) whose fp32 weights alone
+// exceed this machine's RAM — before anything is allocated — naming the estimate and `keys`
+// ("n_layer = 100000, n_embd = 768").
+void check_model_fits(double params, const std::string& where, const std::string& keys);
 int64_t current_rss_bytes();  // VmRSS
 
 // Model state in bytes on this rank.

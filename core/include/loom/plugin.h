@@ -8,6 +8,7 @@
 #include <torch/headeronly/version.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,7 +19,7 @@
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 3u
+#define LOOM_PLUGIN_API_VERSION 4u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -64,6 +65,14 @@ class Plugin {
   virtual void configure(const ConfigSection& table);
   // Once everything is configured: register event handlers and unit interceptors.
   virtual void attach(Engine& engine);
+
+  // Providers, before anything is built — `loom check` and `loom run` alike: the chosen name's
+  // table checked against itself and the rest of the job (`job(table)`: any resolved table, or
+  // nullptr), e.g. heads dividing the width, the data's sequences fitting the positions.
+  // Throw ConfigError naming the key and what to change. Default: nothing more to check.
+  using JobTables = std::function<const ConfigSection*(const std::string& table)>;
+  virtual void validate(const std::string& name, const ConfigSection& table,
+                        const JobTables& job) const;
 
   // Providers: called with the chosen name and its validated selector table.
   virtual std::shared_ptr<Model> create_model(const std::string& name,

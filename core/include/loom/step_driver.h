@@ -68,6 +68,12 @@ class StateReader {
   virtual std::string where() const = 0;
 };
 
+// The rule's context for `param` at this step: the schedule's lr times the parameter's
+// lr_scale, and its weight decay (the parameter's own, else default_weight_decay ([optimizer]
+// weight_decay) for group 0, none for group 1). Every driver resolves them the same way.
+UpdateContext update_context(const Param& param, int64_t step, double lr,
+                             double default_weight_decay);
+
 // The global shape and dim-0 offset of a piece of state that a rule made for a segment, found
 // from the state the rule makes for the whole tensor (`whole`, e.g. made on the meta device):
 // per-element and per-block state scales with the segment; state as large as the whole tensor's

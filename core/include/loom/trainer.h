@@ -22,7 +22,21 @@ struct RunSummary {
   std::string output_dir;
   std::string last_checkpoint;    // folder, or empty
   int64_t peak_memory_bytes = 0;  // device peak (tracked allocator on CPU)
+  int stopped_by_signal = 0;      // SIGTERM/SIGINT that ended the run early, else 0
 };
+
+// Note [Graceful stop]: pre-emption (Slurm, Kubernetes) sends SIGTERM, a terminal SIGINT.
+// install_stop_handlers() makes the first of them a request: every rank finishes its current
+// step, the ranks agree on the step to stop after (the flag rides on the step's loss
+// all-reduce), the run writes a checkpoint when the job saves at all ([train] save_on_signal),
+// and run() returns with stopped_by_signal set; the CLI then exits 128 + signal. A second
+// signal, half a second or more after the first (an earlier one is the same request delivered
+// twice, as Slurm and `timeout` do), ends the process at once.
+void install_stop_handlers();
+// The signal asked for a stop, or 0. request_stop() is what the handler calls (tests and
+// embedding programs may call it too).
+int stop_requested();
+void request_stop(int signal);
 
 class Trainer {
  public:

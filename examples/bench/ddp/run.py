@@ -5,41 +5,19 @@ buckets after backward ended vs the buckets' total communication time), and step
 docs/BENCHMARKS.md.
 usage: .venv/bin/python examples/bench/ddp/run.py [--rounds 3] [--steps 25] [--write]"""
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import write_section  # noqa: E402
+from benchlib import run_loom, write_section  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_bench.toml")
-LOOM = os.path.join(ROOT, "build/bin/loom")
-LAUNCH = os.path.join(ROOT, "build/bin/loom-launch")
 
 
-def run(ranks, backend, overlap, steps, port):
-    out = tempfile.mkdtemp(prefix="loom-ddp-bench-")
-    sets = [f"train.max_steps={steps}", f"train.output_dir={out}",
-            f"ddp.overlap_comm={'true' if overlap else 'false'}"]
-    args = [LOOM, "run", JOB] + [x for s in sets for x in ("--set", s)]
-    env = dict(os.environ)
-    if ranks == 1:
-        cmd = args
-    elif backend == "gloo":
-        cmd = [LAUNCH, "--nproc-per-node", str(ranks), "--master-port", str(port)] + args
-    else:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + args + [
-            "--set", 'distributed.backend="mpi"']
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][5:]
-    shutil.rmtree(out, ignore_errors=True)
-    return rows
+def run(ranks, backend, overlap, steps):
+    sets = [f"train.max_steps={steps}", f"ddp.overlap_comm={'true' if overlap else 'false'}"]
+    return run_loom(JOB, sets, ranks, backend)[5:]
 
 
 def main():
@@ -53,11 +31,9 @@ def main():
                ("2 ranks mpi, overlap on", 2, "mpi", True),
                ("2 ranks mpi, overlap off", 2, "mpi", False)]
     results = {c[0]: {"step": [], "comm": [], "exposed": [], "sps": []} for c in configs}
-    port = 29600
     for r in range(a.rounds):
         for name, ranks, backend, overlap in configs[r % len(configs):] + configs[:r % len(configs)]:
-            port += 1
-            rows = run(ranks, backend, overlap, a.steps, port)
+            rows = run(ranks, backend, overlap, a.steps)
             res = results[name]
             res["step"].append(statistics.median(x["step_time_s"] for x in rows))
             res["sps"].append(statistics.median(x["samples_per_s"] for x in rows))

@@ -6,40 +6,20 @@ runs with overlap_comm on and off (the time a step waits for buckets after backw
 Every run is a fresh `loom run`; steps after the first are kept and their median reported.
 usage: .venv/bin/python examples/bench/zero/run.py [--steps 4] [--write]"""
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import cpu_name, write_section  # noqa: E402
+from benchlib import cpu_name, run_loom, write_section  # noqa: E402
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_bench.toml")
-LOOM = os.path.join(ROOT, "build/bin/loom")
-LAUNCH = os.path.join(ROOT, "build/bin/loom-launch")
-PORT = [29700]
 
 
 def run(ranks, backend, stage, steps, overlap=True, extra=()):
-    out = tempfile.mkdtemp(prefix="loom-zero-bench-")
-    sets = [f"train.max_steps={steps}", f"train.output_dir={out}", f"zero.stage={stage}",
+    sets = [f"train.max_steps={steps}", f"zero.stage={stage}",
             f"zero.overlap_comm={'true' if overlap else 'false'}", *extra]
-    args = [LOOM, "run", JOB] + [x for s in sets for x in ("--set", s)]
-    env = dict(os.environ)
-    if backend == "gloo":
-        PORT[0] += 1
-        cmd = [LAUNCH, "--nproc-per-node", str(ranks), "--master-port", str(PORT[0])] + args
-    else:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + args + [
-            "--set", 'distributed.backend="mpi"']
-    log = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    shutil.rmtree(out, ignore_errors=True)
+    rows = run_loom(JOB, sets, ranks, backend)
     first, kept = rows[0], rows[1:]
     return {
         "step": statistics.median(r["step_time_s"] for r in kept),

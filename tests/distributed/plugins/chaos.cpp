@@ -1,6 +1,8 @@
 // Test plugin: kills its own process (SIGKILL, no goodbye) on one rank at one step, on the
-// first attempt only — a machine failure, for the dead-peer and restart tests; or, with
-// mode = "skip_unit", makes that rank skip one unit's forward at that step — a diverged rank.
+// first attempt only — a machine failure, for the dead-peer and restart tests; with
+// mode = "skip_unit", makes that rank skip one unit's forward at that step — a diverged rank;
+// with mode = "sigterm", sends SIGTERM to its own process during that step's backward — a
+// pre-emption at a known step (Note [Graceful stop]).
 #include <signal.h>
 #include <unistd.h>
 
@@ -37,7 +39,9 @@ class Chaos final : public loom::Plugin {
   std::vector<loom::Schema> schemas() const override {
     loom::Schema s("chaos");
     s.key_int("rank", 1, "the rank that dies").key_int("step", 3, "during this step's backward")
-        .key_string("mode", "kill", "kill: SIGKILL the rank; skip_unit: it skips a unit's forward")
+        .key_string("mode", "kill",
+                    "kill: SIGKILL the rank; skip_unit: it skips a unit's forward; sigterm: "
+                    "SIGTERM to the rank")
         .key_int("unit", 1, "skip_unit: the unit's index");
     return {s};
   }
@@ -56,7 +60,7 @@ class Chaos final : public loom::Plugin {
       const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
       const bool first_attempt = !restart || std::atoi(restart) == 0;
       if (first_attempt && e.comm().rank() == rank_ && e.state().step + 1 == step_)
-        ::kill(::getpid(), SIGKILL);
+        ::kill(::getpid(), mode_ == "sigterm" ? SIGTERM : SIGKILL);
     });
   }
 

@@ -331,13 +331,15 @@ TEST(Lora, TargetsThatMatchNothingListTheLinears) {
 TEST(Lora, RankMustBePositive) {
   for (const char* r : {"0", "-2"}) {
     TempDir dir;
-    auto trainer = make(lora_job(dir, std::string(kAllFour) + "\nr = " + r), dir);
-    EXPECT_THROW_WITH(trainer->setup(), ConfigError, "job.toml:", "[lora] r must be a positive rank",
+    auto build = [&] { return make(lora_job(dir, std::string(kAllFour) + "\nr = " + r), dir); };
+    EXPECT_THROW_WITH(build(), ConfigError, "job.toml:", "[lora] r must be a positive rank",
                       std::string("got ") + r);
   }
   TempDir dir;
-  auto trainer = make(lora_job(dir, std::string(kAllFour) + "\ninit_lora_weights = \"pissa\""), dir);
-  EXPECT_THROW_WITH(trainer->setup(), ConfigError, "[lora] init_lora_weights \"pissa\"",
+  auto build = [&] {
+    return make(lora_job(dir, std::string(kAllFour) + "\ninit_lora_weights = \"pissa\""), dir);
+  };
+  EXPECT_THROW_WITH(build(), ConfigError, "[lora] init_lora_weights \"pissa\"",
                     "use true, false or \"gaussian\"");
 }
 

@@ -307,18 +307,18 @@ TEST(Precision, AnatomyReportShowsHalfCopiesOfTheWeights) {
 
 TEST(Precision, UnknownModeIsAnErrorWithAHint) {
   TempDir dir;
-  auto trainer = Trainer::from_text(
-      with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf61\""), dir.path());
-  EXPECT_THROW_WITH(trainer->setup(), ConfigError, "job.toml:", "[precision] mode 'bf61' is unknown",
+  auto build = [&] { return Trainer::from_text(
+      with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf61\""), dir.path()); };
+  EXPECT_THROW_WITH(build(), ConfigError, "job.toml:", "[precision] mode 'bf61' is unknown",
                     "did you mean 'bf16'?", "fp32, tf32, bf16, fp16, full_bf16 or full_fp16");
 }
 
 TEST(Precision, ScalerKeysWithoutFp16AreAnError) {
   TempDir dir;
-  auto trainer = Trainer::from_text(
+  auto build = [&] { return Trainer::from_text(
       with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf16\"\ngrowth_interval = 10"),
-      dir.path());
-  EXPECT_THROW_WITH(trainer->setup(), ConfigError, "[precision] growth_interval sets the fp16 loss",
+      dir.path()); };
+  EXPECT_THROW_WITH(build(), ConfigError, "[precision] growth_interval sets the fp16 loss",
                     "mode is 'bf16'", "remove it or use an fp16 mode");
 }
 
@@ -330,9 +330,9 @@ TEST(Precision, BadScalerValuesAreErrors) {
       {"growth_interval = 0", "[precision] growth_interval must be >= 1, got 0"}};
   for (const auto& [line, message] : cases) {
     TempDir dir;
-    auto trainer = Trainer::from_text(
-        with_precision(test::tiny_gpt_job(dir.str()), "mode = \"fp16\"\n" + line), dir.path());
-    EXPECT_THROW_WITH(trainer->setup(), ConfigError, "job.toml:", message);
+    auto build = [&] { return Trainer::from_text(
+        with_precision(test::tiny_gpt_job(dir.str()), "mode = \"fp16\"\n" + line), dir.path()); };
+    EXPECT_THROW_WITH(build(), ConfigError, "job.toml:", message);
   }
 }
 

@@ -101,14 +101,14 @@ class ZeroDriver final : public StepDriver {
   };
   struct Group {
     FlatGroup plan;
-    std::vector<Segment> segments;           // this rank's pieces, as the rule sees them
-    std::vector<size_t> segment_param;       // parameter index of each segment
+    std::vector<Segment> segments;           // plan.ranks[rank], as the rule sees them
     at::Tensor master;                       // (chunk) fp32, when the weights are not fp32
     at::Tensor grad;                         // (chunk): stage 2 shard / stage 1 reduced chunk
     // This backward's bucket:
     at::Tensor send;                         // (world * chunk) fp32
     at::Tensor received;                     // (chunk) fp32
     std::shared_ptr<Work> work;
+    bool launched_this_backward = false;     // stays set after it lands, until backward ends
     std::chrono::steady_clock::time_point launched;
     size_t pending = 0;
     // Stage 3 unit groups:
@@ -120,8 +120,9 @@ class ZeroDriver final : public StepDriver {
   };
 
   void pack(Group& group, size_t param_index, const at::Tensor& grad);
-  void launch(Group& group);
+  void launch(size_t g);
   void land(Group& group);
+  void land_finished();  // Note [Bucket memory]
   // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
   at::Tensor chunk_values(const Group& group) const;
   void all_gather_params();
@@ -151,7 +152,10 @@ class ZeroDriver final : public StepDriver {
   std::vector<size_t> unit_order_;                      // groups of units, forward order
   std::vector<size_t> unit_position_;                   // per group: index in unit_order_
   int64_t live_elements_ = 0;
-  bool in_backward_ = false;  // a unit's backward began this micro-step
+  bool in_backward_ = false;
+  bool backward_open_ = false;  // a gradient arrived since the last finish_backward
+  std::deque<size_t> flying_;   // launched groups not yet landed, oldest first
+  int64_t flying_bytes_ = 0;  // a unit's backward began this micro-step
 };
 
 }  // namespace loom::sharding

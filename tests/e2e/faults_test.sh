@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Fault injection on what loom reads: damaged checkpoints and hostile job files each end in one
+# clear error naming the file and field, a non-zero exit, and no hang (every run is bounded by
+# `timeout`: exit 124 is a hang); runs that diverge stop with an error and write no checkpoint.
+# usage: faults_test.sh LOOM_BINARY SOURCE_DIR PYTHON
+set -uo pipefail
+loom=$1 src=$2 python=$3
+job=$src/tests/distributed/ddp_job.toml
+work=$(mktemp -d)
+trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+# shellcheck source=../distributed/testlib.sh
+source "$src/tests/distributed/testlib.sh"
+
+base=(--set train.max_steps=4 --set train.log_level=warn)
+timeout 120 "$loom" run "$job" --set "train.output_dir=$work/good" "${base[@]}" >"$work/good.log" 2>&1 ||
+  { echo "FAIL: the reference run: $(tail -3 "$work/good.log")"; exit 1; }
+
+# damage NAME PYTHON_CODE: a copy of the good run whose checkpoint-4 the code changes (`ck`:
+# its folder; `fix_manifest()` re-records every file's size and crc32, so only the damage
+# itself is left to catch).
+damage() {
+  rm -rf "$work/$1"; cp -r "$work/good" "$work/$1"
+  "$python" - "$work/$1/checkpoint-4" <<PY
+import json, os, sys, zlib
+ck = sys.argv[1]
+def manifest():
+    return json.load(open(ck + "/manifest.json"))
+def write(m):
+    json.dump(m, open(ck + "/manifest.json", "w"), indent=2)
+def fix_manifest():
+    m = manifest()
+    for name in m["files"]:
+        data = open(os.path.join(ck, name), "rb").read()
+        m["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    write(m)
+$2
+PY
+}
+# resume NAME: the damaged copy resumed with more steps.
+resume() {
+  timeout 60 "$loom" run "$job" --set "train.output_dir=$work/$1" "${base[@]}" \
+    --set train.max_steps=8 --set train.resume='"latest"'
+}
+
+damage fifo 'os.remove(ck + "/model.safetensors"); os.mkfifo(ck + "/model.safetensors")'
+expect_error "model.safetensors replaced by a FIFO: refused, no hang" \
+  "model.safetensors' is not a regular file (a FIFO)" resume fifo
+damage zero 'os.remove(ck + "/model.safetensors"); os.symlink("/dev/zero", ck + "/model.safetensors")'
+expect_error "model.safetensors linked to /dev/zero: refused, no hang" \
+  "model.safetensors' is not a regular file (a device)" resume zero
+damage dir 'os.remove(ck + "/trainer.safetensors"); os.mkdir(ck + "/trainer.safetensors")'
+expect_error "a directory in place of trainer.safetensors" \
+  "trainer.safetensors' is not a regular file (a directory)" resume dir
+for to in I32 BF16 F16; do
+  damage "dtype$to" "
+p = ck + '/model.safetensors'
+data = bytearray(open(p, 'rb').read())
+n = int.from_bytes(data[:8], 'little')
+header = json.loads(data[8:8 + n])
+name = next(k for k in header if k != '__metadata__')
+header[name]['dtype'] = '$to'
+if '$to' != 'I32':  # half the bytes: the offsets shrink with the dtype
+    begin, end = header[name]['data_offsets']
+    header[name]['data_offsets'] = [begin, begin + (end - begin) // 2]
+text = json.dumps(header, separators=(',', ':')).encode()
+text += b' ' * (n - len(text)) if len(text) <= n else b''
+assert len(text) == n, 'header grew'
+data[8:8 + n] = text
+open(p, 'wb').write(data)
+fix_manifest()"
+  expect_error "a tensor's dtype changed to $to in model.safetensors" "but the model holds Float" \
+    resume "dtype$to"
+done
+damage bigstep 'm = manifest(); m["step"] = 9223372036854775807; write(m)'
+expect_error "manifest step 2^63-1: refused (its shards are of step 4)" \
+  "is from step 4 but the checkpoint is of step 9223372036854775807" resume bigstep
+damage bigstep1 'm = manifest(); m["step"] = 9223372036854775807; write(m)
+import safetensors.torch as st
+p = ck + "/optimizer-00000-of-00001.safetensors"
+with open(p, "rb") as f:
+    n = int.from_bytes(f.read(8), "little"); meta = json.loads(f.read(n))["__metadata__"]
+meta["step"] = str(9223372036854775807)
+st.save_file(st.load_file(p), p, metadata=meta)
+m = manifest(); m["optimizer_shards"][0]["bytes"] = os.path.getsize(p)
+m["optimizer_shards"][0]["crc32"] = zlib.crc32(open(p, "rb").read()); write(m)'
+expect_error "manifest and shards at step 2^63-1: refused, names max_steps" \
+  "is at step 9223372036854775807, past this job's [train] max_steps 8" resume bigstep1
+damage nocrc 'm = manifest(); del m["files"]["model.safetensors"]["crc32"]; write(m)'
+expect_error "manifest without a crc32: names the missing field" \
+  "manifest.json' is corrupt: a field is missing (key 'crc32' not found)" resume nocrc
+damage cursor 'm = manifest(); m["data"]["cursor"] = -5; write(m)'
+expect_error "negative data cursor: a corrupt manifest, not an internal error" \
+  "data.cursor is -5, it must be >= 0" resume cursor
+damage escape 'm = manifest(); m["files"]["../../escape.safetensors"] = m["files"].pop("model.safetensors"); write(m)'
+expect_error "a manifest naming a file outside its folder" \
+  "it lists a file '../../escape.safetensors'" resume escape
+
+# --- runs that diverge: an error naming the step, exit 1, no checkpoint of garbage
+# diverges NAME STEPS TEXT WHAT: an infinite-going learning rate for STEPS steps.
+diverges() {
+  timeout 60 "$loom" run "$job" --set "train.output_dir=$work/$1" --set train.max_steps=$2 \
+    --set train.learning_rate=1e300 >"$work/$1.log" 2>&1
+  local rc=$?
+  if [ $rc -eq 1 ] && grep -qF "$3" "$work/$1.log" && ! ls "$work/$1" | grep -q "^checkpoint"; then
+    ok "$4: exit 1, the error names the step, no checkpoint written"
+  else fail "$4 (exit $rc): $(ls "$work/$1") $(tail -2 "$work/$1.log")"; fi
+}
+diverges diverge 1 "holds non-finite values at step 1" "an update to infinity"
+diverges diverge2 3 "step 2: the loss is nan" "a non-finite loss"
+
+# --- hostile job files: refused in `check`, no crash
+"$python" -c "print('x = ' + '[' * 12000 + ']' * 12000)" >"$work/deep.toml"
+expect_error "an array nested 12 000 levels deep: refused by check, no stack overflow" \
+  "deep.toml:1: the job nests deeper than 64 levels" timeout 30 "$loom" check "$work/deep.toml"
+"$python" -c "print('[' + '.'.join(['a'] * 12000) + ']')" >"$work/dotted.toml"
+expect_error "a table header 12 000 keys deep" "dotted.toml:1: the job nests deeper" \
+  timeout 30 "$loom" check "$work/dotted.toml"
+mkfifo "$work/job-fifo.toml"
+expect_error "a FIFO as the job file" "is not a regular file" timeout 30 "$loom" check "$work/job-fifo.toml"
+for bad in "model.n_head=3 model.n_embd=128|must be divisible by n_head 3" \
+           "model.n_layer=0|n_layer must be positive" \
+           "data.seq_len=64|seq_len 64 exceeds [model] n_positions 16" \
+           "optimizer.weight_decay=-1|weight_decay must be >= 0" \
+           "distributed.timeout_seconds=-1|timeout_seconds must be positive" \
+           "distributed.timeout_seconds=nan|timeout_seconds must be a finite number" \
+           "train.learning_rate=inf|learning_rate must be a finite number" \
+           "model.n_layer=100000000|fp32 weights alone need"; do
+  sets=() ; for kv in ${bad%%|*}; do sets+=(--set "$kv"); done
+  expect_error "check refuses ${bad%%|*}" "${bad##*|}" timeout 30 "$loom" check "$job" "${sets[@]}"
+done
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

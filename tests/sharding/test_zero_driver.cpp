@@ -1,0 +1,133 @@
+// sharding/ZeroDriver, Note [Bucket memory]: a stage-2 backward never holds the whole fp32
+// gradient in bucket buffers. Groups whose reduce-scatter finished land during backward, and
+// past two reduce buckets in flight the oldest is waited for; the landed shard is still the
+// gradient that went in. One rank, with the tracking allocator counting every byte.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <deque>
+
+#include "loom/comm.h"
+#include "loom/memory.h"
+#include "loom/sharding/zero_driver.h"
+#include "loom/step_driver.h"
+#include "update_rules.h"
+
+namespace loom::sharding {
+namespace {
+
+// One rank whose reduce-scatters complete only when waited for: what a slow network looks like
+// to the driver.
+class DeferredComm final : public Comm {
+ public:
+  struct Pending final : Work {
+    at::Tensor output, input;
+    bool done = false;
+    void wait() override {
+      if (!done) output.copy_(input);
+      done = true;
+    }
+    bool completed() override { return done; }
+  };
+  std::string backend() const override { return "deferred"; }
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  int local_rank() const override { return 0; }
+  int local_world_size() const override { return 1; }
+  std::shared_ptr<Work> all_reduce(at::Tensor&, ReduceOp) override { return finished(); }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                       ReduceOp) override {
+    auto work = std::make_shared<Pending>();
+    work->output = output;
+    work->input = input;
+    return work;
+  }
+  std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) override {
+    output.copy_(input);
+    return finished();
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor&, int) override { return finished(); }
+  std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) override {
+    output.copy_(input);
+    return finished();
+  }
+  void barrier() override {}
+
+ private:
+  static std::shared_ptr<Work> finished() {
+    auto work = std::make_shared<Pending>();
+    work->done = true;
+    return work;
+  }
+};
+
+constexpr int kParams = 8;
+constexpr int64_t kNumel = 64 * 1024;          // 256 KiB of fp32 per parameter
+constexpr int64_t kGroupBytes = kNumel * 4;    // a bucket holds one parameter
+
+struct Backward {
+  int64_t most_held = 0;  // tracked bytes above the start, at the most, during backward
+  std::vector<at::Tensor> fed, landed;
+};
+
+Backward run_backward(Comm& comm) {
+  memory::install_cpu_tracker();
+  auto rule = test::make_rule("adamw");
+  StepDriverOptions options;
+  options.rule = rule.get();
+  options.comm = &comm;
+  for (int i = 0; i < kParams; ++i)
+    options.params.push_back(
+        {"p" + std::to_string(i), at::zeros({64, 1024}).set_requires_grad(true)});
+  ZeroOptions zero;
+  zero.stage = 2;
+  zero.reduce_bucket_bytes = kGroupBytes;
+  ZeroDriver driver(options, zero);
+
+  Backward out;
+  memory::reset_cpu_peak();
+  const int64_t start = memory::cpu_stats().current_bytes;
+  // Backward's order is the reverse of the model's.
+  for (int i = kParams - 1; i >= 0; --i) {
+    const Param& p = options.params[i];
+    at::Tensor grad = at::randn({64, 1024});
+    out.fed.insert(out.fed.begin(), grad.clone());
+    at::Tensor(p.tensor).mutable_grad() = grad;
+    grad = at::Tensor();
+    driver.grad_ready(p);
+  }
+  out.most_held = memory::cpu_stats().peak_bytes - start;
+  driver.finish_backward();
+  for (const at::Tensor& g : driver.grads()) out.landed.push_back(g.clone());
+  return out;
+}
+
+void expect_landed_is_fed(const Backward& b) {
+  ASSERT_EQ(b.landed.size(), static_cast<size_t>(kParams));
+  for (int i = 0; i < kParams; ++i) {
+    // Group k holds the k-th parameter of backward's order, padded to the chunk alignment.
+    const at::Tensor& shard = b.landed[kParams - 1 - i];
+    EXPECT_TRUE(at::equal(shard.narrow(0, 0, kNumel), b.fed[i].view(-1))) << "p" << i;
+  }
+}
+
+TEST(ZeroDriver, FinishedBucketsLandDuringBackward) {
+  auto comm = make_comm(CommOptions{});  // one process: local, every collective done at once
+  const Backward b = run_backward(*comm);
+  // The fed gradients (kParams clones) are the test's; beyond them, one .grad and one group's
+  // buffers (send + received) at any moment, not all eight groups' (16 x kGroupBytes).
+  EXPECT_LE(b.most_held, kParams * kGroupBytes + 4 * (kGroupBytes + 1024));
+  expect_landed_is_fed(b);
+}
+
+TEST(ZeroDriver, BucketsInFlightAreCappedAtTwoReduceBuckets) {
+  DeferredComm comm;
+  const Backward b = run_backward(comm);
+  // Unfinished groups are waited for once more than 2 x reduce_bucket_size is in flight:
+  // send + received of two groups is 4 x kGroupBytes, and a .grad; all eight would be 16 x.
+  EXPECT_LE(b.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
+  expect_landed_is_fed(b);
+}
+
+}  // namespace
+}  // namespace loom::sharding
