@@ -103,6 +103,7 @@ namespace {
 // Note [Bounded nesting]: the TOML parser recurses once per level of nested arrays, inline
 // tables and dotted keys, so a hostile or broken file 12 000 levels deep overflows the stack.
 // Real jobs nest two or three levels; past kMaxNesting the file is refused, naming the line.
+// The same scan refuses non-ASCII bytes outside strings and comments (see below).
 constexpr int kMaxNesting = 64;
 
 void check_nesting(const std::string& text, const std::filesystem::path& name) {
@@ -122,6 +123,12 @@ void check_nesting(const std::string& text, const std::filesystem::path& name) {
       else if (ch == quote) quote = 0;
       continue;
     }
+    // TOML allows other than ASCII only in strings and comments; TOML++ 3.3 reaches
+    // __builtin_unreachable() classifying some such characters elsewhere (U+00A1-U+0499, found
+    // by tests/fuzz), so they are refused here, before the parser sees them.
+    LOOM_CHECK_AS(ConfigError, static_cast<unsigned char>(ch) < 0x80, name.string(), ":", line,
+                  ": a character other than ASCII outside a string or comment; TOML keys and "
+                  "values other than strings are ASCII (put text in quotes)");
     if (ch == '"' || ch == '\'') quote = ch;
     else if (ch == '#') {
       while (i + 1 < text.size() && text[i + 1] != '\n') ++i;

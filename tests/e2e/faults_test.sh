@@ -115,6 +115,10 @@ expect_error "an array nested 12 000 levels deep: refused by check, no stack ove
 "$python" -c "print('[' + '.'.join(['a'] * 12000) + ']')" >"$work/dotted.toml"
 expect_error "a table header 12 000 keys deep" "dotted.toml:1: the job nests deeper" \
   timeout 30 "$loom" check "$work/dotted.toml"
+for found in "$src"/tests/fuzz/corpus/job/toml_unreachable_*.toml; do
+  expect_error "$(basename "$found") (a TOML++ 3.3 unreachable path, found by fuzzing): a clean error" \
+    "$(basename "$found"):1:" timeout 30 "$loom" check "$found"
+done
 mkfifo "$work/job-fifo.toml"
 expect_error "a FIFO as the job file" "is not a regular file" timeout 30 "$loom" check "$work/job-fifo.toml"
 for bad in "model.n_head=3 model.n_embd=128|must be divisible by n_head 3" \
