@@ -218,12 +218,18 @@ void ZeroDriver::launch(size_t g) {
 // group's whole gradient) and its received chunk until it lands. Landing them all after
 // backward would hold the model's whole fp32 gradient at backward's end, which is what stages
 // 2 and 3 exist to avoid. So groups land in launch order as they go: any that finished, and,
-// past two reduce buckets in flight, the oldest even if it has not (backward then waits on
-// it, which the exposed-communication metric shows).
+// past kBucketsInFlight reduce buckets in flight (send and received counted), the oldest even
+// if it has not (backward then waits on it, which the exposed-communication metric shows).
+// Two buckets starved gloo on 2 CPU cores (16 % of the reduction hidden, against 66 % with no
+// cap; docs/BENCHMARKS.md); four is DeepSpeed's order too (its overlap_comm documents about
+// 4.5 x reduce_bucket_size).
+constexpr int64_t kBucketsInFlight = 4;
+
 void ZeroDriver::land_finished() {
   while (!flying_.empty()) {
     Group& oldest = groups_[flying_.front()];
-    const bool over = flying_bytes_ > 2 * options_.reduce_bucket_bytes && flying_.size() > 1;
+    const bool over =
+        flying_bytes_ > kBucketsInFlight * options_.reduce_bucket_bytes && flying_.size() > 1;
     if (!over && !oldest.work->completed()) break;
     flying_bytes_ -= (oldest.send.numel() + oldest.received.numel()) * 4;
     flying_.pop_front();

@@ -1,6 +1,6 @@
 // sharding/ZeroDriver, Note [Bucket memory]: a stage-2 backward never holds the whole fp32
 // gradient in bucket buffers. Groups whose reduce-scatter finished land during backward, and
-// past two reduce buckets in flight the oldest is waited for; the landed shard is still the
+// past four reduce buckets in flight the oldest is waited for; the landed shard is still the
 // gradient that went in. One rank, with the tracking allocator counting every byte.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -120,11 +120,12 @@ TEST(ZeroDriver, FinishedBucketsLandDuringBackward) {
   expect_landed_is_fed(b);
 }
 
-TEST(ZeroDriver, BucketsInFlightAreCappedAtTwoReduceBuckets) {
+TEST(ZeroDriver, BucketsInFlightAreCappedAtFourReduceBuckets) {
   DeferredComm comm;
   const Backward b = run_backward(comm);
-  // Unfinished groups are waited for once more than 2 x reduce_bucket_size is in flight:
-  // send + received of two groups is 4 x kGroupBytes, and a .grad; all eight would be 16 x.
+  // Unfinished groups are waited for once more than 4 x reduce_bucket_size is in flight (send
+  // + received: 2 x kGroupBytes a group), so at most three groups' at a moment, 6 x
+  // kGroupBytes; all eight would be 16 x.
   EXPECT_LE(b.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
   expect_landed_is_fed(b);
 }
