@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <sstream>

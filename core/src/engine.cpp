@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -114,14 +114,12 @@ class EngineImpl final : public Engine, public Trainer {
       auto it = resolved_.sections.find(name);
       return it == resolved_.sections.end() ? nullptr : &it->second;
     };
-    for (const auto* choice : {&resolved_.model, &resolved_.data, &resolved_.update_rule})
+    const std::pair<const ResolvedJob::Choice*, const char*> selectors[] = {
+        {&resolved_.model, "model"}, {&resolved_.data, "data"},
+        {&resolved_.update_rule, "optimizer"}};
+    for (const auto& [choice, table] : selectors)
       if (choice->provider)
-        choice->provider->plugin->validate(
-            choice->name,
-            resolved_.section(choice == &resolved_.model  ? "model"
-                              : choice == &resolved_.data ? "data"
-                                                          : "optimizer"),
-            tables);
+        choice->provider->plugin->validate(choice->name, resolved_.section(table), tables);
     for (auto* plugin : resolved_.table_plugins)
       plugin->plugin->configure(resolved_.section(plugin->name));
   }
@@ -411,20 +409,20 @@ class EngineImpl final : public Engine, public Trainer {
       if (report_) report_->end_progress();
       const auto& train = resolved_.section("train");
       const bool saves = train.get_int("save_steps") > 0 || train.get_bool("save_final");
+      const bool saved_now = saved_step_ == state_.step;  // save_steps wrote this step already
       if (stop_signal_) {
         log::warn("stopped by ", stop_signal_ == SIGINT ? "SIGINT" : "SIGTERM", " after step ",
                   state_.step, " of ", state_.max_steps);
         if (saves && train.get_bool("save_on_signal")) {
-          summary.last_checkpoint =
-              saved_step_ == state_.step ? saved_folder_ : save_checkpoint();
+          summary.last_checkpoint = saved_now ? saved_folder_ : save_checkpoint();
           log::info("resume with [train] resume = \"latest\" (or \"", summary.last_checkpoint,
                     "\")");
         }
         summary.stopped_by_signal = stop_signal_;
-      } else if (train.get_bool("save_final") && state_.step > first && saved_step_ != state_.step) {
-        summary.last_checkpoint = save_checkpoint();
-      } else if (saved_step_ == state_.step) {
+      } else if (saved_now) {
         summary.last_checkpoint = saved_folder_;
+      } else if (train.get_bool("save_final") && state_.step > first) {
+        summary.last_checkpoint = save_checkpoint();
       }
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       log::info("done: ", state_.step, " steps, final loss ", state_.loss, ", ",

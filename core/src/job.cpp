@@ -135,8 +135,10 @@ void check_nesting(const std::string& text, const std::filesystem::path& name) {
     } else if (ch == '[' || ch == '{') ++depth;
     else if (ch == ']' || ch == '}') depth = std::max(0, depth - 1);
     else if (ch == '=') key_part = false;
-    else if (ch == '.' && (key_part || depth > 0) && !std::isdigit(static_cast<unsigned char>(i + 1 < text.size() ? text[i + 1] : 0)))
-      ++dots;
+    else if (ch == '.' && (key_part || depth > 0)) {
+      const char next = i + 1 < text.size() ? text[i + 1] : 0;
+      if (!std::isdigit(static_cast<unsigned char>(next))) ++dots;  // not a float's point
+    }
     LOOM_CHECK_AS(ConfigError, depth <= kMaxNesting && dots <= kMaxNesting, name.string(), ":",
                   line, ": the job nests deeper than ", kMaxNesting,
                   " levels (arrays, inline tables or dotted keys); a loom job needs a few");
@@ -147,12 +149,12 @@ void check_nesting(const std::string& text, const std::filesystem::path& name) {
 
 Job Job::load(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
   std::error_code ec;
-  LOOM_CHECK_AS(ConfigError, !std::filesystem::exists(file, ec) || std::filesystem::is_regular_file(file, ec),
-                "job file '", file.string(), "' is not a regular file; pass the path of a "
-                ".toml job file");
-  LOOM_CHECK_AS(ConfigError,
-                !std::filesystem::exists(file, ec) || std::filesystem::file_size(file, ec) <= (16u << 20),
-                "job file '", file.string(), "' is over 16 MiB; a job file is a few kilobytes");
+  if (std::filesystem::exists(file, ec)) {  // a missing file is the read's error below
+    LOOM_CHECK_AS(ConfigError, std::filesystem::is_regular_file(file, ec), "job file '",
+                  file.string(), "' is not a regular file; pass the path of a .toml job file");
+    LOOM_CHECK_AS(ConfigError, std::filesystem::file_size(file, ec) <= (16u << 20), "job file '",
+                  file.string(), "' is over 16 MiB; a job file is a few kilobytes");
+  }
   std::ifstream in(file);
   LOOM_CHECK_AS(ConfigError, in.good(), "cannot read job file '", file.string(),
                 "': it does not exist or is not readable; pass the path of a .toml job file");

@@ -210,7 +210,7 @@ void ZeroDriver::launch(size_t g) {
   group.launched_this_backward = true;
   stats_.elements += group.send.numel();
   flying_.push_back(g);
-  flying_bytes_ += (group.send.numel() + group.received.numel()) * 4;
+  flying_bytes_ += bucket_bytes(group);
   land_finished();
 }
 
@@ -225,13 +225,17 @@ void ZeroDriver::launch(size_t g) {
 // 4.5 x reduce_bucket_size).
 constexpr int64_t kBucketsInFlight = 4;
 
+int64_t ZeroDriver::bucket_bytes(const Group& group) {
+  return group.send.nbytes() + group.received.nbytes();
+}
+
 void ZeroDriver::land_finished() {
   while (!flying_.empty()) {
     Group& oldest = groups_[flying_.front()];
     const bool over =
         flying_bytes_ > kBucketsInFlight * options_.reduce_bucket_bytes && flying_.size() > 1;
     if (!over && !oldest.work->completed()) break;
-    flying_bytes_ -= (oldest.send.numel() + oldest.received.numel()) * 4;
+    flying_bytes_ -= bucket_bytes(oldest);
     flying_.pop_front();
     land(oldest);
   }

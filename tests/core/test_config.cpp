@@ -95,24 +95,18 @@ TEST(Config, BadValuesAreNamed) {
   EXPECT_THROW_WITH(bad_beta->setup(), ConfigError, "beta2 must be in [0, 1), got 1");
   // Model keys are checked before anything is built (Note [One validation]): `loom check`
   // refuses what `loom run` would.
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_head=3"}), ConfigError,
-                    "n_embd 32 must be divisible by n_head 3");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_layer=0"}), ConfigError,
-                    "n_layer must be positive, got 0");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"data.seq_len=64"}), ConfigError,
-                    "seq_len 64 exceeds [model] n_positions 16");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"optimizer.weight_decay=-1"}), ConfigError,
-                    "weight_decay must be >= 0, got -1");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"distributed.timeout_seconds=0"}),
-                    ConfigError, "timeout_seconds must be positive");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"train.learning_rate=inf"}), ConfigError,
-                    "learning_rate must be a finite number, not inf");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.layer_norm_epsilon=nan"}), ConfigError,
-                    "layer_norm_epsilon must be a finite number, not nan");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_layer=100000000"}), ConfigError,
-                    "fp32 weights alone need");
-  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"model.n_embd=1000000000000000000", "model.n_head=1"}),
-                    ConfigError, "choose smaller sizes");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"model.n_head=3"}, "n_embd 32 must be divisible by n_head 3"},
+      {{"model.n_layer=0"}, "n_layer must be positive, got 0"},
+      {{"data.seq_len=64"}, "seq_len 64 exceeds [model] n_positions 16"},
+      {{"optimizer.weight_decay=-1"}, "weight_decay must be >= 0, got -1"},
+      {{"distributed.timeout_seconds=0"}, "timeout_seconds must be positive"},
+      {{"train.learning_rate=inf"}, "learning_rate must be a finite number, not inf"},
+      {{"model.layer_norm_epsilon=nan"}, "layer_norm_epsilon must be a finite number, not nan"},
+      {{"model.n_layer=100000000"}, "fp32 weights alone need"},
+      {{"model.n_embd=1000000000000000000", "model.n_head=1"}, "choose smaller sizes"}};
+  for (const auto& [overrides, message] : refused)
+    EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), overrides), ConfigError, message);
 }
 
 TEST(Config, ClosestMatch) {

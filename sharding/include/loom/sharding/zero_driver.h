@@ -123,6 +123,7 @@ class ZeroDriver final : public StepDriver {
   void launch(size_t g);
   void land(Group& group);
   void land_finished();  // Note [Bucket memory]
+  static int64_t bucket_bytes(const Group& group);  // a launched group's send + received
   // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
   at::Tensor chunk_values(const Group& group) const;
   void all_gather_params();
