@@ -1,4 +1,4 @@
-// The `loom` command: run, check, plugins, env, consolidate. Every error is one line naming the thing and what
+// The `loom` command: run, check, plugins, env, consolidate, export. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
 #include <cstdio>
 #include <cstring>
@@ -24,6 +24,8 @@ usage:
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
+  loom export CHECKPOINT OUT_DIR                   a transformers folder (config.json +
+                                                   model.safetensors) from_pretrained loads
   loom --version | --help
 
 examples:
@@ -57,7 +59,7 @@ Args parse(int argc, char** argv) {
       args.command = a;
     } else if (args.job.empty()) {
       args.job = a;
-    } else if (args.command == "consolidate" && args.out.empty()) {
+    } else if ((args.command == "consolidate" || args.command == "export") && args.out.empty()) {
       args.out = a;
     } else {
       throw loom::ConfigError("unexpected argument '" + a + "'; see loom --help");
@@ -105,6 +107,16 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << args.out << " from " << args.job << "\n";
       return 0;
     }
+    if (args.command == "export") {
+      if (args.job.empty() || args.out.empty())
+        throw loom::ConfigError(
+            "loom export needs a checkpoint folder and an output folder: loom export "
+            "out/checkpoint-100 gpt2-finetuned");
+      loom::export_checkpoint(args.job, args.out);
+      std::cout << "wrote " << args.out << " (config.json, model.safetensors) from " << args.job
+                << "\n";
+      return 0;
+    }
     if (args.command == "run" || args.command == "check") {
       if (args.job.empty())
         throw loom::ConfigError("loom " + args.command + " needs a job file: loom " +
@@ -124,7 +136,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, plugins, env or consolidate (loom --help)");
+                            "'; use run, check, plugins, env, consolidate or export (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

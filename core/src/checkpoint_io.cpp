@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint_format.h"
 #include "fsutil.h"
 #include "loom/comm.h"
 #include "loom/error.h"
@@ -26,8 +27,8 @@
 namespace loom {
 namespace {
 
-constexpr const char* kFormat = "loom-checkpoint";
-constexpr int kFormatVersion = 2;
+constexpr const char* kFormat = format::kManifestFormat;
+constexpr int kFormatVersion = format::kManifestVersion;
 
 int64_t step_of(const std::filesystem::path& folder) {
   const std::string name = folder.filename().string();
@@ -83,36 +84,30 @@ class ShardedStateReader final : public StateReader {
       auto header = safetensors::read_header(files_[f].path);
       if (f >= shard_files) {  // the model file
         for (const auto& entry : header.entries) {
-          int64_t numel = 1;
-          for (int64_t d : entry.shape) numel *= d;
+          const auto numel = static_cast<int64_t>(entry.numel());
           pieces_["weight/" + entry.name].push_back({f, entry, {numel}, 0, true, entry.shape});
         }
         headers_.push_back(std::move(header));
         continue;
       }
-      nlohmann::json map = nlohmann::json::object();
-      if (layout) {
-        try {
-          map = nlohmann::json::parse(header.metadata.at("layout"));
-          const int64_t saved = std::stoll(header.metadata.at("step"));
-          LOOM_CHECK_AS(CheckpointError, saved == step, "optimizer shard '",
-                        files_[f].path.string(), "' is from step ", saved, " but the checkpoint is of step ",
-                        step, "; the shards come from different checkpoints");
-        } catch (const std::out_of_range&) {
-          throw CheckpointError(detail::cat("optimizer shard '", files_[f].path.string(),
-                                            "' lacks its layout metadata; it is not a loom shard"));
-        } catch (const nlohmann::json::exception& error) {
-          throw CheckpointError(detail::cat("optimizer shard '", files_[f].path.string(),
-                                            "' has corrupt layout metadata: ", error.what()));
-        }
-      }
+      std::map<std::string, format::PieceLayout> map;
+      if (layout) map = format::parse_shard_layout(header.metadata, step, files_[f].path.string());
       for (const auto& entry : header.entries) {
         Saved saved{f, entry, entry.shape, 0, false, {}};
-        if (map.contains(entry.name)) {
-          saved.global_shape = map[entry.name].at("shape").get<std::vector<int64_t>>();
-          saved.offset = map[entry.name].at("offset").get<int64_t>();
-          if (map[entry.name].contains("tensor_shape"))
-            saved.tensor_shape = map[entry.name].at("tensor_shape").get<std::vector<int64_t>>();
+        if (auto it = map.find(entry.name); it != map.end()) {
+          saved.global_shape = it->second.global_shape;
+          saved.offset = it->second.offset;
+          saved.tensor_shape = it->second.tensor_shape;
+          // A piece is rows of its global tensor: the same trailing dimensions.
+          const auto& piece = entry.shape;
+          const auto& whole = saved.global_shape;
+          LOOM_CHECK_AS(CheckpointError,
+                        piece.size() == whole.size() &&
+                            (piece.empty() ||
+                             std::equal(piece.begin() + 1, piece.end(), whole.begin() + 1)),
+                        "optimizer shard '", files_[f].path.string(), "' is corrupt: tensor '",
+                        entry.name, "' of shape ", c10::IntArrayRef(piece),
+                        " is not rows of its global shape ", c10::IntArrayRef(whole));
         }
         pieces_[entry.name].push_back(std::move(saved));
       }
@@ -345,6 +340,7 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
           {"skipped_updates", c.skipped_updates},
           {"loss_scale", c.loss_scale},
           {"values", c.plugin.values}};
+      if (!c.job_text.empty()) manifest["job"] = {{"text", c.job_text}, {"dir", c.job_dir}};
       nlohmann::ordered_json listing = nlohmann::ordered_json::object();
       for (const auto& [stem, tensors] : files) {
         const fs::path file = temp_dir / (stem + ".safetensors");
@@ -479,26 +475,6 @@ void require_regular_file(const std::filesystem::path& file) {
                 "); a checkpoint holds regular files only: resume from another checkpoint");
 }
 
-// The manifest names files inside its folder: no paths.
-void check_file_name(const std::filesystem::path& manifest, const std::string& name) {
-  LOOM_CHECK_AS(CheckpointError,
-                !name.empty() && name.find('/') == std::string::npos && name != "." &&
-                    name != ".." && name.size() > 12 &&
-                    name.compare(name.size() - 12, 12, ".safetensors") == 0,
-                "'", manifest.string(), "' is corrupt: it lists a file '", name,
-                "', not a .safetensors file of the checkpoint's folder");
-}
-
-// nlohmann's "[json.exception.out_of_range.403] key 'crc32' not found" in words.
-std::string json_problem(const nlohmann::json::exception& error) {
-  std::string what = error.what();
-  const auto bracket = what.find("] ");
-  if (bracket != std::string::npos) what = what.substr(bracket + 2);
-  if (error.id == 403) return "a field is missing (" + what + ")";
-  if (error.id == 302) return "a field has the wrong type (" + what + ")";
-  return what;
-}
-
 // load = false: verify every file, load none (consolidate streams them itself).
 ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   namespace fs = std::filesystem;
@@ -508,72 +484,40 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   LOOM_CHECK_AS(CheckpointError, fs::exists(manifest_path), "'", manifest_path.string(),
                 "' is missing: '", folder, "' is not a complete loom checkpoint");
   require_regular_file(manifest_path);
-  std::ifstream in(manifest_path);
-  LOOM_CHECK_AS(CheckpointError, in.good(), "'", manifest_path.string(),
+  // A manifest is a few kilobytes; a huge one is not one (and is not read into memory).
+  constexpr uintmax_t kMaxManifest = 64ull << 20;
+  std::error_code size_error;
+  const uintmax_t manifest_bytes = fs::file_size(manifest_path, size_error);
+  LOOM_CHECK_AS(CheckpointError, !size_error && manifest_bytes <= kMaxManifest, "'",
+                manifest_path.string(), "' is corrupt: ",
+                size_error ? size_error.message() : std::to_string(manifest_bytes) + " bytes",
+                "; resume from an earlier checkpoint or delete this one");
+  std::ifstream in(manifest_path, std::ios::binary);
+  std::string text(manifest_bytes, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  LOOM_CHECK_AS(CheckpointError, in.good() || text.empty(), "'", manifest_path.string(),
                 "' cannot be read: ", std::strerror(errno));
-  nlohmann::json manifest;
+  const format::Manifest manifest = format::parse_manifest(text, manifest_path.string());
   ReadCheckpoint out;
   CheckpointContents& c = out.contents;
-  int version = 0;
+  const int version = manifest.version;
+  c.step = manifest.step;
+  c.seed = manifest.seed;
+  c.config_hash = manifest.config_hash;
+  c.update_rule = manifest.update_rule;
+  c.world_size = manifest.world_size;
+  c.data.epoch = manifest.epoch;
+  c.data.cursor = manifest.cursor;
+  c.skipped_updates = manifest.skipped_updates;
+  c.loss_scale = manifest.loss_scale;
+  c.plugin.values = manifest.values;
+  c.job_text = manifest.job_text;
+  c.job_dir = manifest.job_dir;
   std::vector<ShardedStateReader::File> shards;
+  for (const auto& shard : manifest.optimizer_shards)
+    shards.push_back({fs::path(folder) / shard.name, shard.bytes, shard.crc32});
   std::optional<ShardedStateReader::File> model_file;
-  struct Listed {
-    std::string name;
-    uint64_t bytes;
-    uint32_t crc;
-  };
-  std::vector<Listed> listed;
-  try {
-    in >> manifest;
-    LOOM_CHECK_AS(CheckpointError, manifest.value("format", "") == kFormat, "'",
-                  manifest_path.string(), "' is not a loom checkpoint manifest");
-    version = manifest.at("format_version").get<int>();
-    LOOM_CHECK_AS(CheckpointError, version == 1 || version == kFormatVersion, "'",
-                  manifest_path.string(), "' has format version ",
-                  manifest.at("format_version").dump(), "; this loom reads versions 1 and ",
-                  kFormatVersion);
-    c.step = manifest.at("step").get<int64_t>();
-    c.seed = manifest.at("seed").get<uint64_t>();
-    c.config_hash = manifest.at("config_hash").get<std::string>();
-    c.update_rule = manifest.at("update_rule").get<std::string>();
-    c.world_size = manifest.at("world_size").get<int>();
-    c.data.epoch = manifest.at("data").at("epoch").get<int64_t>();
-    c.data.cursor = manifest.at("data").at("cursor").get<int64_t>();
-    c.skipped_updates = manifest.at("skipped_updates").get<int64_t>();
-    c.loss_scale = manifest.at("loss_scale").get<double>();
-    c.plugin.values = manifest.at("values").get<std::map<std::string, std::string>>();
-    if (version >= 2)
-      for (const auto& shard : manifest.at("optimizer_shards")) {
-        const auto name = shard.at("file").get<std::string>();
-        check_file_name(manifest_path, name);
-        shards.push_back({fs::path(folder) / name, shard.at("bytes").get<uint64_t>(),
-                          shard.at("crc32").get<uint32_t>()});
-      }
-    // Numbers a resume trusts, bounded here: a wrong one is a corrupt manifest, not a run that
-    // "finishes" at once or an internal error later.
-    auto at_least = [&](const char* field, int64_t value, int64_t min) {
-      LOOM_CHECK_AS(CheckpointError, value >= min, "'", manifest_path.string(), "' is corrupt: ",
-                    field, " is ", value, ", it must be >= ", min,
-                    "; resume from an earlier checkpoint or delete this one");
-    };
-    at_least("step", c.step, 0);
-    at_least("world_size", c.world_size, 1);
-    at_least("data.epoch", c.data.epoch, 0);
-    at_least("data.cursor", c.data.cursor, 0);
-    at_least("skipped_updates", c.skipped_updates, 0);
-    LOOM_CHECK_AS(CheckpointError, std::isfinite(c.loss_scale) && c.loss_scale > 0, "'",
-                  manifest_path.string(), "' is corrupt: loss_scale is ", c.loss_scale,
-                  ", it must be a positive finite number");
-    for (const auto& [name, info] : manifest.at("files").items()) {
-      listed.push_back({name, info.at("bytes").get<uint64_t>(), info.at("crc32").get<uint32_t>()});
-      check_file_name(manifest_path, name);
-    }
-  } catch (const nlohmann::json::exception& error) {
-    throw CheckpointError(detail::cat("'", manifest_path.string(), "' is corrupt: ",
-                                      json_problem(error),
-                                      "; resume from an earlier checkpoint or delete this one"));
-  }
-  for (const auto& [name, bytes, crc] : listed) {
+  for (const auto& [name, bytes, crc] : manifest.files) {
     const fs::path file = fs::path(folder) / name;
     LOOM_CHECK_AS(CheckpointError, fs::exists(file), "checkpoint file '", file.string(),
                   "' is missing; the checkpoint is incomplete");
@@ -627,6 +571,10 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
 
 ReadCheckpoint read_checkpoint(const std::string& folder) {
   return read_checkpoint_files(folder, /*load=*/true);
+}
+
+CheckpointContents read_checkpoint_info(const std::string& folder) {
+  return std::move(read_checkpoint_files(folder, /*load=*/false).contents);
 }
 
 void consolidate_checkpoint_folder(const std::string& folder, const std::string& out_file) {

@@ -26,6 +26,7 @@ struct CheckpointContents {
   int64_t step = 0;
   uint64_t seed = 0;
   std::string config_hash, update_rule;
+  std::string job_text, job_dir;  // the job's canonical text and folder (manifest "job")
   int world_size = 1;
   DataPosition data;
   int64_t skipped_updates = 0;
@@ -52,6 +53,8 @@ struct ReadCheckpoint {
 // Reads and verifies a checkpoint folder. Throws CheckpointError naming the file for a missing,
 // truncated or corrupt one (optimizer shards: their sizes now, their crc32 when first read).
 ReadCheckpoint read_checkpoint(const std::string& folder);
+// The same, every file verified but none loaded: the manifest's numbers and job.
+CheckpointContents read_checkpoint_info(const std::string& folder);
 // Streams a checkpoint (sharded or not) into one safetensors file of the model's tensors,
 // fp32 for floating ones (masters where the run kept them): see loom/trainer.h.
 void consolidate_checkpoint_folder(const std::string& folder, const std::string& out_file);

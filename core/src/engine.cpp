@@ -31,27 +31,19 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/pretrained.h"
+#include "loom/safetensors.h"
 #include "loom/step_driver.h"
 #include "loom/trainer.h"
 #include "plugin_host.h"
 #include "resolve.h"
+#include "schedule.h"
 #include "step_report.h"
 
 namespace loom {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double schedule(const std::string& kind, double base, int64_t step, int64_t warmup,
-                int64_t total) {
-  // Hugging Face's schedules, step counted from 0 at the first update.
-  if (step < warmup) return base * static_cast<double>(step) / std::max<int64_t>(1, warmup);
-  if (kind == "constant") return base;
-  const double progress =
-      static_cast<double>(step - warmup) / std::max<int64_t>(1, total - warmup);
-  if (kind == "linear") return base * std::max(0.0, 1.0 - progress);
-  return base * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));  // cosine
-}
 
 struct Registered {
   int priority;
@@ -90,10 +82,7 @@ class EngineImpl final : public Engine, public Trainer {
                   train.get_float("learning_rate"));
     LOOM_CHECK_AS(ConfigError, train.get_float("max_grad_norm") >= 0,
                   train.where("max_grad_norm"), ": [train] max_grad_norm must be >= 0");
-    const auto sched = train.get_string("lr_scheduler_type");
-    LOOM_CHECK_AS(ConfigError, sched == "constant" || sched == "linear" || sched == "cosine",
-                  train.where("lr_scheduler_type"), ": [train] lr_scheduler_type '", sched,
-                  "' is unknown; use constant, linear or cosine");
+    schedule_ = make_schedule(train);
     log_level_ = log::parse_level(train.get_string("log_level"));
     cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
     const auto& distributed = resolved_.section("distributed");
@@ -129,6 +118,20 @@ class EngineImpl final : public Engine, public Trainer {
     for (auto& list : handlers_) list.clear();
     grad_handlers_.clear();
     interceptors_.clear();
+  }
+
+  // `loom export`: the model plugin's transformers form of `weights` (see export_checkpoint).
+  pretrained::Export to_pretrained(const NamedTensors& weights) const {
+    const auto& model = resolved_.model;
+    LOOM_CHECK_AS(ConfigError, model.provider, "the job names no model to export");
+    auto out = model.provider->plugin->export_pretrained(
+        model.name, resolved_.section("model"), weights,
+        [this](const std::string& path) { return resolve_path(path); });
+    LOOM_CHECK_AS(ConfigError, out.has_value(), "model '", model.name, "' (plugin ",
+                  plugin_label(model.provider),
+                  ") has no transformers form to export; `loom consolidate` writes its weights "
+                  "as one safetensors file");
+    return std::move(*out);
   }
 
   // ---- Trainer ----
@@ -268,8 +271,7 @@ class EngineImpl final : public Engine, public Trainer {
               " rank(s) = ", sampler.batch_size * state_.accumulation_steps * comm_->world_size(),
               " samples per step");
     log::info("optimizer ", rule_->name(), ", lr ", train.get_float("learning_rate"), " (",
-              train.get_string("lr_scheduler_type"), ", warm-up ", train.get_int("warmup_steps"),
-              "), max_grad_norm ", train.get_float("max_grad_norm"));
+              schedule_.describe(), "), max_grad_norm ", train.get_float("max_grad_norm"));
     setup_done_ = true;
   }
 
@@ -278,8 +280,7 @@ class EngineImpl final : public Engine, public Trainer {
     if (state_.step >= state_.max_steps) return false;
     const auto start = Clock::now();
     const auto& train = resolved_.section("train");
-    state_.lr = schedule(train.get_string("lr_scheduler_type"), train.get_float("learning_rate"),
-                         state_.step, train.get_int("warmup_steps"), state_.max_steps);
+    state_.lr = schedule_.lr(state_.step);
     driver_->zero_grad();
     state_.metrics.clear();
     state_.skip_update = false;
@@ -664,7 +665,8 @@ class EngineImpl final : public Engine, public Trainer {
 
   RunParts run_parts() {
     return RunParts{*model_, resolved_.model.name, *driver_, *data_, state_, *comm_,
-                    device_, seed_, job_.hash(), rule_->name()};
+                    device_, seed_, job_.hash(), rule_->name(), job_.canonical_text(),
+                    job_.dir.string()};
   }
 
   // output_dir/run.json: what ran where, and the model-state bytes, for tools and benchmarks.
@@ -695,6 +697,7 @@ class EngineImpl final : public Engine, public Trainer {
   Job job_;
   PluginHost host_;
   ResolvedJob resolved_;
+  Schedule schedule_;
   log::Level log_level_ = log::Level::info;
   std::unique_ptr<Comm> comm_;
   c10::Device device_{c10::kCPU};
@@ -741,6 +744,36 @@ std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
                                             const std::filesystem::path& dir,
                                             const std::vector<std::string>& overrides) {
   return std::make_unique<EngineImpl>(Job::parse(toml, dir / "job.toml", overrides));
+}
+
+void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  LOOM_CHECK_AS(CheckpointError, !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
+                "'", out_dir.string(), "' exists and is not an empty folder; choose a new folder "
+                "(an export never overwrites)");
+  const CheckpointContents info = read_checkpoint_info(checkpoint.string());
+  LOOM_CHECK_AS(CheckpointError, !info.job_text.empty(), "checkpoint '",
+                checkpoint.string(), "' does not record its job (written by an older loom); "
+                "resume it for one step with this loom and export that checkpoint");
+  Job job = Job::parse(info.job_text, fs::path(info.job_dir) / "job.toml (saved in the checkpoint)");
+  EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
+  // The weights in fp32 by loom's names: consolidated (any world size or ZeRO stage) into a
+  // temporary file next to the output, then read.
+  const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
+  LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
+                out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
+  const fs::path temp = parent / (".loom-export-" + std::to_string(::getpid()) + ".safetensors");
+  NamedTensors weights;
+  try {
+    consolidate_checkpoint_folder(checkpoint.string(), temp.string());
+    weights = safetensors::load(temp).tensors;
+  } catch (...) {
+    fs::remove(temp, ec);
+    throw;
+  }
+  fs::remove(temp, ec);
+  pretrained::write_folder(out_dir, engine.to_pretrained(weights));
 }
 
 std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path) {

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <set>
 
@@ -55,9 +56,37 @@ Level level() {
   return current;
 }
 
+// Note [Status line]: the progress bar is the terminal's last line, redrawn in place with
+// "\r". A log line written while it shows would start in the middle of it ("... samples/s[18:11:19]
+// info saved ..."), so every write clears the bar's line first and draws the bar again after.
+std::mutex g_status_mutex;
+std::string g_status;  // the bar on screen, or "" for none
+
 void write(Level lvl, std::string_view message) {
   if (lvl < level()) return;
+  std::lock_guard<std::mutex> lock(g_status_mutex);
+  if (!g_status.empty()) std::fputs("\r\033[K", stderr);
   logger()->log(to_spd(lvl), "{}", message);
+  logger()->flush();
+  if (!g_status.empty()) {
+    std::fputs(g_status.c_str(), stderr);
+    std::fflush(stderr);
+  }
+}
+
+void status(std::string_view line) {
+  std::lock_guard<std::mutex> lock(g_status_mutex);
+  g_status = line;
+  std::fprintf(stderr, "\r\033[K%s", g_status.c_str());
+  std::fflush(stderr);
+}
+
+void end_status() {
+  std::lock_guard<std::mutex> lock(g_status_mutex);
+  if (g_status.empty()) return;
+  std::fputs("\n", stderr);
+  std::fflush(stderr);
+  g_status.clear();
 }
 
 void warn_once(std::string_view key, std::string_view message) {

@@ -115,8 +115,17 @@ std::vector<Schema> core_schemas() {
       .key_int("per_device_train_batch_size", 8, "samples per micro-batch on each rank")
       .key_int("gradient_accumulation_steps", 1, "micro-batches per optimizer step")
       .key_float("learning_rate", 5e-5, "peak learning rate")
-      .key_string("lr_scheduler_type", "constant", "constant | linear | cosine (after warm-up)")
+      .key_string("lr_scheduler_type", "constant",
+                  "Hugging Face's schedules: constant (no warm-up) | constant_with_warmup | "
+                  "linear | cosine | cosine_with_restarts | polynomial | inverse_sqrt | "
+                  "cosine_with_min_lr")
       .key_int("warmup_steps", 0, "steps of linear warm-up from 0 to learning_rate")
+      .key_float("warmup_ratio", 0.0,
+                 "warm-up as a share of max_steps, rounded up (instead of warmup_steps)")
+      .key_optional("lr_scheduler_kwargs", ValueType::Table,
+                    "the schedule's extra arguments, as HF's: num_cycles (cosine, "
+                    "cosine_with_restarts), lr_end and power (polynomial), timescale "
+                    "(inverse_sqrt), min_lr or min_lr_rate (cosine_with_min_lr)")
       .key_float("max_grad_norm", 1.0, "clip the global gradient norm to this (0 = off)")
       .key_int("seed", 42, "seed of every random number loom draws")
       .key_int("num_threads", 0, "intra-op threads (0 = the cores available)")

@@ -32,6 +32,8 @@ CheckpointContents checkpoint_contents(const RunParts& run, CheckpointData plugi
   contents.step = run.state.step;
   contents.seed = run.seed;
   contents.config_hash = run.config_hash;
+  contents.job_text = run.job_text;
+  contents.job_dir = run.job_dir;
   contents.update_rule = run.update_rule;
   contents.world_size = run.comm.world_size();
   contents.data = run.data.position();

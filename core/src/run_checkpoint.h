@@ -28,6 +28,7 @@ struct RunParts {
   c10::Device device;
   uint64_t seed;
   std::string config_hash, update_rule;
+  std::string job_text, job_dir;  // saved in the manifest, for `loom export`
 };
 
 // The model's parameters and buffers by name; without_sharded leaves out the weights the

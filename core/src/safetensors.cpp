@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_format.h"
 #include "fsutil.h"
 #include "loom/error.h"
 
@@ -32,8 +33,6 @@ std::optional<at::ScalarType> dtype_of(const std::string& name) {
     if (name == d.name) return d.type;
   return std::nullopt;
 }
-
-constexpr uint64_t kMaxHeader = 100ull << 20;  // the reference implementation's limit
 
 }  // namespace
 
@@ -80,65 +79,20 @@ Header read_header(const std::filesystem::path& file) {
   in.seekg(0, std::ios::end);
   const uint64_t size = static_cast<uint64_t>(in.tellg());
   in.seekg(0);
-  LOOM_CHECK_AS(CheckpointError, size >= 8, "'", name, "' is truncated (", size,
-                " bytes): not a safetensors file");
-  unsigned char le[8];
-  in.read(reinterpret_cast<char*>(le), 8);
-  uint64_t header_size = 0;
-  for (int i = 0; i < 8; ++i) header_size |= static_cast<uint64_t>(le[i]) << (8 * i);
-  LOOM_CHECK_AS(CheckpointError, header_size <= kMaxHeader && 8 + header_size <= size, "'",
-                name, "' is corrupt or truncated: its header claims ", header_size,
-                " bytes but the file has ", size);
-  std::string text(header_size, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(header_size));
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& error) {
-    throw CheckpointError(detail::cat("'", name, "' has a corrupt header: ", error.what()));
-  }
-  LOOM_CHECK_AS(CheckpointError, json.is_object(), "'", name,
-                "' has a corrupt header: not a JSON object");
-  const uint64_t data_size = size - 8 - header_size;
+  std::string prefix(std::min<uint64_t>(size, 8), '\0');
+  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  std::string text(format::safetensors_header_length(prefix, size, name), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  LOOM_CHECK_AS(CheckpointError, in.good(), "'", name, "': reading its header failed");
+  format::SafetensorsHeader parsed = format::parse_safetensors_header(text, size, name);
   Header header;
-  header.data_start = 8 + header_size;
-  try {
-    for (const auto& [key, value] : json.items()) {
-      if (key == "__metadata__") {
-        for (const auto& [mk, mv] : value.items()) header.metadata[mk] = mv.get<std::string>();
-        continue;
-      }
-      Entry entry{key, at::kFloat, value.at("shape").get<std::vector<int64_t>>(),
-                  value.at("data_offsets").at(0).get<uint64_t>(),
-                  value.at("data_offsets").at(1).get<uint64_t>()};
-      auto type = dtype_of(value.at("dtype").get<std::string>());
-      LOOM_CHECK_AS(CheckpointError, type, "'", name, "': tensor '", key,
-                    "' has unsupported dtype ", value.at("dtype").dump());
-      entry.dtype = *type;
-      uint64_t numel = 1;
-      for (int64_t d : entry.shape) {
-        LOOM_CHECK_AS(CheckpointError, d >= 0, "'", name, "': tensor '", key,
-                      "' has a negative dimension");
-        numel *= static_cast<uint64_t>(d);
-      }
-      LOOM_CHECK_AS(CheckpointError,
-                    entry.begin <= entry.end && entry.end <= data_size &&
-                        entry.end - entry.begin == numel * c10::elementSize(entry.dtype),
-                    "'", name, "' is corrupt or truncated: tensor '", key, "' claims bytes [",
-                    entry.begin, ", ", entry.end, ") of ", data_size, " for ", numel,
-                    " elements");
-      header.entries.push_back(std::move(entry));
-    }
-  } catch (const nlohmann::json::exception& error) {
-    throw CheckpointError(detail::cat("'", name, "' has a malformed header: ", error.what()));
+  header.data_start = parsed.data_start;
+  header.metadata = std::move(parsed.metadata);
+  for (auto& e : parsed.entries) {
+    auto type = dtype_of(e.dtype);
+    LOOM_INTERNAL_ASSERT(type, "dtype ", e.dtype, " has a size but no ScalarType");
+    header.entries.push_back({std::move(e.name), *type, std::move(e.shape), e.begin, e.end});
   }
-  auto& entries = header.entries;
-  std::sort(entries.begin(), entries.end(),
-            [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < entries.size(); ++i)
-    LOOM_CHECK_AS(CheckpointError, entries[i - 1].end <= entries[i].begin, "'", name,
-                  "' is corrupt: tensors '", entries[i - 1].name, "' and '", entries[i].name,
-                  "' overlap");
   return header;
 }
 

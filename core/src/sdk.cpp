@@ -69,6 +69,12 @@ std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
                                   "' but does not implement create_update_rule"));
 }
 
+std::optional<pretrained::Export> Plugin::export_pretrained(
+    const std::string&, const ConfigSection&, const NamedTensors&,
+    const std::function<std::string(const std::string&)>&) const {
+  return std::nullopt;
+}
+
 std::unique_ptr<StepDriver> Plugin::create_step_driver(const StepDriverOptions&, Engine&) {
   throw InternalError(detail::cat("plugin '", this->name(),
                                   "' fills slot step_driver but does not implement "

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,20 @@
 #include "loom/memory.h"
 
 namespace loom {
+namespace {
+
+// tqdm's clock: MM:SS, or H:MM:SS from an hour.
+std::string clock_text(double seconds) {
+  const auto s = static_cast<long long>(std::max(0.0, seconds) + 0.5);
+  char text[32];
+  if (s >= 3600)
+    std::snprintf(text, sizeof text, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+  else
+    std::snprintf(text, sizeof text, "%02lld:%02lld", s / 60, s % 60);
+  return text;
+}
+
+}  // namespace
 
 void StepReport::start_fresh() const {
   if (options_.rank == 0) std::ofstream(options_.metrics_path, std::ios::trunc);
@@ -43,14 +58,28 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
   const bool bar = options_.progress_bar && options_.rank == 0 && ::isatty(2) &&
                    log::level() <= log::Level::info;
   if (bar) {
+    // As tqdm: elapsed<remaining, from the steps this process ran (a resumed run starts here).
+    const auto now = std::chrono::steady_clock::now();
+    if (!bar_started_) {
+      bar_started_ = true;
+      bar_start_ = now - std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(seconds));
+      bar_start_step_ = state.step - 1;
+    }
+    const double elapsed = std::chrono::duration<double>(now - bar_start_).count();
+    const double done = static_cast<double>(state.step - bar_start_step_);
+    const double remaining =
+        done > 0 ? elapsed / done * static_cast<double>(state.max_steps - state.step) : 0.0;
     const int width = 30;
     const int filled =
         static_cast<int>(width * state.step / std::max<int64_t>(1, state.max_steps));
-    std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f lr %.2e %.1f samples/s",
-                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                 static_cast<long long>(state.step), static_cast<long long>(state.max_steps),
-                 state.loss, state.lr, samples_per_s);
-    progress_shown_ = true;
+    char line[256];
+    std::snprintf(line, sizeof line, "[%s%s] %lld/%lld [%s<%s] loss %.4f lr %.2e %.1f samples/s",
+                  std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                  static_cast<long long>(state.step), static_cast<long long>(state.max_steps),
+                  clock_text(elapsed).c_str(), clock_text(remaining).c_str(), state.loss,
+                  state.lr, samples_per_s);
+    log::status(line);
     return;
   }
   const int64_t every = std::max<int64_t>(1, options_.logging_steps);
@@ -61,9 +90,6 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
               memory::format_bytes(memory_now.peak_bytes), ")");
 }
 
-void StepReport::end_progress() {
-  if (progress_shown_) std::fprintf(stderr, "\n");
-  progress_shown_ = false;
-}
+void StepReport::end_progress() { log::end_status(); }
 
 }  // namespace loom

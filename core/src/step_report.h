@@ -5,6 +5,7 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -32,7 +33,9 @@ class StepReport {
 
  private:
   Options options_;
-  bool progress_shown_ = false;
+  bool bar_started_ = false;  // the bar's clock: from the first step this process reported
+  std::chrono::steady_clock::time_point bar_start_;
+  int64_t bar_start_step_ = 0;
 };
 
 }  // namespace loom

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 
+#include "checkpoint_format.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
 #include "test_util.h"
@@ -12,20 +13,8 @@ namespace loom {
 namespace {
 
 using test::TempDir;
+using test::run_python;
 using test::tiny_gpt_job;
-
-std::string run_python(const std::string& script) {
-  TempDir dir;
-  std::ofstream(dir / "script.py") << script;
-  const std::string command = std::string(LOOM_TEST_PYTHON) + " " + (dir / "script.py").string() + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
-  const int status = pclose(pipe);
-  EXPECT_EQ(status, 0) << out;
-  return out;
-}
 
 NamedTensors sample_tensors() {
   at::manual_seed(3);
@@ -105,6 +94,68 @@ TEST(Safetensors, TruncatedAndCorruptFilesAreNamedErrors) {
                     "bad.safetensors", "corrupt header");
   EXPECT_THROW_WITH(safetensors::load(dir / "none.safetensors"), CheckpointError,
                     "cannot open", "none.safetensors");
+}
+
+// Headers a fuzzer or an editor could write: each a CheckpointError naming the problem, never
+// an allocation of a wrapped size or a silent conversion.
+TEST(Safetensors, HeadersWithImpossibleNumbersAreNamedErrors) {
+  TempDir dir;
+  auto write = [&](const std::string& name, const std::string& header, size_t data_bytes) {
+    std::ofstream out(dir / name, std::ios::binary);
+    uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header << std::string(data_bytes, '\0');
+  };
+  // 2^32 x 2^32 x 4 bytes wraps to 0 in 64 bits: it must not pass as an empty tensor.
+  write("wrap.safetensors",
+        R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0);
+  EXPECT_THROW_WITH(safetensors::load(dir / "wrap.safetensors"), CheckpointError,
+                    "wrap.safetensors", "tensor 'w' claims bytes [0, 0)", "too many elements");
+  write("float.safetensors", R"({"w": {"dtype": "F32", "shape": [1.5e300], "data_offsets": [0, 4]}})",
+        4);
+  EXPECT_THROW_WITH(safetensors::load(dir / "float.safetensors"), CheckpointError,
+                    "float.safetensors", "shape dimension is 1.5e+300, not an integer");
+  write("meta.safetensors", R"({"__metadata__": {"step": 7}})", 0);
+  EXPECT_THROW_WITH(safetensors::load(dir / "meta.safetensors"), CheckpointError,
+                    "meta.safetensors", "__metadata__.step is 7, not a string");
+  write("pair.safetensors", R"({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0]}})", 1);
+  EXPECT_THROW_WITH(safetensors::load(dir / "pair.safetensors"), CheckpointError,
+                    "pair.safetensors", "data_offsets is not a pair");
+}
+
+TEST(CheckpointFormat, ManifestAndLayoutNumbersAreCheckedBeforeUse) {
+  const std::string good = test::read_text(std::filesystem::path(LOOM_SOURCE_DIR) /
+                                           "tests/fuzz/corpus/manifest/manifest_v2.json")
+                               .substr(1);
+  EXPECT_EQ(format::parse_manifest(good, "m.json").world_size, 4);
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const auto at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return text.replace(at, from.size(), to);
+  };
+  EXPECT_THROW_WITH(format::parse_manifest(with("\"world_size\": 4", "\"world_size\": 4294967297"),
+                                           "m.json"),
+                    CheckpointError, "'m.json' is corrupt: world_size is 4294967297");
+  EXPECT_THROW_WITH(format::parse_manifest(with("\"step\": 20", "\"step\": 2e1"), "m.json"),
+                    CheckpointError, "step is 20.0, not an integer");
+  EXPECT_THROW_WITH(format::parse_manifest(with("\"crc32\": ", "\"crc32\": 4294967296"), "m.json"),
+                    CheckpointError, "crc32 is 4294967296");
+  EXPECT_THROW_WITH(format::parse_manifest(good.substr(0, 40), "m.json"), CheckpointError,
+                    "'m.json' is corrupt: not valid JSON");
+  EXPECT_THROW_WITH(format::parse_shard_layout({{"layout", "{}"}, {"step", "x7"}}, 7, "s.st"),
+                    CheckpointError, "'s.st' has corrupt layout metadata");
+  EXPECT_THROW_WITH(format::parse_shard_layout({{"layout", "{}"}, {"step", "6"}}, 7, "s.st"),
+                    CheckpointError, "is from step 6 but the checkpoint is of step 7");
+  EXPECT_THROW_WITH(format::parse_shard_layout(
+                        {{"layout", R"({"a": {"shape": [4], "offset": -1}})"}, {"step", "7"}}, 7,
+                        "s.st"),
+                    CheckpointError, "'a' offset is -1");
+  EXPECT_EQ(format::parse_shard_layout(
+                {{"layout", R"({"a": {"shape": [8, 2], "offset": 4}})"}, {"step", "7"}}, 7, "s.st")
+                .at("a")
+                .offset,
+            4);
 }
 
 TEST(Checkpoint, FolderHoldsManifestAndPythonReadableWeights) {

@@ -52,6 +52,23 @@ assert last < first - 1.0, (first, last)
 PY
 [ -f "$out/checkpoint-40/manifest.json" ] && ok "final checkpoint written" || fail "final checkpoint"
 
+# On a terminal (script(1) gives the run a pseudo-terminal): the bar shows elapsed<remaining as
+# tqdm does, and the log lines of checkpoint saves start on a line of their own, never inside
+# the bar's line (the bar is cleared, the line printed, the bar drawn again).
+if command -v script >/dev/null; then
+  bar="$work/bar"
+  script -qec "'$loom' run '$src/examples/demo.toml' --set train.max_steps=12 \
+      --set train.output_dir='$bar' --set train.resume= --set train.save_steps=4" \
+      "$work/bar.typescript" >/dev/null 2>&1 </dev/null
+  tr '\r' '\n' <"$work/bar.typescript" | sed 's/\x1b\[[0-9;]*[mK]//g' >"$work/bar.lines"
+  grep -qE '^\[#+\.*\] 12/12 \[[0-9]{2}:[0-9]{2}<00:00\] loss ' "$work/bar.lines" &&
+    ok "progress bar shows elapsed<remaining" || fail "progress bar: $(tail -3 "$work/bar.lines")"
+  saves=$(grep -cE '^\[[0-9:]{8}\] info saved checkpoint' "$work/bar.lines")
+  glued=$(grep -cE 'samples/s.*saved checkpoint' "$work/bar.lines")
+  [ "$saves" -eq 3 ] && [ "$glued" -eq 0 ] && ok "log lines never print into the bar" ||
+    fail "log lines and the bar: $saves saves on their own line, $glued glued to the bar"
+fi
+
 # Bad input.
 printf '[train]\nmodel = "gpt"\nmax_step = 3\n' >"$work/typo.toml"
 expect_error "unknown key" "typo.toml:3: unknown key 'max_step' in [train]; did you mean 'max_steps'?" \

@@ -11,7 +11,7 @@ cmake -S "$src/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$build.log" 2>&1 && cmake --build "$build" >>"$build.log" 2>&1 ||
   { tail -20 "$build.log"; echo "FAIL: the fuzz targets do not build"; exit 1; }
 status=0
-for target in job; do
+for target in job safetensors manifest; do
   corpus=$(mktemp -d)
   cp "$src/tests/fuzz/corpus/$target"/* "$corpus/"
   if "$build/fuzz_$target" -runs="$runs" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -69,6 +70,29 @@ inline std::string read_text(const std::filesystem::path& file) {
   s << in.rdbuf();
   return s.str();
 }
+
+// Runs a shell command; its stdout and stderr. A command that fails fails the test.
+inline std::string run_command(const std::string& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  EXPECT_NE(pipe, nullptr) << command;
+  if (!pipe) return "";
+  std::string out;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+  EXPECT_EQ(pclose(pipe), 0) << out;
+  return out;
+}
+
+// Runs a Python script with the project venv's interpreter (the independent references:
+// torch, transformers, safetensors, PEFT).
+#ifdef LOOM_TEST_PYTHON
+inline std::string run_python(const std::string& script) {
+  TempDir dir;
+  const auto file = dir / "reference.py";
+  std::ofstream(file) << script;
+  return run_command(std::string(LOOM_TEST_PYTHON) + " " + file.string());
+}
+#endif
 
 }  // namespace loom::test
 

@@ -26,6 +26,11 @@ void write(Level level, std::string_view message);
 void warn_once(std::string_view key, std::string_view message);
 Level parse_level(std::string_view name);  // throws ConfigError on an unknown name
 
+// The terminal's status line (the engine's progress bar), on stderr: log lines print above it,
+// never into it, and it is drawn again below them.
+void status(std::string_view line);  // draws or replaces it
+void end_status();  // leaves the last one on screen and moves to a new line
+
 template <class... Args>
 void debug(const Args&... args) {
   if (level() <= Level::debug) write(Level::debug, detail::cat(args...));

@@ -10,16 +10,18 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "loom/config.h"
+#include "loom/pretrained.h"
 
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 4u
+#define LOOM_PLUGIN_API_VERSION 5u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -82,6 +84,13 @@ class Plugin {
                                                         Engine& engine);
   virtual std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
                                                          const ConfigSection& table);
+  // Model providers, for `loom export`: the model of the validated table `table` with trained
+  // `weights` (loom's names, floating ones fp32) as a transformers save_pretrained folder's
+  // config.json and tensors. resolve_path makes a path of the job absolute (the job's folder).
+  // std::nullopt: this model has no transformers equivalent (the default).
+  virtual std::optional<pretrained::Export> export_pretrained(
+      const std::string& name, const ConfigSection& table, const NamedTensors& weights,
+      const std::function<std::string(const std::string&)>& resolve_path) const;
   // A plugin that fills Slot::step_driver: called once, after model_built and before
   // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
   virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,

@@ -38,6 +38,11 @@ struct Entry {
   at::ScalarType dtype;
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0;  // byte range within the data section
+  uint64_t numel() const {  // checked against the byte range when the header was read
+    uint64_t n = 1;
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    return n;
+  }
 };
 struct Header {
   std::vector<Entry> entries;  // in file order

@@ -75,6 +75,12 @@ std::string describe_plugins(const std::vector<std::filesystem::path>& extra_pat
 void consolidate_checkpoint(const std::filesystem::path& checkpoint,
                             const std::filesystem::path& out_file);
 
+// `loom export CKPT OUT_DIR`: a checkpoint as a folder transformers' from_pretrained loads
+// (config.json + model.safetensors), by the model plugin's Plugin::export_pretrained and the
+// job the checkpoint records. OUT_DIR must be new or empty; it appears whole or not at all.
+void export_checkpoint(const std::filesystem::path& checkpoint,
+                       const std::filesystem::path& out_dir);
+
 }  // namespace loom
 
 #pragma GCC visibility pop

@@ -286,13 +286,8 @@ save_merged = true)"),
   const std::string command = std::string(LOOM_TEST_PYTHON) + " " LOOM_SOURCE_DIR
                               "/tests/plugins/lora/peft_check.py " + dir.str() + " " +
                               (dir / "io.safetensors").string() + " " +
-                              (dir / "merged/model.safetensors").string() + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
-  EXPECT_EQ(pclose(pipe), 0) << output;
+                              (dir / "merged/model.safetensors").string();
+  const std::string output = test::run_command(command);
   EXPECT_NE(output.find("ok: 4 adapted Linears"), std::string::npos) << output;
   std::printf("%s", output.c_str());  // PEFT's differences, for the log
 }

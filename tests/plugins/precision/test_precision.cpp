@@ -20,6 +20,7 @@
 namespace loom {
 namespace {
 
+using test::run_python;
 using test::TempDir;
 
 std::string with_precision(const std::string& job, const std::string& precision) {
@@ -55,20 +56,6 @@ std::vector<nlohmann::json> metrics(const std::filesystem::path& dir) {
   for (std::string line; std::getline(in, line);)
     if (!line.empty()) lines.push_back(nlohmann::json::parse(line));
   return lines;
-}
-
-std::string run_python(const std::string& script) {
-  TempDir dir;
-  const auto file = dir / "reference.py";
-  std::ofstream(file) << script;
-  const std::string command = std::string(LOOM_TEST_PYTHON) + " " + file.string() + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
-  EXPECT_EQ(pclose(pipe), 0) << out;
-  return out;
 }
 
 // A small byte-level GPT on English text: its loss falls from 5.5, so "follows" means something.
