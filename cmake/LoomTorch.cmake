@@ -32,6 +32,18 @@ target_link_libraries(loom_torch INTERFACE ${TORCH_LIBRARIES})
 target_link_options(loom_torch INTERFACE "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 target_compile_options(loom_torch INTERFACE ${_torch_flags})
+# Note [OpenMP]: ATen's at::parallel_for is inline code over OpenMP (the wheel is built with
+# AT_PARALLEL_OPENMP=1). Compiled without -fopenmp its `#pragma omp parallel` is ignored and
+# every loop of loom's own kernels (the update rules) runs on one thread, whatever the intra-op
+# thread count. So loom compiles with -fopenmp and links the wheel's own libgomp (the runtime
+# LibTorch's threads already use: one thread pool, one set of OMP_* settings), not the
+# system's: no -fopenmp at link time, which would add the system's -lgomp.
+target_compile_options(loom_torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-fopenmp>)
+find_library(LOOM_TORCH_GOMP NAMES libgomp.so.1 PATHS "${TORCH_INSTALL_PREFIX}/lib" NO_DEFAULT_PATH)
+if(NOT LOOM_TORCH_GOMP)
+  message(FATAL_ERROR "loom: the torch wheel's libgomp.so.1 is not in ${TORCH_INSTALL_PREFIX}/lib")
+endif()
+target_link_libraries(loom_torch INTERFACE "${LOOM_TORCH_GOMP}")
 if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(LOOM_WITH_CUDA ON)
   target_compile_definitions(loom_torch INTERFACE LOOM_WITH_CUDA=1)

@@ -127,8 +127,8 @@ class Adam8bit final : public UpdateRule {
         const float inv_m = new_am > 0 ? 1.0f / new_am : 0.0f;
         const float inv_v = new_av > 0 ? 1.0f / new_av : 0.0f;
         for (int64_t i = 0; i < len; ++i) {
-          qm[start + i] = ms.quantize(mbuf[i] * inv_m);
-          qv[start + i] = vs.quantize(vbuf[i] * inv_v);
+          qm[start + i] = ms.quantize_fast(mbuf[i] * inv_m);
+          qv[start + i] = vs.quantize_fast(vbuf[i] * inv_v);
         }
         am[b] = new_am;
         av[b] = new_av;

@@ -13,6 +13,23 @@ constexpr int64_t kGrain = 1 << 16;  // elements per parallel chunk: amortises t
 
 // torch.optim.SGD: L2 weight decay added to the gradient (coupled, as torch does), heavy-ball
 // momentum whose buffer starts as the first gradient, optional Nesterov look-ahead.
+// Note [Kernels outside the lambda]: the element loops are functions of __restrict pointers
+// passed by value. Written inside at::parallel_for's lambda, which OpenMP may run in a parallel
+// region (Note [OpenMP] in cmake/LoomTorch.cmake), GCC reaches the pointers through the closure
+// and left the loops scalar: lion ran 3.7x and sgd 1.4x slower at one thread.
+void sgd_kernel(float* __restrict p, const float* __restrict g, float* __restrict buf, int64_t n,
+                float wd, float lr, float mu, float keep, bool first, bool nesterov) {
+  for (int64_t i = 0; i < n; ++i) {
+    float d = wd != 0 ? g[i] + wd * p[i] : g[i];
+    if (buf) {
+      const float b = first ? d : mu * buf[i] + keep * d;
+      buf[i] = b;
+      d = nesterov ? d + mu * b : b;
+    }
+    p[i] = p[i] - lr * d;
+  }
+}
+
 class Sgd final : public UpdateRule {
  public:
   explicit Sgd(const ConfigSection& c)
@@ -40,15 +57,8 @@ class Sgd final : public UpdateRule {
                   mu = static_cast<float>(momentum_), keep = static_cast<float>(1.0 - dampening_);
       const bool nesterov = nesterov_;
       at::parallel_for(0, s.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          float d = wd != 0 ? g[i] + wd * p[i] : g[i];
-          if (buf) {
-            const float b = first ? d : mu * buf[i] + keep * d;
-            buf[i] = b;
-            d = nesterov ? d + mu * b : b;
-          }
-          p[i] = p[i] - lr * d;
-        }
+        sgd_kernel(p + begin, g + begin, buf ? buf + begin : nullptr, end - begin, wd, lr, mu,
+                   keep, first, nesterov);
       });
       return;
     }
@@ -71,6 +81,16 @@ class Sgd final : public UpdateRule {
 
 // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
 // c = b1 m + (1-b1) g; p = p (1 - lr wd) - lr sign(c); m = b2 m + (1-b2) g.
+void lion_kernel(float* __restrict p, const float* __restrict g, float* __restrict m, int64_t n,
+                 float b1, float w1, float b2, float w2, float lr, float decay) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = b1 * m[i] + w1 * g[i];
+    const float sign = static_cast<float>((c > 0) - (c < 0));
+    p[i] = p[i] * decay - lr * sign;
+    m[i] = b2 * m[i] + w2 * g[i];
+  }
+}
+
 class Lion final : public UpdateRule {
  public:
   explicit Lion(const ConfigSection& c)
@@ -90,12 +110,7 @@ class Lion final : public UpdateRule {
                   lr = static_cast<float>(ctx.lr),
                   decay = static_cast<float>(1.0 - ctx.lr * ctx.weight_decay);
       at::parallel_for(0, s.param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const float c = b1 * mp[i] + w1 * g[i];
-          const float sign = static_cast<float>((c > 0) - (c < 0));
-          p[i] = p[i] * decay - lr * sign;
-          mp[i] = b2 * mp[i] + w2 * g[i];
-        }
+        lion_kernel(p + begin, g + begin, mp + begin, end - begin, b1, w1, b2, w2, lr, decay);
       });
       return;
     }

@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace loom::optim {
@@ -42,6 +43,18 @@ struct QuantMap {
     std::sort(code.begin(), code.begin() + n);
     for (int i = 0; i < 255; ++i) threshold[i] = 0.5f * (code[i] + code[i + 1]);
     threshold[255] = std::numeric_limits<float>::infinity();
+    // The cells' first candidates: the number of thresholds below the least y of the cell.
+    for (int cell = 0; cell < kCells; ++cell) {
+      const float lo = cell_low(cell), hi = cell == kCells - 1
+                                               ? std::numeric_limits<float>::infinity()
+                                               : cell_low(cell + 1);
+      first_positive[cell] = static_cast<uint8_t>(below(lo));
+      first_negative[cell] = static_cast<uint8_t>(below(-hi));
+      // y in [lo, hi) lands in [below(lo), below(hi)]; y in (-hi, -lo] in
+      // [below(-hi), at_most(-lo)]: the walk never needs more steps than the widest cell.
+      if (cell < kCells - 1)
+        walk_steps = std::max({walk_steps, below(hi) - below(lo), at_most(-lo) - below(-hi)});
+    }
   }
 
   // The nearest code of y (|y| <= 1): a branch-free binary search over the midpoints.
@@ -52,6 +65,58 @@ struct QuantMap {
     return static_cast<uint8_t>(i);
   }
   float dequantize(uint8_t q) const { return code[q]; }
+
+  // Note [Quantize by table]: the same code as quantize() for every float, NaN included, with a
+  // table lookup and a comparison or two instead of eight dependent steps. |y| is cut into
+  // cells by its exponent and top kCellBits mantissa bits (each cell 1/32 of a binade, finer
+  // than the codes are spaced); a cell's table entry is the number of thresholds below its
+  // least value, and the walk up from there counts the rest below y — the binary search's
+  // answer by definition.
+  uint8_t quantize_fast(float y) const {
+    uint32_t bits;
+    std::memcpy(&bits, &y, sizeof bits);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    const int exponent = static_cast<int>(magnitude >> 23);
+    int cell = exponent < kMinExponent
+                   ? 0
+                   : 1 + (exponent - kMinExponent) * kCellsPerBinade +
+                         static_cast<int>((magnitude >> (23 - kCellBits)) & (kCellsPerBinade - 1));
+    cell = exponent > kMaxExponent ? kCells - 1 : cell;
+    int i = (bits >> 31) ? first_negative[cell] : first_positive[cell];
+    // A fixed number of branch-free steps (a data-dependent loop mispredicts): a step past the
+    // answer adds 0, and threshold[255] = inf stops every walk.
+    for (int step = 0; step < walk_steps; ++step) i += static_cast<int>(threshold[i] < y);
+    return static_cast<uint8_t>(y == y ? i : 0);  // NaN: 0, as the search gives
+  }
+
+  // Cells: [0, 2^(kMinExponent-127)) is cell 0, then kCellsPerBinade per binade up to |y| < 2;
+  // anything larger (or NaN) is the last cell.
+  static constexpr int kCellBits = 5, kCellsPerBinade = 1 << kCellBits;
+  static constexpr int kMinExponent = 127 - 32, kMaxExponent = 127;
+  static constexpr int kCells = 1 + (kMaxExponent - kMinExponent + 1) * kCellsPerBinade;
+  std::array<uint8_t, kCells> first_positive{}, first_negative{};
+  int walk_steps = 0;  // the most thresholds any one cell holds (2 for both maps)
+
+ private:
+  static float cell_low(int cell) {
+    if (cell == 0) return 0.0f;
+    const int c = cell - 1;
+    const uint32_t bits = static_cast<uint32_t>(kMinExponent + c / kCellsPerBinade) << 23 |
+                          static_cast<uint32_t>(c % kCellsPerBinade) << (23 - kCellBits);
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  }
+  int below(float x) const {  // thresholds < x (threshold[255] = inf never is)
+    int n = 0;
+    while (n < 255 && threshold[n] < x) ++n;
+    return n;
+  }
+  int at_most(float x) const {  // thresholds <= x
+    int n = 0;
+    while (n < 255 && threshold[n] <= x) ++n;
+    return n;
+  }
 };
 
 inline const QuantMap& signed_map() {

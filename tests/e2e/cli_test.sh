@@ -69,6 +69,53 @@ if command -v script >/dev/null; then
     fail "log lines and the bar: $saves saves on their own line, $glued glued to the bar"
 fi
 
+# examples/prepare_data.py: a BPE trained with the venv's `tokenizers` on a fortune file, the
+# token file it writes trained on (the loss falls), and the tokenizer round-trips the text.
+pd="$work/prepare"
+mkdir -p "$pd"
+if "$python" "$src/examples/prepare_data.py" --train-bpe 512 --out "$pd/tokens.bin" --seq-len 64 \
+     /usr/share/games/fortunes/wisdom >"$pd/prepare.log" 2>&1; then
+  ok "prepare_data.py writes a token file"
+else
+  fail "prepare_data.py: $(tail -3 "$pd/prepare.log")"
+fi
+"$python" - "$pd/tokens.bin" <<'PY' && ok "the token file decodes to the text" || fail "token file decodes"
+import sys, numpy as np
+from tokenizers import Tokenizer
+ids = np.fromfile(sys.argv[1], dtype=np.uint16)
+text = Tokenizer.from_file(sys.argv[1] + ".tokenizer.json").decode(ids[:200].tolist())
+source = open("/usr/share/games/fortunes/wisdom", encoding="utf-8", errors="replace").read()
+assert ids.max() < 512 and text[:80] in source, text[:80]
+PY
+cat >"$pd/job.toml" <<EOF
+[train]
+model = "gpt"
+max_steps = 30
+per_device_train_batch_size = 8
+learning_rate = 2e-3
+output_dir = "out"
+progress_bar = false
+[model]
+vocab_size = 512
+n_positions = 64
+n_embd = 64
+n_layer = 2
+n_head = 2
+dropout = 0.0
+$(sed -n '/^\[data\]/,/^$/p' "$pd/prepare.log")
+EOF
+if "$loom" run "$pd/job.toml" >"$pd/run.log" 2>&1; then
+  "$python" - "$pd/out/metrics.jsonl" <<'PY' && ok "trains on the prepared tokens" || fail "loss on prepared tokens"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, (rows[0]["loss"], rows[-1]["loss"])
+PY
+else
+  fail "run on prepared tokens: $(tail -3 "$pd/run.log")"
+fi
+expect_error "token ids beyond the vocabulary" "token id" "$loom" run "$pd/job.toml" \
+  --set model.vocab_size=256 --set train.output_dir=out2
+
 # Bad input.
 printf '[train]\nmodel = "gpt"\nmax_step = 3\n' >"$work/typo.toml"
 expect_error "unknown key" "typo.toml:3: unknown key 'max_step' in [train]; did you mean 'max_steps'?" \

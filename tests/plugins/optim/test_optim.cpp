@@ -425,6 +425,38 @@ TEST(OptimQuantization, MapsAreSortedAndExactAtZeroAndOne) {
   }
 }
 
+// Note [Quantize by table]: the table path gives the binary search's byte for every float it
+// is tried on: a stride through all 2^32 bit patterns (both signs, tiny, huge, inf, NaN), and
+// each threshold and code with its neighbours one ulp away.
+TEST(OptimQuantization, TableQuantizeEqualsTheSearchForEveryFloatTried) {
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
+    int64_t tried = 0;
+    auto check = [&](float y) {
+      ++tried;
+      ASSERT_EQ(map.quantize_fast(y), map.quantize(y)) << "y = " << y;
+    };
+    for (uint64_t bits = 0; bits < (1ull << 32); bits += 997) {
+      float y;
+      const auto b = static_cast<uint32_t>(bits);
+      std::memcpy(&y, &b, sizeof y);
+      check(y);
+    }
+    for (int i = 0; i < 256; ++i)
+      for (float x : {map.threshold[i], map.code[i]})
+        for (float s : {1.0f, -1.0f}) {
+          const float v = s * x;
+          check(v);
+          check(std::nextafter(v, -INFINITY));
+          check(std::nextafter(v, INFINITY));
+        }
+    for (float y : {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, 2.0f, INFINITY, -INFINITY, NAN})
+      check(y);
+    EXPECT_GT(tried, 4000000);
+    EXPECT_LE(map.walk_steps, 3) << "cells wider than the codes' spacing";
+  }
+}
+
 // Each value comes back within half the gap between the two codes around it (nearest
 // rounding), scaled by its block's absmax; the absmax element comes back exactly.
 TEST(OptimQuantization, RoundTripErrorIsWithinTheMapsBound) {
