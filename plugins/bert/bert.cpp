@@ -1,13 +1,22 @@
 // The `bert` model plugin: a BERT-style encoder (post-norm, bidirectional, GELU) with a
 // sequence-classification head — the seed benchmark's model. Key names follow Hugging Face's
-// BertConfig; BERT-large is hidden_size 1024, 24 layers, 16 heads, intermediate 4096.
+// BertConfig; BERT-large is hidden_size 1024, 24 layers, 16 heads, intermediate 4096. It
+// imports transformers' BERT folders and exports BertForSequenceClassification (Note [BERT
+// names]).
 #include <ATen/ATen.h>
 
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
 #include "loom/engine.h"
+#include "loom/log.h"
 #include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/pretrained.h"
 
 namespace {
 
@@ -16,6 +25,113 @@ struct BertConfig {
       max_position_embeddings, type_vocab_size, num_labels;
   double hidden_dropout_prob, attention_probs_dropout_prob, layer_norm_eps, initializer_range;
 };
+
+// Note [BERT names]: transformers' BertForSequenceClassification prefixes the encoder with
+// "bert." (BertModel saves without it; BertForMaskedLM has no pooler and a "cls." head).
+// Separate query/key/value Linears are loom's one qkv Linear, stacked q, k, v along the output
+// dimension; HF's Linear weights are (out, in) like loom's, so nothing is transposed.
+struct Layer {
+  std::string hf, loom;
+};
+std::vector<Layer> bert_layers(int64_t layers) {
+  std::vector<Layer> out = {{"embeddings.word_embeddings", "word_embeddings"},
+                            {"embeddings.position_embeddings", "position_embeddings"},
+                            {"embeddings.token_type_embeddings", "token_type_embeddings"},
+                            {"embeddings.LayerNorm", "embeddings_norm"}};
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string hf = "encoder.layer." + std::to_string(i) + ".";
+    const std::string loom = "encoder." + std::to_string(i) + ".";
+    out.push_back({hf + "attention.output.dense", loom + "attn.proj"});
+    out.push_back({hf + "attention.output.LayerNorm", loom + "norm1"});
+    out.push_back({hf + "intermediate.dense", loom + "ffn.fc_in"});
+    out.push_back({hf + "output.dense", loom + "ffn.fc_out"});
+    out.push_back({hf + "output.LayerNorm", loom + "norm2"});
+  }
+  return out;
+}
+const char* const kQkv[] = {"query", "key", "value"};
+
+BertConfig config_from_hf(const nlohmann::json& hf, const std::string& file) {
+  auto integer = [&](const char* key, int64_t def) {
+    if (!hf.contains(key) || hf[key].is_null()) return def;
+    LOOM_CHECK_AS(ConfigError, hf[key].is_number_integer() && hf[key].get<int64_t>() > 0, "'",
+                  file, "': ", key, " is ", hf[key].dump(), ", not a positive integer");
+    return hf[key].get<int64_t>();
+  };
+  auto number = [&](const char* key, double def) {
+    if (!hf.contains(key) || hf[key].is_null()) return def;
+    LOOM_CHECK_AS(ConfigError, hf[key].is_number(), "'", file, "': ", key, " is not a number");
+    return hf[key].get<double>();
+  };
+  const std::string type = hf.value("model_type", std::string("(none)"));
+  LOOM_CHECK_AS(ConfigError, type == "bert", "'", file, "' describes a model of type '", type,
+                "'; [model] bert imports model_type 'bert' (BertModel, BertForMaskedLM, "
+                "BertForSequenceClassification) only. loom imports: gpt2 (model = \"gpt\"), bert "
+                "(model = \"bert\")");
+  const std::string act = hf.value("hidden_act", std::string("gelu"));
+  LOOM_CHECK_AS(ConfigError, act == "gelu", "'", file, "': hidden_act '", act,
+                "' is not supported; loom's bert has gelu (erf)");
+  const std::string positions = hf.value("position_embedding_type", std::string("absolute"));
+  LOOM_CHECK_AS(ConfigError, positions == "absolute", "'", file, "': position_embedding_type '",
+                positions, "' is not supported; loom's bert has absolute positions");
+  int64_t labels = integer("num_labels", 2);
+  if (hf.contains("id2label") && hf["id2label"].is_object() && !hf["id2label"].empty())
+    labels = static_cast<int64_t>(hf["id2label"].size());
+  BertConfig c{integer("vocab_size", 30522),
+               integer("hidden_size", 768),
+               integer("num_hidden_layers", 12),
+               integer("num_attention_heads", 12),
+               integer("intermediate_size", 3072),
+               integer("max_position_embeddings", 512),
+               integer("type_vocab_size", 2),
+               labels,
+               number("hidden_dropout_prob", 0.1),
+               number("attention_probs_dropout_prob", 0.1),
+               number("layer_norm_eps", 1e-12),
+               number("initializer_range", 0.02)};
+  LOOM_CHECK_AS(ConfigError, c.hidden_size % c.num_attention_heads == 0, "'", file,
+                "': hidden_size ", c.hidden_size, " is not divisible by num_attention_heads ",
+                c.num_attention_heads);
+  return c;
+}
+
+// The job's [model] keys, or the pretrained folder's config.json (the job's shape keys, where
+// set too, must agree; dropout and num_labels are the job's choice when it sets them).
+BertConfig job_config(const loom::ConfigSection& t,
+                      const std::optional<loom::pretrained::Folder>& folder) {
+  BertConfig c{t.get_int("vocab_size"),          t.get_int("hidden_size"),
+               t.get_int("num_hidden_layers"),   t.get_int("num_attention_heads"),
+               t.get_int("intermediate_size"),   t.get_int("max_position_embeddings"),
+               t.get_int("type_vocab_size"),     t.get_int("num_labels"),
+               t.get_float("hidden_dropout_prob"), t.get_float("attention_probs_dropout_prob"),
+               t.get_float("layer_norm_eps"),    t.get_float("initializer_range")};
+  if (!folder) return c;
+  const std::string file = folder->config_path().string();
+  nlohmann::json hf;
+  try {
+    hf = nlohmann::json::parse(folder->config_text());
+  } catch (const nlohmann::json::exception& error) {
+    throw loom::ConfigError(loom::detail::cat("'", file, "' is not valid JSON: ", error.what()));
+  }
+  BertConfig p = config_from_hf(hf, file);
+  const std::pair<const char*, int64_t> shape[] = {
+      {"vocab_size", p.vocab_size},
+      {"hidden_size", p.hidden_size},
+      {"num_hidden_layers", p.num_hidden_layers},
+      {"num_attention_heads", p.num_attention_heads},
+      {"intermediate_size", p.intermediate_size},
+      {"max_position_embeddings", p.max_position_embeddings},
+      {"type_vocab_size", p.type_vocab_size}};
+  for (const auto& [key, value] : shape)
+    LOOM_CHECK_AS(ConfigError, !t.has(key) || t.get_int(key) == value, t.where(key),
+                  ": [model] ", key, " = ", t.get_int(key), " but the pretrained model's '",
+                  file, "' has ", value, "; remove the key (it comes from config.json)");
+  if (t.has("num_labels")) p.num_labels = t.get_int("num_labels");
+  if (t.has("hidden_dropout_prob")) p.hidden_dropout_prob = t.get_float("hidden_dropout_prob");
+  if (t.has("attention_probs_dropout_prob"))
+    p.attention_probs_dropout_prob = t.get_float("attention_probs_dropout_prob");
+  return p;
+}
 
 class Bert final : public loom::Model {
  public:
@@ -112,11 +228,24 @@ class BertPlugin final : public loom::Plugin {
         .key_float("hidden_dropout_prob", 0.1, "dropout of embeddings and residuals")
         .key_float("attention_probs_dropout_prob", 0.1, "dropout of attention weights")
         .key_float("layer_norm_eps", 1e-12, "LayerNorm epsilon")
-        .key_float("initializer_range", 0.02, "std of the initial weights");
+        .key_float("initializer_range", 0.02, "std of the initial weights")
+        .key_string("from_pretrained", "",
+                    "a transformers BERT folder (save_pretrained of BertModel, BertForMaskedLM "
+                    "or BertForSequenceClassification) to start from; its config.json sets the "
+                    "shape keys, and a head it lacks starts fresh");
     return {s};
   }
   void validate(const std::string&, const loom::ConfigSection& t,
                 const JobTables& job) const override {
+    // A pretrained model's shape is checked when the model is made (job_config).
+    if (!t.get_string("from_pretrained").empty()) {
+      for (const char* key : {"hidden_dropout_prob", "attention_probs_dropout_prob"})
+        LOOM_CHECK_AS(ConfigError, t.get_float(key) >= 0 && t.get_float(key) < 1, t.where(key),
+                      ": [model] ", key, " must be in [0, 1)");
+      LOOM_CHECK_AS(ConfigError, t.get_int("num_labels") > 0, t.where("num_labels"),
+                    ": [model] num_labels must be positive");
+      return;
+    }
     for (const char* key : {"vocab_size", "hidden_size", "num_hidden_layers",
                             "num_attention_heads", "intermediate_size", "max_position_embeddings",
                             "type_vocab_size", "num_labels"})
@@ -150,14 +279,139 @@ class BertPlugin final : public loom::Plugin {
   }
 
   std::shared_ptr<loom::Model> create_model(const std::string&, const loom::ConfigSection& t,
-                                            loom::Engine&) override {
-    BertConfig c{t.get_int("vocab_size"),          t.get_int("hidden_size"),
-                 t.get_int("num_hidden_layers"),   t.get_int("num_attention_heads"),
-                 t.get_int("intermediate_size"),   t.get_int("max_position_embeddings"),
-                 t.get_int("type_vocab_size"),     t.get_int("num_labels"),
-                 t.get_float("hidden_dropout_prob"), t.get_float("attention_probs_dropout_prob"),
-                 t.get_float("layer_norm_eps"),    t.get_float("initializer_range")};
-    return std::make_shared<Bert>(c);
+                                            loom::Engine& engine) override {
+    std::optional<loom::pretrained::Folder> folder;
+    if (!t.get_string("from_pretrained").empty())
+      folder.emplace(engine.resolve_path(t.get_string("from_pretrained")));
+    const BertConfig c = job_config(t, folder);
+    auto model = std::make_shared<Bert>(c);
+    if (folder) import_weights(*model, *folder, c);
+    return model;
+  }
+
+  std::optional<loom::pretrained::Export> export_pretrained(
+      const std::string&, const loom::ConfigSection& t, const loom::NamedTensors& weights,
+      const std::function<std::string(const std::string&)>& resolve_path) const override {
+    std::optional<loom::pretrained::Folder> folder;
+    nlohmann::ordered_json config = nlohmann::ordered_json::object();
+    if (!t.get_string("from_pretrained").empty()) {
+      folder.emplace(resolve_path(t.get_string("from_pretrained")));
+      config = nlohmann::ordered_json::parse(folder->config_text());
+    }
+    const BertConfig c = job_config(t, folder);
+    config["architectures"] = {"BertForSequenceClassification"};
+    config["model_type"] = "bert";
+    config["vocab_size"] = c.vocab_size;
+    config["hidden_size"] = c.hidden_size;
+    config["num_hidden_layers"] = c.num_hidden_layers;
+    config["num_attention_heads"] = c.num_attention_heads;
+    config["intermediate_size"] = c.intermediate_size;
+    config["hidden_act"] = "gelu";
+    config["hidden_dropout_prob"] = c.hidden_dropout_prob;
+    config["attention_probs_dropout_prob"] = c.attention_probs_dropout_prob;
+    config["max_position_embeddings"] = c.max_position_embeddings;
+    config["type_vocab_size"] = c.type_vocab_size;
+    config["initializer_range"] = c.initializer_range;
+    config["layer_norm_eps"] = c.layer_norm_eps;
+    config["position_embedding_type"] = "absolute";
+    if (!config.contains("id2label") || static_cast<int64_t>(config["id2label"].size()) != c.num_labels) {
+      config["id2label"] = nlohmann::ordered_json::object();
+      config["label2id"] = nlohmann::ordered_json::object();
+      for (int64_t i = 0; i < c.num_labels; ++i) {
+        config["id2label"][std::to_string(i)] = "LABEL_" + std::to_string(i);
+        config["label2id"]["LABEL_" + std::to_string(i)] = i;
+      }
+    }
+    config["dtype"] = "float32";
+    std::map<std::string, at::Tensor> by_name(weights.begin(), weights.end());
+    auto take = [&](const std::string& name) {
+      auto it = by_name.find(name);
+      LOOM_CHECK_AS(CheckpointError, it != by_name.end(), "the checkpoint lacks the bert weight '",
+                    name, "'");
+      at::Tensor out = it->second;
+      by_name.erase(it);
+      return out;
+    };
+    loom::pretrained::Export out;
+    out.config_json = config.dump(2) + "\n";
+    const int64_t H = c.hidden_size;
+    for (const char* p : {"weight", "bias"}) {
+      for (const auto& [hf, loom_name] : bert_layers(c.num_hidden_layers))
+        if (std::string(p) == "weight" || hf.find("_embeddings") == std::string::npos)
+          out.tensors.emplace_back("bert." + hf + "." + p, take(loom_name + "." + p));
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        const at::Tensor qkv = take("encoder." + std::to_string(i) + ".attn.qkv." + p);
+        for (int k = 0; k < 3; ++k)
+          out.tensors.emplace_back("bert.encoder.layer." + std::to_string(i) +
+                                       ".attention.self." + kQkv[k] + "." + p,
+                                   qkv.narrow(0, k * H, H).contiguous());
+      }
+      out.tensors.emplace_back(std::string("bert.pooler.dense.") + p, take(std::string("pooler.") + p));
+      out.tensors.emplace_back(std::string("classifier.") + p, take(std::string("classifier.") + p));
+    }
+    LOOM_CHECK_AS(CheckpointError, by_name.empty(), "the checkpoint has weights BERT does not ('",
+                  by_name.empty() ? "" : by_name.begin()->first,
+                  "'); a LoRA run exports its adapter with the lora plugin, not merged");
+    return out;
+  }
+
+ private:
+  static void import_weights(Bert& model, const loom::pretrained::Folder& folder,
+                             const BertConfig& c) {
+    const std::string prefix = folder.has("bert.embeddings.word_embeddings.weight") ? "bert." : "";
+    const std::string source = "pretrained model '" + folder.dir().string() + "'";
+    std::map<std::string, at::Tensor> own;
+    for (const auto& item : model.named_parameters()) own[item.key()] = item.value().detach();
+    loom::NamedTensors tensors;
+    std::set<std::string> used;
+    auto read = [&](const std::string& name) {
+      used.insert(name);
+      return folder.read(name);
+    };
+    for (const char* p : {"weight", "bias"}) {
+      for (const auto& [hf, loom_name] : bert_layers(c.num_hidden_layers))
+        if (std::string(p) == "weight" || hf.find("_embeddings") == std::string::npos)
+          tensors.emplace_back(loom_name + "." + p, read(prefix + hf + "." + p));
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        std::vector<at::Tensor> parts;
+        for (const char* k : kQkv)
+          parts.push_back(read(prefix + "encoder.layer." + std::to_string(i) + ".attention.self." +
+                               k + "." + p));
+        tensors.emplace_back("encoder." + std::to_string(i) + ".attn.qkv." + p, at::cat(parts, 0));
+      }
+    }
+    // Heads: taken when the folder has them with this shape, else they start fresh (as
+    // transformers does when a BertForMaskedLM checkpoint becomes a classifier).
+    std::vector<std::string> fresh;
+    for (const auto& [hf, loom_name] :
+         std::vector<std::pair<std::string, std::string>>{{prefix + "pooler.dense", "pooler"},
+                                                          {"classifier", "classifier"}})
+      for (const char* p : {".weight", ".bias"}) {
+        const std::string name = hf + p;
+        if (folder.has(name) && folder.shape(name) == own.at(loom_name + p).sizes().vec()) {
+          tensors.emplace_back(loom_name + p, read(name));
+        } else {
+          tensors.emplace_back(loom_name + p, own.at(loom_name + p));
+          fresh.push_back(loom_name + p);
+        }
+      }
+    std::vector<std::string> ignored;
+    for (const auto& name : folder.names())
+      if (!used.count(name)) {
+        const bool known = name.rfind("cls.", 0) == 0 || name.find("position_ids") != std::string::npos ||
+                           name.rfind(prefix + "pooler.", 0) == 0 || name.rfind("classifier.", 0) == 0;
+        LOOM_CHECK_AS(CheckpointError, known, source, " has the tensor '", name,
+                      "', which loom's bert does not have");
+        ignored.push_back(name);
+      }
+    if (!fresh.empty())
+      loom::log::warn("bert: ", source, " has no ", fresh.front(),
+                      fresh.size() > 1 ? " (and more)" : "", " of this shape: the pooler/classifier "
+                      "start freshly initialised; train before using the predictions");
+    if (!ignored.empty())
+      loom::log::info("bert: ", ignored.size(), " tensors of ", source,
+                      " are not used (e.g. '", ignored.front(), "': a head loom's bert lacks)");
+    loom::pretrained::assign(model, tensors, source);
   }
 };
 
