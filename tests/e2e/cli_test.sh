@@ -115,6 +115,28 @@ else
 fi
 expect_error "token ids beyond the vocabulary" "token id" "$loom" run "$pd/job.toml" \
   --set model.vocab_size=256 --set train.output_dir=out2
+expect_error "prepare_data: a missing text file" "text file '/nonexistent.txt' does not exist" \
+  "$python" "$src/examples/prepare_data.py" --train-bpe 512 --out "$pd/x.bin" /nonexistent.txt
+expect_error "prepare_data: a vocabulary too small" "needs a vocabulary of at least 257" \
+  "$python" "$src/examples/prepare_data.py" --train-bpe 100 --out "$pd/x.bin" \
+  /usr/share/games/fortunes/wisdom
+[ ! -e "$pd/x.bin" ] && ok "prepare_data writes nothing on bad input" || fail "prepare_data left x.bin"
+
+# loom export: bad input is an error naming what to do, and nothing is written.
+expect_error "export needs two arguments" "loom export needs a checkpoint folder and an output folder" \
+  "$loom" export "$out/checkpoint-40"
+mkdir -p "$work/full" && touch "$work/full/keep"
+expect_error "export never overwrites" "exists and is not an empty folder" \
+  "$loom" export "$out/checkpoint-40" "$work/full"
+cp -r "$out/checkpoint-40" "$work/old-ckpt"
+"$python" - "$work/old-ckpt/manifest.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1])); del m["job"]; json.dump(m, open(sys.argv[1], "w"))
+PY
+expect_error "export of a checkpoint without its job" "does not record its job" \
+  "$loom" export "$work/old-ckpt" "$work/from-old"
+[ ! -e "$work/from-old" ] && [ -z "$(ls -A "$work" | grep '^\.loom-export')" ] &&
+  ok "a failed export leaves nothing" || fail "a failed export left files"
 
 # Bad input.
 printf '[train]\nmodel = "gpt"\nmax_step = 3\n' >"$work/typo.toml"
