@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -48,7 +49,15 @@ class LocalComm final : public Comm {
     output.copy_(input);
     return done();
   }
+  std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
+                                        const std::vector<int64_t>& send_rows,
+                                        const std::vector<int64_t>& recv_rows) override {
+    check_rows(output, input, send_rows, recv_rows, 1, "all_to_all_rows");
+    output.copy_(input);
+    return done();
+  }
   void barrier() override {}
+  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<LocalComm>(); }
 
  private:
   static std::shared_ptr<Work> done() { return std::make_shared<DoneWork>(); }
@@ -66,6 +75,64 @@ std::map<std::string, CommFactory>& registry() {
 }
 
 }  // namespace
+
+void check_rows(const at::Tensor& output, const at::Tensor& input,
+                const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                int world, const char* op) {
+  LOOM_CHECK(static_cast<int>(send_rows.size()) == world &&
+                 static_cast<int>(recv_rows.size()) == world,
+             op, ": ", send_rows.size(), " send and ", recv_rows.size(),
+             " receive counts for a world of ", world, " ranks");
+  int64_t sent = 0, received = 0;
+  for (int j = 0; j < world; ++j) {
+    LOOM_CHECK(send_rows[j] >= 0 && recv_rows[j] >= 0, op, ": negative row count");
+    sent += send_rows[j];
+    received += recv_rows[j];
+  }
+  LOOM_CHECK(input.dim() >= 1 && output.dim() >= 1 && input.size(0) == sent &&
+                 output.size(0) == received && input.scalar_type() == output.scalar_type() &&
+                 input.numel() / std::max<int64_t>(1, sent) * received == output.numel() &&
+                 output.is_contiguous(),
+             op, ": input has ", input.dim() ? input.size(0) : 0, " rows (counts say ", sent,
+             "), output ", output.dim() ? output.size(0) : 0, " rows (counts say ", received,
+             "); both need equal rows of one dtype, the output contiguous");
+}
+
+// Any backend: pad every rank's piece for every other to the largest piece anywhere, one even
+// all_to_all, then keep the real rows. Backends with a native uneven exchange override it.
+std::shared_ptr<Work> Comm::all_to_all_rows(at::Tensor& output, const at::Tensor& input,
+                                            const std::vector<int64_t>& send_rows,
+                                            const std::vector<int64_t>& recv_rows) {
+  const int world = world_size();
+  check_rows(output, input, send_rows, recv_rows, world, "all_to_all_rows");
+  int64_t largest = 0;
+  for (int j = 0; j < world; ++j) largest = std::max({largest, send_rows[j], recv_rows[j]});
+  at::Tensor most = at::full({1}, static_cast<double>(largest),
+                             at::TensorOptions().dtype(at::kDouble).device(device()));
+  all_reduce(most, ReduceOp::max)->wait();
+  const int64_t rows = static_cast<int64_t>(most.item<double>());
+  std::vector<int64_t> row_shape = input.sizes().vec();
+  row_shape[0] = rows * world;
+  at::Tensor padded = at::zeros(row_shape, input.options());
+  int64_t at_row = 0;
+  for (int j = 0; j < world; ++j) {
+    padded.narrow(0, j * rows, send_rows[j]).copy_(input.narrow(0, at_row, send_rows[j]));
+    at_row += send_rows[j];
+  }
+  at::Tensor received = at::empty_like(padded);
+  all_to_all(received, padded)->wait();
+  at_row = 0;
+  for (int j = 0; j < world; ++j) {
+    output.narrow(0, at_row, recv_rows[j]).copy_(received.narrow(0, j * rows, recv_rows[j]));
+    at_row += recv_rows[j];
+  }
+  return std::make_shared<DoneWork>();
+}
+
+std::unique_ptr<Comm> Comm::split(int, int) {
+  throw Error(detail::cat("the '", backend(), "' Comm backend cannot split into sub-groups; "
+                          "expert parallelism needs mpi, gloo or nccl"));
+}
 
 void register_comm_backend(const std::string& name, CommFactory factory) {
   std::lock_guard<std::mutex> lock(registry_mutex);

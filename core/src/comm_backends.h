@@ -3,6 +3,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "dist_env.h"
 #include "loom/comm.h"
@@ -18,6 +20,11 @@ bool nccl_built();
 // rank 0's store server (so the store listens on that address only — loopback by default —
 // and a port in use is our clear error, not a retry loop).
 int listen_on_master(const DistEnv& env);
+
+// all_to_all_rows' argument check (counts per rank, rows, dtype), shared by the backends.
+void check_rows(const at::Tensor& output, const at::Tensor& input,
+                const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                int world, const char* op);
 
 // Wraps a backend's failure into loom's error: the rank, the operation, what to check.
 [[noreturn]] void comm_failure(int rank, const char* op, const std::string& why);

@@ -16,11 +16,13 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef LOOM_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -131,11 +133,17 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::mill
   }
 }
 
+// Makes a process group of `size` ranks over `store` (the world's, or a split's prefix).
+using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size)>;
+
 class C10dComm final : public Comm {
  public:
   C10dComm(std::string name, c10::intrusive_ptr<c10d::Backend> backend, const DistEnv& env,
-           std::chrono::milliseconds timeout)
-      : name_(std::move(name)), backend_(std::move(backend)), env_(env), timeout_(timeout) {}
+           std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Store> store,
+           BackendFactory factory)
+      : name_(std::move(name)), backend_(std::move(backend)), env_(env), timeout_(timeout),
+        store_(std::move(store)), factory_(std::move(factory)) {}
   std::string backend() const override { return name_; }
   int rank() const override { return env_.rank; }
   int world_size() const override { return env_.world_size; }
@@ -209,8 +217,49 @@ class C10dComm final : public Comm {
     return run("all_to_all",
                [&] { return backend_->alltoall_base(output, in, splits, splits); }, {});
   }
+  std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
+                                        const std::vector<int64_t>& send_rows,
+                                        const std::vector<int64_t>& recv_rows) override {
+    check_rows(output, input, send_rows, recv_rows, env_.world_size, "all_to_all_rows");
+    at::Tensor in = input.contiguous();
+    std::vector<int64_t> out_splits = recv_rows, in_splits = send_rows;
+    return run("all_to_all_rows",
+               [&] { return backend_->alltoall_base(output, in, out_splits, in_splits); },
+               [in] {});
+  }
   void barrier() override {
     run("barrier", [&] { return backend_->barrier(); }, {})->wait();
+  }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    // Every rank learns every (color, key), so each knows its group's members and its rank
+    // there; the group's store keys live under a prefix of their own.
+    at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)},
+                                 at::kLong).to(device());
+    at::Tensor all = at::empty({2 * env_.world_size}, mine.options());
+    all_gather(all, mine)->wait();
+    const at::Tensor host = all.cpu();
+    const int64_t* values = host.data_ptr<int64_t>();
+    std::vector<std::pair<int64_t, int>> members;  // (key, rank) of my color
+    for (int r = 0; r < env_.world_size; ++r)
+      if (values[2 * r] == color) members.push_back({values[2 * r + 1], r});
+    std::sort(members.begin(), members.end());
+    int sub_rank = 0;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i].second == env_.rank) sub_rank = static_cast<int>(i);
+    DistEnv sub = env_;
+    sub.rank = sub_rank;
+    sub.world_size = static_cast<int>(members.size());
+    sub.local_rank = sub_rank;
+    sub.local_world_size = std::min(env_.local_world_size, sub.world_size);
+    const std::string prefix =
+        detail::cat("loom/split/", splits_++, "/", color);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+    try {
+      auto group = factory_(store, sub.rank, sub.world_size);
+      return std::make_unique<C10dComm>(name_, group, sub, timeout_, store, factory_);
+    } catch (const c10::Error& error) {
+      comm_failure(env_.rank, "split", error.what_without_backtrace());
+    }
   }
 
  private:
@@ -247,6 +296,9 @@ class C10dComm final : public Comm {
   c10::intrusive_ptr<c10d::Backend> backend_;
   DistEnv env_;
   std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  BackendFactory factory_;
+  int splits_ = 0;  // splits made so far: every rank counts the same (collective order)
 };
 
 bool is_loopback(const std::string& addr) {
@@ -293,10 +345,13 @@ std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& 
                            : !towards_master.empty()
                                ? c10d::ProcessGroupGloo::createDeviceForHostname(towards_master)
                                : c10d::ProcessGroupGloo::createDefaultDevice()};
+  BackendFactory factory = [gloo_options](const c10::intrusive_ptr<c10d::Store>& on, int rank,
+                                          int size) -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(on, rank, size, gloo_options);
+  };
   try {
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
-                                                              gloo_options);
-    return std::make_unique<C10dComm>("gloo", group, env, options.timeout);
+    auto group = factory(store, env.rank, env.world_size);
+    return std::make_unique<C10dComm>("gloo", group, env, options.timeout, store, factory);
   } catch (const c10::Error& error) {
     comm_failure(env.rank, "gloo set-up", error.what_without_backtrace());
   }
@@ -311,10 +366,13 @@ std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& 
   auto store = rendezvous(env, options.timeout);
   auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
   nccl_options->timeout = options.timeout;
+  BackendFactory factory = [nccl_options](const c10::intrusive_ptr<c10d::Store>& on, int rank,
+                                          int size) -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(on, rank, size, nccl_options);
+  };
   try {
-    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size,
-                                                              nccl_options);
-    return std::make_unique<C10dComm>("nccl", group, env, options.timeout);
+    auto group = factory(store, env.rank, env.world_size);
+    return std::make_unique<C10dComm>("nccl", group, env, options.timeout, store, factory);
   } catch (const c10::Error& error) {
     comm_failure(env.rank, "nccl set-up", error.what_without_backtrace());
   }

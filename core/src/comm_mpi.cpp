@@ -269,13 +269,20 @@ class MpiComm final : public Comm {
   explicit MpiComm(const CommOptions& options) : timeout_(options.timeout) {
     runtime();
     std::lock_guard<std::mutex> mpi(mpi_mutex());
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &world_);
-    MPI_Comm local;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &local_rank_);
-    MPI_Comm_size(local, &local_world_);
-    MPI_Comm_free(&local);
+    init(MPI_COMM_WORLD);
+  }
+  // A sub-group made by split (owned: freed with this Comm, while MPI still runs).
+  MpiComm(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout), owned_(true) {
+    init(comm);
+  }
+  ~MpiComm() override {
+    if (!owned_) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      MPI_Comm_free(&comm_);
+    }
   }
   std::string backend() const override { return "mpi"; }
   int rank() const override { return rank_; }
@@ -291,7 +298,7 @@ class MpiComm final : public Comm {
     std::lock_guard<std::mutex> mpi(mpi_mutex());
     for_pieces(buffer.numel(), [&](int64_t offset, int length) {
       check_mpi(MPI_Iallreduce(MPI_IN_PLACE, at_element(buffer, offset), length,
-                               mpi_type(buffer.scalar_type()), mpi_op(op), MPI_COMM_WORLD,
+                               mpi_type(buffer.scalar_type()), mpi_op(op), comm_,
                                &requests.emplace_back()),
                 "all_reduce");
     });
@@ -321,7 +328,7 @@ class MpiComm final : public Comm {
     if (n * world_ <= max_count()) {
       // Open MPI's non-blocking reduce-scatter counts world x n in an int: both must fit.
       check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), static_cast<int>(n),
-                                          type, mpi_op(op), MPI_COMM_WORLD,
+                                          type, mpi_op(op), comm_,
                                           &requests.emplace_back()),
                 "reduce_scatter");
     } else {
@@ -330,7 +337,7 @@ class MpiComm final : public Comm {
         for_pieces(n, [&](int64_t offset, int length) {
           check_mpi(MPI_Ireduce(at_element(in, root * n + offset),
                                 root == rank_ ? at_element(out, offset) : nullptr, length, type,
-                                mpi_op(op), root, MPI_COMM_WORLD, &requests.emplace_back()),
+                                mpi_op(op), root, comm_, &requests.emplace_back()),
                     "reduce_scatter");
         });
     }
@@ -353,7 +360,7 @@ class MpiComm final : public Comm {
     std::lock_guard<std::mutex> mpi(mpi_mutex());
     if (n * world_ <= max_count()) {
       check_mpi(MPI_Iallgather(input.data_ptr(), static_cast<int>(n), type, output.data_ptr(),
-                               static_cast<int>(n), type, MPI_COMM_WORLD,
+                               static_cast<int>(n), type, comm_,
                                &requests.emplace_back()),
                 "all_gather");
     } else {
@@ -362,7 +369,7 @@ class MpiComm final : public Comm {
       for (int root = 0; root < world_; ++root)
         for_pieces(n, [&](int64_t offset, int length) {
           check_mpi(MPI_Ibcast(at_element(output, root * n + offset), length, type, root,
-                               MPI_COMM_WORLD, &requests.emplace_back()),
+                               comm_, &requests.emplace_back()),
                     "all_gather");
         });
     }
@@ -377,7 +384,7 @@ class MpiComm final : public Comm {
     std::vector<MPI_Request> requests;
     std::lock_guard<std::mutex> mpi(mpi_mutex());
     for_pieces(tensor.numel(), [&](int64_t offset, int length) {
-      check_mpi(MPI_Ibcast(at_element(tensor, offset), length, type, root, MPI_COMM_WORLD,
+      check_mpi(MPI_Ibcast(at_element(tensor, offset), length, type, root, comm_,
                            &requests.emplace_back()),
                 "broadcast");
     });
@@ -396,7 +403,7 @@ class MpiComm final : public Comm {
     std::lock_guard<std::mutex> mpi(mpi_mutex());
     if (input.numel() <= max_count()) {
       check_mpi(MPI_Ialltoall(input.data_ptr(), static_cast<int>(chunk), type, output.data_ptr(),
-                              static_cast<int>(chunk), type, MPI_COMM_WORLD,
+                              static_cast<int>(chunk), type, comm_,
                               &requests.emplace_back()),
                 "all_to_all");
     } else {
@@ -410,7 +417,7 @@ class MpiComm final : public Comm {
                     "all_to_all");
           check_mpi(MPI_Type_commit(&strided), "all_to_all");
           check_mpi(MPI_Igather(at_element(input, root * chunk + offset), length, type,
-                                at_element(output, offset), 1, strided, root, MPI_COMM_WORLD,
+                                at_element(output, offset), 1, strided, root, comm_,
                                 &requests.emplace_back()),
                     "all_to_all");
           // Freed types live on until the operations that use them complete (MPI 3.1 4.1.9).
@@ -422,11 +429,55 @@ class MpiComm final : public Comm {
                                      [output, input] {});
   }
 
+  std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
+                                        const std::vector<int64_t>& send_rows,
+                                        const std::vector<int64_t>& recv_rows) override {
+    check_tensor(output, "all_to_all_rows");
+    check_tensor(input, "all_to_all_rows");
+    check_rows(output, input, send_rows, recv_rows, world_, "all_to_all_rows");
+    const int64_t row = input.size(0) > 0 ? input.numel() / input.size(0)
+                        : output.size(0) > 0 ? output.numel() / output.size(0) : 1;
+    std::vector<int> send_counts(world_), send_at(world_), recv_counts(world_), recv_at(world_);
+    int64_t sent = 0, received = 0;
+    for (int j = 0; j < world_; ++j) {
+      if ((sent + send_rows[j]) * row > max_count() || (received + recv_rows[j]) * row > max_count())
+        return Comm::all_to_all_rows(output, input, send_rows, recv_rows);  // int counts overflow
+      send_at[j] = static_cast<int>(sent * row);
+      send_counts[j] = static_cast<int>(send_rows[j] * row);
+      recv_at[j] = static_cast<int>(received * row);
+      recv_counts[j] = static_cast<int>(recv_rows[j] * row);
+      sent += send_rows[j];
+      received += recv_rows[j];
+    }
+    const MPI_Datatype type = element_type(input);
+    std::vector<MPI_Request> requests;
+    std::lock_guard<std::mutex> mpi(mpi_mutex());
+    check_mpi(MPI_Ialltoallv(input.data_ptr(), send_counts.data(), send_at.data(), type,
+                             output.data_ptr(), recv_counts.data(), recv_at.data(), type, comm_,
+                             &requests.emplace_back()),
+              "all_to_all_rows");
+    // The count arrays must outlive the non-blocking call (MPI 3.1 5.12): the finish holds them.
+    auto counts = std::make_shared<std::vector<std::vector<int>>>(
+        std::vector<std::vector<int>>{send_counts, send_at, recv_counts, recv_at});
+    return std::make_shared<MpiWork>(std::move(requests), "all_to_all_rows", rank_, timeout_,
+                                     [output, input, counts] {});
+  }
+
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm part = MPI_COMM_NULL;
+    {
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      check_mpi(MPI_Comm_split(comm_, color, key, &part), "split");
+      MPI_Comm_set_errhandler(part, MPI_ERRORS_RETURN);
+    }
+    return std::make_unique<MpiComm>(part, timeout_);
+  }
+
   void barrier() override {
     std::vector<MPI_Request> requests(1);
     {
       std::lock_guard<std::mutex> mpi(mpi_mutex());
-      check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, requests.data()), "barrier");
+      check_mpi(MPI_Ibarrier(comm_, requests.data()), "barrier");
     }
     MpiWork(std::move(requests), "barrier", rank_, timeout_, {}).wait();
   }
@@ -441,8 +492,21 @@ class MpiComm final : public Comm {
     return mpi_type(t.scalar_type()) == MPI_DATATYPE_NULL ? t.to(at::kFloat) : t;
   }
 
+  void init(MPI_Comm comm) {
+    comm_ = comm;
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &world_);
+    MPI_Comm local;
+    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+    MPI_Comm_rank(local, &local_rank_);
+    MPI_Comm_size(local, &local_world_);
+    MPI_Comm_free(&local);
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_world_ = 1;
   std::chrono::milliseconds timeout_;
+  bool owned_ = false;
 };
 
 }  // namespace

@@ -321,7 +321,9 @@ class EngineImpl final : public Engine, public Trainer {
 
     // The window's summed loss stays on the device until the step's one host sync below.
     // Element 1 carries this rank's stop request to the all-reduce below (Note [Graceful stop]).
-    at::Tensor loss_total = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    // Element 2 sums the micro-batches' auxiliary losses (Note [Auxiliary losses]).
+    at::Tensor loss_total = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    bool any_aux = false;
     for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
       state_.micro_step = k;
       state_.sync_grads = state_.is_last_micro_step();
@@ -330,16 +332,28 @@ class EngineImpl final : public Engine, public Trainer {
                                  : window[k].to(device_);
       fire(Event::batch);
       fire(Event::before_forward);
+      nn::detail::reset_aux_losses();
       output_ = model_->forward(batch_);
       LOOM_INTERNAL_ASSERT(output_.loss_sum.defined(), "model ", resolved_.model.name,
                            " returned no loss");
+      if (!output_.aux_loss.defined()) output_.aux_loss = nn::detail::collected_aux_losses();
       fire(Event::after_forward);
       fire(Event::before_backward);
       at::Tensor loss = output_.loss_sum.to(at::kFloat) * normaliser;
+      const double accumulation = static_cast<double>(state_.accumulation_steps);
+      if (output_.aux_loss.defined()) {
+        // An auxiliary loss counts once per micro-batch, as a mean over the window: its
+        // gradient is then the same for any split into micro-batches of the same samples.
+        if (output_.aux_loss.requires_grad())
+          loss = loss + output_.aux_loss.to(at::kFloat) / accumulation;
+        loss_total.narrow(0, 2, 1).add_(output_.aux_loss.detach().to(at::kDouble).reshape({1}));
+        any_aux = true;
+      }
       if (state_.loss_scale != 1.0) {
         loss = loss * state_.loss_scale;
         state_.grads_scaled = true;
       }
+      nn::detail::set_aux_loss_grad_scale(state_.loss_scale / accumulation);
       loss.backward();
       loss_total.narrow(0, 0, 1).add_(output_.loss_sum.detach().to(at::kDouble).reshape({1}));
       fire(Event::after_backward);
@@ -355,10 +369,18 @@ class EngineImpl final : public Engine, public Trainer {
       const at::Tensor host = loss_total.cpu();
       state_.loss = host[0].item<double>() / static_cast<double>(state_.window_targets);
       if (host[1].item<double>() > 0) stop_signal_ = signal != 0 ? signal : SIGTERM;
+      if (any_aux)
+        state_.metrics.emplace_back(
+            "aux_loss", host[2].item<double>() /
+                            static_cast<double>(state_.accumulation_steps * comm_->world_size()));
     } else {
-      state_.loss = loss_total[0].item<double>() /
+      const at::Tensor host = loss_total.cpu();
+      state_.loss = host[0].item<double>() /
                     static_cast<double>(std::max<int64_t>(1, local_targets));
       stop_signal_ = signal;
+      if (any_aux)
+        state_.metrics.emplace_back(
+            "aux_loss", host[2].item<double>() / static_cast<double>(state_.accumulation_steps));
     }
 
     fire(Event::before_update);
@@ -507,6 +529,21 @@ class EngineImpl final : public Engine, public Trainer {
     LOOM_CHECK(model && params_.empty(), "set_model only in model_built, with a model");
     model_ = std::move(model);
   }
+  void place_param(const at::Tensor& param, ParamPlacement placement) override {
+    LOOM_CHECK(params_.empty(), "place_param only in model_built, before params_ready");
+    if (!placement.global_shape.empty()) {
+      LOOM_CHECK(param.dim() >= 1 &&
+                     static_cast<int64_t>(placement.global_shape.size()) == param.dim() &&
+                     placement.row_offset >= 0 &&
+                     placement.row_offset + param.size(0) <= placement.global_shape[0],
+                 "place_param: a ", param.sizes(), " parameter cannot be rows ",
+                 placement.row_offset, ".. of a global ", placement.global_shape, " tensor");
+      for (int64_t d = 1; d < param.dim(); ++d)
+        LOOM_CHECK(param.size(d) == placement.global_shape[d], "place_param: a ", param.sizes(),
+                   " parameter is not rows of a global ", placement.global_shape, " tensor");
+    }
+    placements_[param.unsafeGetTensorImpl()] = std::move(placement);
+  }
   std::vector<nn::UnitList*> unit_lists() override {
     std::vector<nn::UnitList*> lists;
     if (!model_) return lists;
@@ -551,6 +588,13 @@ class EngineImpl final : public Engine, public Trainer {
       param.name = item.key();
       param.tensor = item.value();
       param.group = model_->no_weight_decay(item.key(), item.value()) ? 1 : 0;
+      auto placed = placements_.find(item.value().unsafeGetTensorImpl());
+      if (placed != placements_.end()) {
+        param.global_shape = placed->second.global_shape;
+        param.row_offset = placed->second.row_offset;
+        param.replicas = placed->second.replicas;
+        if (placed->second.group >= 0) param.group = placed->second.group;
+      }
       params_.push_back(param);
     }
     param_count_ = trainable_count_ = trainable_bytes_ = 0;
@@ -710,6 +754,7 @@ class EngineImpl final : public Engine, public Trainer {
   bool grad_hooks_installed_ = false;
   int64_t param_count_ = 0, trainable_count_ = 0, trainable_bytes_ = 0;
   std::vector<Param> params_;
+  std::map<const void*, ParamPlacement> placements_;  // place_param's, by tensor
   std::array<std::vector<Registered>, static_cast<size_t>(Event::teardown) + 1> handlers_;
   std::vector<GradHandler> grad_handlers_;
   std::vector<std::shared_ptr<nn::UnitInterceptor>> interceptors_;

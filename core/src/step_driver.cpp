@@ -6,13 +6,14 @@
 #include <cmath>
 #include <map>
 
+#include "loom/comm.h"
 #include "loom/error.h"
 
 namespace loom {
 
 DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule,
-                                     double weight_decay)
-    : rule_(rule), weight_decay_(weight_decay) {
+                                     double weight_decay, Comm* comm)
+    : rule_(rule), weight_decay_(weight_decay), comm_(comm) {
   at::NoGradGuard no_grad;
   for (auto& param : params) {
     Entry entry;
@@ -27,8 +28,41 @@ DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule
     entry.segment.offset = 0;
     entry.segment.group = param.group;
     entry.segment.state = rule_.init_state(entry.segment);
+    if (!param.global_shape.empty()) {
+      LOOM_INTERNAL_ASSERT(comm_, "parameter ", param.name, " is placed, but the driver has no Comm");
+      any_rows_placed_ = true;
+    }
     entries_.push_back(std::move(entry));
   }
+}
+
+namespace {
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+}  // namespace
+
+bool DefaultStepDriver::writes(const Param& param) const {
+  if (!any_rows_placed_) return true;  // rank 0 alone writes (state_is_sharded() is false)
+  if (param.global_shape.empty()) return comm_->rank() == 0;
+  return !param.replicas || param.replicas->rank() == 0;
+}
+
+std::vector<std::string> DefaultStepDriver::sharded_weights() const {
+  std::vector<std::string> out;
+  for (const auto& entry : entries_)
+    if (!entry.param.global_shape.empty()) out.push_back(entry.param.name);
+  return out;
+}
+
+int64_t DefaultStepDriver::sharded_weight_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& entry : entries_)
+    if (!entry.param.global_shape.empty())
+      bytes += entry.param.tensor.numel() * entry.param.tensor.element_size();
+  return bytes;
 }
 
 std::vector<at::Tensor> DefaultStepDriver::defined_grads() const {
@@ -49,6 +83,29 @@ void DefaultStepDriver::zero_grad() {
 at::Tensor DefaultStepDriver::grad_norm_squared() {
   // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
   // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
+  if (any_rows_placed_) {
+    // Rows placed on some ranks only: their squares are summed over every rank, each set of
+    // rows counted once (divided by its replica count); the rest is the same on every rank.
+    at::Tensor whole = at::zeros({}, at::kDouble), placed = at::zeros({}, at::kDouble);
+    for (const auto& entry : entries_) {
+      const at::Tensor& grad = entry.param.tensor.grad();
+      if (!grad.defined()) continue;
+      at::Tensor square = at::sum(grad.to(at::kFloat).pow(2), at::kDouble).cpu();
+      if (entry.param.global_shape.empty()) {
+        whole += square;
+      } else {
+        const int replicas = entry.param.replicas ? entry.param.replicas->world_size()
+                                                  : comm_->world_size();
+        placed += square / replicas;
+      }
+    }
+    at::Tensor total = placed.reshape({1}).to(comm_->device());
+    comm_->all_reduce(total, ReduceOp::sum)->wait();
+    at::Tensor device = entries_.front().param.tensor.device().is_cpu()
+                            ? total.cpu()
+                            : total.to(entries_.front().param.tensor.device());
+    return (device.reshape({}) + whole.to(device.device()));
+  }
   auto all = defined_grads();
   if (all.empty()) return at::zeros({}, at::kDouble);
   if (all.front().is_cuda()) {
@@ -111,13 +168,37 @@ void DefaultStepDriver::update(int64_t step, double lr) {
   }
 }
 
+// A placed parameter's state and masters are pieces of the global tensor's (offsets from its
+// row offset); an unplaced one's are whole.
 StatePieces DefaultStepDriver::state_pieces() const {
   StatePieces out;
   for (const auto& entry : entries_) {
-    for (const auto& [key, tensor] : entry.segment.state)
-      out.push_back({"state/" + entry.param.name + "/" + key, tensor, tensor.sizes().vec(), 0});
+    const Param& param = entry.param;
+    if (!writes(param)) continue;
+    const std::string state = "state/" + param.name + "/";
+    if (param.global_shape.empty()) {
+      for (const auto& [key, tensor] : entry.segment.state)
+        out.push_back({state + key, tensor, tensor.sizes().vec(), 0});
+      if (entry.separate_master)
+        out.push_back({"master/" + param.name, entry.master, {entry.master.numel()}, 0});
+      continue;
+    }
+    const int64_t global_numel = numel_of(param.global_shape);
+    const int64_t offset = param.row_offset * (param.tensor.numel() / param.tensor.size(0));
+    const NamedTensors whole =
+        whole_tensor_state_shapes(rule_, param.name, param.global_shape, param.group);
+    for (const auto& [key, tensor] : entry.segment.state) {
+      at::Tensor shape_of;
+      for (const auto& [whole_key, whole_tensor] : whole)
+        if (whole_key == key) shape_of = whole_tensor;
+      LOOM_INTERNAL_ASSERT(shape_of.defined(), "no whole-tensor state '", key, "' for ", param.name);
+      out.push_back(state_piece(state + key, tensor, shape_of, offset, param.tensor.numel(),
+                                global_numel));
+    }
     if (entry.separate_master)
-      out.push_back({"master/" + entry.param.name, entry.master, {entry.master.numel()}, 0});
+      out.push_back({"master/" + param.name, entry.master, {global_numel}, offset});
+    out.push_back({"weight/" + param.name, param.tensor.detach().reshape(-1), {global_numel},
+                   offset, param.global_shape});
   }
   return out;
 }
@@ -125,12 +206,32 @@ StatePieces DefaultStepDriver::state_pieces() const {
 void DefaultStepDriver::load_state(StateReader& reader) {
   at::NoGradGuard no_grad;
   for (auto& entry : entries_) {
-    for (auto& [key, tensor] : entry.segment.state)
-      reader.read("state/" + entry.param.name + "/" + key, tensor.sizes().vec(), 0, tensor);
-    if (entry.separate_master) {
-      reader.read("master/" + entry.param.name, {entry.master.numel()}, 0, entry.master);
-      entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
+    const Param& param = entry.param;
+    if (param.global_shape.empty()) {
+      for (auto& [key, tensor] : entry.segment.state)
+        reader.read("state/" + param.name + "/" + key, tensor.sizes().vec(), 0, tensor);
+      if (entry.separate_master) {
+        reader.read("master/" + param.name, {entry.master.numel()}, 0, entry.master);
+        param.tensor.detach().copy_(entry.master.view(param.tensor.sizes()));
+      }
+      continue;
     }
+    const int64_t global_numel = numel_of(param.global_shape);
+    const int64_t offset = param.row_offset * (param.tensor.numel() / param.tensor.size(0));
+    const NamedTensors whole =
+        whole_tensor_state_shapes(rule_, param.name, param.global_shape, param.group);
+    for (auto& [key, tensor] : entry.segment.state) {
+      at::Tensor shape_of;
+      for (const auto& [whole_key, whole_tensor] : whole)
+        if (whole_key == key) shape_of = whole_tensor;
+      const StatePiece where = state_piece(key, tensor, shape_of, offset, param.tensor.numel(),
+                                           global_numel);
+      reader.read("state/" + param.name + "/" + key, where.global_shape, where.offset, tensor);
+    }
+    at::Tensor weight = param.tensor.detach().view(-1);
+    reader.read("weight/" + param.name, {global_numel}, offset, weight);
+    if (entry.separate_master)
+      reader.read("master/" + param.name, {global_numel}, offset, entry.master);
   }
   check_nothing_unread(reader);
 }
@@ -188,7 +289,7 @@ void check_nothing_unread(const StateReader& reader) {
 std::unique_ptr<StepDriver> make_default_step_driver(const StepDriverOptions& options) {
   LOOM_INTERNAL_ASSERT(options.rule, "make_default_step_driver needs the update rule");
   return std::make_unique<DefaultStepDriver>(options.params, *options.rule,
-                                             options.weight_decay);
+                                             options.weight_decay, options.comm);
 }
 
 }  // namespace loom

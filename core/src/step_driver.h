@@ -15,7 +15,9 @@ namespace loom {
 
 class DefaultStepDriver final : public StepDriver {
  public:
-  DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay);
+  // comm: the job's (needed only for placed parameters, Note [Placed parameters]).
+  DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay,
+                    Comm* comm = nullptr);
   std::string name() const override { return "default"; }
 
   void zero_grad() override;
@@ -33,8 +35,15 @@ class DefaultStepDriver final : public StepDriver {
   void load_state(StateReader& reader) override;
   int64_t state_bytes() const override;
   int64_t master_bytes() const override;
+  // Placed parameters (rows of a global tensor, expert parallelism) are saved by every rank
+  // that is the first of its replicas, as pieces of the global tensors.
+  bool state_is_sharded() const override { return any_rows_placed_; }
+  std::vector<std::string> sharded_weights() const override;
+  int64_t sharded_weight_bytes() const override;
 
  private:
+  // Whether this rank writes `param`'s pieces of a sharded checkpoint.
+  bool writes(const Param& param) const;
   // The defined gradients, in parameter order.
   std::vector<at::Tensor> defined_grads() const;
   struct Entry {
@@ -46,6 +55,8 @@ class DefaultStepDriver final : public StepDriver {
   std::vector<Entry> entries_;
   const UpdateRule& rule_;
   double weight_decay_;
+  Comm* comm_;
+  bool any_rows_placed_ = false;
 };
 
 }  // namespace loom

@@ -50,6 +50,92 @@ class GatherUnits final : public loom::nn::UnitInterceptor {
   loom::sharding::ZeroDriver* driver_;
 };
 
+// Forwards reads; reports nothing unread, so the driver it is given to leaves the leftover
+// check to the caller.
+class UncheckedReader final : public loom::StateReader {
+ public:
+  explicit UncheckedReader(loom::StateReader& inner) : inner_(inner) {}
+  void read(const std::string& name, const std::vector<int64_t>& global_shape, int64_t offset,
+            at::Tensor& into) override {
+    inner_.read(name, global_shape, offset, into);
+  }
+  std::vector<std::string> unread() const override { return {}; }
+  std::string where() const override { return inner_.where(); }
+
+ private:
+  loom::StateReader& inner_;
+};
+
+// Note [ZeRO with placed parameters]: under expert parallelism the expert weights are placed
+// (rows of global tensors, held by their replicas only: Note [Placed parameters]). ZeRO stages
+// 1-2 shard the other, dense parameters over every rank as usual; the placed ones keep whole
+// state on their ranks, in the core's default driver, their gradients all-reduced over their
+// replicas by gradient buckets (as [ddp] does). This driver runs the two side by side: one
+// gradient norm (each part's is already summed over the ranks), one clip, one update.
+class SplitDriver final : public loom::StepDriver {
+ public:
+  SplitDriver(std::unique_ptr<loom::StepDriver> sharded, std::unique_ptr<loom::StepDriver> placed,
+              int64_t placed_grad_bytes)
+      : sharded_(std::move(sharded)), placed_(std::move(placed)),
+        placed_grad_bytes_(placed_grad_bytes) {}
+  std::string name() const override { return sharded_->name() + " + placed (default)"; }
+  void zero_grad() override {
+    sharded_->zero_grad();
+    placed_->zero_grad();
+  }
+  at::Tensor grad_norm_squared() override {
+    at::Tensor dense = sharded_->grad_norm_squared();
+    return dense + placed_->grad_norm_squared().to(dense.device());
+  }
+  std::vector<at::Tensor> grads() override {
+    auto all = sharded_->grads();
+    for (auto& g : placed_->grads()) all.push_back(g);
+    return all;
+  }
+  void scale_grads(double factor) override {
+    sharded_->scale_grads(factor);
+    placed_->scale_grads(factor);
+  }
+  void update(int64_t step, double lr) override {
+    sharded_->update(step, lr);
+    placed_->update(step, lr);
+  }
+  loom::StatePieces state_pieces() const override {
+    auto all = sharded_->state_pieces();
+    for (auto& piece : placed_->state_pieces()) all.push_back(std::move(piece));
+    return all;
+  }
+  void load_state(loom::StateReader& reader) override {
+    // The placed part first, unchecked; the sharded driver's check then sees what is left.
+    UncheckedReader unchecked(reader);
+    placed_->load_state(unchecked);
+    sharded_->load_state(reader);
+  }
+  bool state_is_sharded() const override { return true; }
+  int64_t state_bytes() const override {
+    return sharded_->state_bytes() + placed_->state_bytes();
+  }
+  int64_t master_bytes() const override {
+    return sharded_->master_bytes() + placed_->master_bytes();
+  }
+  int64_t grad_bytes() const override {
+    const int64_t sharded = sharded_->grad_bytes();
+    return sharded < 0 ? -1 : sharded + placed_grad_bytes_;
+  }
+  std::vector<std::string> sharded_weights() const override {
+    auto all = sharded_->sharded_weights();
+    for (auto& name : placed_->sharded_weights()) all.push_back(name);
+    return all;
+  }
+  int64_t sharded_weight_bytes() const override {
+    return sharded_->sharded_weight_bytes() + placed_->sharded_weight_bytes();
+  }
+
+ private:
+  std::unique_ptr<loom::StepDriver> sharded_, placed_;
+  int64_t placed_grad_bytes_;
+};
+
 class Zero final : public loom::Plugin {
  public:
   std::string name() const override { return "zero"; }
@@ -123,12 +209,41 @@ class Zero final : public loom::Plugin {
                       buckets_->bucket_count(), " gradient bucket(s)");
       return loom::make_default_step_driver(options);
     }
+    // Note [ZeRO with placed parameters].
+    loom::StepDriverOptions dense = options, placed = options;
+    dense.params.clear();
+    placed.params.clear();
+    int64_t placed_grad_bytes = 0;
+    for (const auto& p : options.params) {
+      (p.placed() ? placed : dense).params.push_back(p);
+      if (p.placed()) placed_grad_bytes += p.tensor.numel() * p.tensor.element_size();
+    }
+    if (!placed.params.empty()) {
+      LOOM_CHECK_AS(ConfigError, stage_ <= 2, where_stage_, ": [zero] stage 3 does not shard "
+                    "parameters placed on some ranks only ('", placed.params.front().name,
+                    "': expert parallelism); use stage 1 or 2 with [moe] expert_parallel_size "
+                    "> 1, or expert_parallel_size = 1");
+      LOOM_CHECK_AS(ConfigError, !dense.params.empty(), where_stage_,
+                    ": [zero] has no dense parameters to shard: every trainable one is placed");
+    }
     if (stage_ == 3) {
       find_units(engine, options);
       return_freed_memory(engine);
     }
-    auto driver = std::make_unique<loom::sharding::ZeroDriver>(options, options_);
+    auto driver = std::make_unique<loom::sharding::ZeroDriver>(dense, options_);
     driver_ = driver.get();
+    if (!placed.params.empty()) {
+      buckets_ = std::make_unique<loom::sharding::GradBuckets>(
+          placed.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+      loom::log::info("zero: ", placed.params.size(), " placed (expert-parallel) parameter(s) "
+                      "kept whole on their ranks, reduced over their replicas in ",
+                      buckets_->bucket_count(), " bucket(s)");
+      loom::log::info("zero: ", driver_->describe(), " (", comm.backend(), ", overlap ",
+                      options_.overlap ? "on" : "off", ")");
+      return std::make_unique<SplitDriver>(std::move(driver),
+                                           loom::make_default_step_driver(placed),
+                                           placed_grad_bytes);
+    }
     if (stage_ == 3) engine.add_unit_interceptor(std::make_shared<GatherUnits>(driver_));
     loom::log::info("zero: ", driver_->describe(), " (", comm.backend(), ", overlap ",
                     options_.overlap ? "on" : "off", ")");
@@ -138,8 +253,8 @@ class Zero final : public loom::Plugin {
   void attach(loom::Engine& engine) override {
     engine.on_grad_ready([this](loom::Engine& e, const loom::Param& p) {
       // Stages 2 and 3 land every micro-step's gradient in the shard; 0 and 1 sync once.
-      if (buckets_ && e.state().sync_grads) buckets_->grad_ready(p);
-      if (driver_ && (stage_ >= 2 || e.state().sync_grads)) driver_->grad_ready(p);
+      if (buckets_ && e.state().sync_grads && (!driver_ || p.placed())) buckets_->grad_ready(p);
+      if (driver_ && !p.placed() && (stage_ >= 2 || e.state().sync_grads)) driver_->grad_ready(p);
     });
     engine.on(loom::Event::after_backward, [this](loom::Engine& e) {
       const bool last = e.state().is_last_micro_step();

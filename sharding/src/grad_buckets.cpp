@@ -15,11 +15,14 @@ GradBuckets::GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes,
                          bool overlap)
     : comm_(comm), overlap_(overlap) {
   LOOM_CHECK_AS(ConfigError, bucket_bytes > 0, "the gradient bucket size must be positive");
+  // A bucket holds parameters of one replica group only (Note [Placed parameters]): expert
+  // parameters are reduced over their replicas, the rest over every rank.
   std::vector<std::vector<const Param*>> groups(1);
   int64_t filled = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     const int64_t bytes = it->tensor.numel() * 4;
-    if (!groups.back().empty() && filled + bytes > bucket_bytes) {
+    if (!groups.back().empty() && (filled + bytes > bucket_bytes ||
+                                   groups.back().front()->replicas != it->replicas)) {
       groups.emplace_back();
       filled = 0;
     }
@@ -28,6 +31,7 @@ GradBuckets::GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes,
   }
   for (const auto& group : groups) {
     Bucket bucket;
+    bucket.comm = group.front()->replicas ? group.front()->replicas.get() : &comm_;
     int64_t offset = 0;
     for (const Param* p : group) {
       where_[p->tensor.unsafeGetTensorImpl()] = {buckets_.size(), bucket.slots.size()};
@@ -61,11 +65,14 @@ void GradBuckets::grad_ready(const Param& param) {
 
 void GradBuckets::launch(Bucket& bucket) {
   bucket.launched = Clock::now();
-  bucket.work = comm_.all_reduce(bucket.flat, ReduceOp::sum);
+  bucket.work = bucket.comm->all_reduce(bucket.flat, ReduceOp::sum);
 }
 
 void GradBuckets::finish() {
   stats_ = {};
+  // Summed over each bucket's replicas, divided by the job's world size: the average for an
+  // ordinary parameter, and for a placed one (whose gradient already sums what other ranks'
+  // tokens contributed) the same normalisation (Note [Placed parameters]).
   const double world = comm_.world_size();
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
@@ -102,9 +109,15 @@ void start_from_rank0(Engine& engine, bool buffers) {
   auto& comm = engine.comm();
   if (comm.world_size() == 1) return;
   at::NoGradGuard no_grad;
+  std::unordered_map<const void*, Comm*> replicas;
+  for (const auto& param : engine.params())
+    if (param.replicas) replicas[param.tensor.unsafeGetTensorImpl()] = param.replicas.get();
   for (const auto& item : engine.model().named_parameters(true)) {
     at::Tensor t = item.value().detach();
-    comm.broadcast(t, 0)->wait();
+    // A placed parameter starts as its replica group's first rank's (each group's rows differ).
+    auto placed = replicas.find(item.value().unsafeGetTensorImpl());
+    Comm& within = placed != replicas.end() ? *placed->second : comm;
+    if (within.world_size() > 1) within.broadcast(t, 0)->wait();
   }
   if (buffers)
     for (const auto& item : engine.model().named_buffers(true)) {

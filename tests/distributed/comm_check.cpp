@@ -1,10 +1,11 @@
-// Runs every collective of one backend on the ranks of a real multi-process job and checks
+// Runs every collective of one backend (uneven all_to_all_rows and split included) on the ranks of a real multi-process job and checks
 // each result against what a single process computes from all ranks' (deterministic) inputs.
 // usage (under mpirun or loom-launch): loom_comm_check BACKEND
 // With LOOM_TEST_MPI_MAX_COUNT=5 the mpi backend splits every collective into pieces of at most
 // 5 elements (Note [MPI counts]); on gloo the traffic of reduce_scatter is also measured.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -94,6 +95,53 @@ void check_gloo_traffic(loom::Comm& comm) {
 
 }  // namespace
 
+// Rows rank `from` sends rank `to`: a count that differs by pair (zero for some), 3 values a
+// row naming the pair and the row.
+int64_t rows_between(int from, int to) { return (from + 2 * to) % 3; }
+at::Tensor rows_of(int from, int to) {
+  const int64_t rows = rows_between(from, to);
+  return (at::arange(rows * 3, at::kFloat).view({rows, 3}) + 100 * from + 10000 * to);
+}
+
+// all_to_all_rows (the backend's own, and the base class's padded one), then split.
+void check_rows_and_split(loom::Comm& comm) {
+  const int rank = comm.rank(), world = comm.world_size();
+  std::vector<int64_t> send(world), recv(world);
+  std::vector<at::Tensor> pieces, expected;
+  for (int j = 0; j < world; ++j) {
+    send[j] = rows_between(rank, j);
+    recv[j] = rows_between(j, rank);
+    pieces.push_back(rows_of(rank, j));
+    expected.push_back(rows_of(j, rank));
+  }
+  const at::Tensor input = at::cat(pieces), want = at::cat(expected);
+  at::Tensor output = at::full_like(want, -1);
+  comm.all_to_all_rows(output, input, send, recv)->wait();
+  expect(at::equal(output, want), "all_to_all_rows (" + comm.backend() + ")", rank);
+  at::Tensor padded = at::full_like(want, -1);
+  comm.loom::Comm::all_to_all_rows(padded, input, send, recv)->wait();
+  expect(at::equal(padded, want), "all_to_all_rows (any backend: padded all_to_all)", rank);
+
+  // Odd and even ranks, each group ranked in reverse by its key.
+  auto part = comm.split(rank % 2, -rank);
+  std::vector<int> members;
+  for (int r = world - 1; r >= 0; --r)
+    if (r % 2 == rank % 2) members.push_back(r);
+  const int me = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  expect(part->world_size() == static_cast<int>(members.size()) && part->rank() == me,
+         "split: " + std::to_string(part->world_size()) + " ranks, rank " +
+             std::to_string(part->rank()),
+         rank);
+  at::Tensor total = at::full({1}, static_cast<float>(rank));
+  part->all_reduce(total, loom::ReduceOp::sum)->wait();
+  float want_total = 0;
+  for (int r : members) want_total += static_cast<float>(r);
+  expect(total.item<float>() == want_total, "all_reduce within a split group", rank);
+  at::Tensor ids = at::full({2}, static_cast<float>(rank));
+  part->broadcast(ids, 0)->wait();
+  expect(ids[0].item<float>() == static_cast<float>(members.front()), "broadcast within a split group", rank);
+}
+
 int main(int argc, char** argv) {
   try {
     loom::cpu::ensure_cpu_kernels_work();  // before any kernel or thread: loom/cpu.h
@@ -152,6 +200,8 @@ int main(int argc, char** argv) {
       expect(at::equal(exchanged.narrow(0, r * chunk, chunk),
                        input_of(r, n).narrow(0, rank * chunk, chunk)),
              "all_to_all chunk " + std::to_string(r), rank);
+
+    check_rows_and_split(*comm);
 
     comm->barrier();
     if (failures == 0)

@@ -1,4 +1,5 @@
-# Shared by the multi-process test scripts (sourced): counting results, and a bad input's check.
+# Shared by the multi-process test scripts (sourced): counting results, a bad input's check, runs
+# of N ranks and the comparison of their final weights.
 passed=0 failed=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
@@ -8,4 +9,35 @@ expect_error() {
   local out; out=$("$@" 2>&1); local rc=$?
   if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF -- "$text" <<<"$out"; then ok "$name"; else
     fail "$name (exit $rc): $(tail -3 <<<"$out")"; fi
+}
+# ranks BACKEND N OUT [--set ...]: a run of $job on N ranks (N = 1: one plain process), its
+# output in OUT.log; uses $loom, $launch and $port (each loom-launch run takes the next port).
+ranks() {
+  local backend=$1 n=$2 out=$3; shift 3
+  if [ "$n" -eq 1 ]; then
+    timeout 300 "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  elif [ "$backend" = mpi ]; then
+    timeout 300 mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH -np "$n" \
+      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  else
+    port=$((port + 1))
+    timeout 300 "$launch" --nproc-per-node "$n" --master-port $port \
+      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  fi
+}
+# same_params A B TOLERANCE [STEP]: the final weights of two runs' checkpoint-STEP (20), fp32
+# masters where a run kept them, through `loom consolidate`; prints the worst relative difference.
+same_params() {
+  "$loom" consolidate "$1/checkpoint-${4:-20}" "$1.c${4:-20}.safetensors" >/dev/null &&
+  "$loom" consolidate "$2/checkpoint-${4:-20}" "$2.c${4:-20}.safetensors" >/dev/null &&
+  "$python" - "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3" <<'PY'
+import sys
+from safetensors.torch import load_file
+a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
+assert a.keys() == b.keys(), (sorted(a), sorted(b))
+worst = max(float((a[k].double() - b[k].double()).norm() / max(a[k].double().norm(), 1e-12)) for k in a)
+bitwise = all(bool((a[k] == b[k]).all()) for k in a)
+print(f"worst relative difference {worst:.1e}{', bitwise' if bitwise else ''}")
+sys.exit(0 if worst <= tol else 1)
+PY
 }

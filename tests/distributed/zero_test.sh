@@ -22,36 +22,6 @@ port=$((20000 + RANDOM % 20000))
 # shellcheck source=testlib.sh
 source "$src/tests/distributed/testlib.sh"
 
-# ranks BACKEND N OUT [--set ...]: a run of N ranks (N = 1: one plain process).
-ranks() {
-  local backend=$1 n=$2 out=$3; shift 3
-  if [ "$n" -eq 1 ]; then
-    timeout 300 "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
-  elif [ "$backend" = mpi ]; then
-    timeout 300 mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH -np "$n" \
-      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
-  else
-    port=$((port + 1))
-    timeout 300 "$launch" --nproc-per-node "$n" --master-port $port \
-      "$loom" run "$job" --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
-  fi
-}
-# same_params A B TOLERANCE [STEP]: the final weights (fp32 masters where a run kept them).
-same_params() {
-  "$loom" consolidate "$1/checkpoint-${4:-20}" "$1.c${4:-20}.safetensors" >/dev/null &&
-  "$loom" consolidate "$2/checkpoint-${4:-20}" "$2.c${4:-20}.safetensors" >/dev/null &&
-  "$python" - "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3" <<'PY'
-import sys
-from safetensors.torch import load_file
-a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
-assert a.keys() == b.keys(), (sorted(a), sorted(b))
-worst = max(float((a[k].double() - b[k].double()).norm() / max(a[k].double().norm(), 1e-12)) for k in a)
-bitwise = all(bool((a[k] == b[k]).all()) for k in a)
-print(f"worst relative difference {worst:.1e}{', bitwise' if bitwise else ''}")
-sys.exit(0 if worst <= tol else 1)
-PY
-}
-
 declare -A rule_sets=(
   [adamw]="--set optimizer.eps=1e-5"
   [adafactor]="--set optimizer.name=adafactor --set optimizer.eps1=1e-10"

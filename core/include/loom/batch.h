@@ -59,6 +59,15 @@ struct Output {
   at::Tensor loss_sum;
   at::Tensor logits;
   int64_t num_targets = 0;
+  // Note [Auxiliary losses]: the forward's auxiliary losses (MoE load balancing, router
+  // z-loss...), already weighted by their coefficients and summed: a 0-d fp32 tensor, or
+  // undefined for none. A model may set it itself, with a graph: the engine then adds
+  // aux_loss / accumulation_steps to what backward runs on. Losses a layer adds with
+  // nn::attach_aux_loss (which also works inside recomputed, checkpointed units) arrive here
+  // detached from the engine, for the report only: their gradient flows through the activation
+  // they were attached to. Either way the engine reports the window's mean as `aux_loss` in
+  // metrics.jsonl; the reported `loss` stays the task's loss alone.
+  at::Tensor aux_loss;
 };
 
 }  // namespace loom

@@ -75,7 +75,19 @@ class Comm {
   virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) = 0;
   // input (world*n): chunk j goes to rank j; output (world*n): chunk j came from rank j.
   virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) = 0;
+  // Uneven all-to-all along dim 0 (MoE dispatch): input's first send_rows[0] rows go to rank 0,
+  // the next send_rows[1] to rank 1, ...; output receives recv_rows[j] rows from rank j, in rank
+  // order. Rows are input.numel() / input.size(0) elements; output has sum(recv_rows) rows of
+  // the same size and dtype. recv_rows[j] must equal rank j's send_rows[rank()] (exchange the
+  // counts first, e.g. with all_to_all).
+  virtual std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
+                                                const std::vector<int64_t>& send_rows,
+                                                const std::vector<int64_t>& recv_rows);
   virtual void barrier() = 0;
+  // Collective over this Comm: the ranks passing the same `color` form a new Comm of their own,
+  // ranked by (key, rank). It shares this Comm's backend and timeout and lives independently of
+  // it. Every rank must call split in the same order with the other collectives.
+  virtual std::unique_ptr<Comm> split(int color, int key);
 };
 
 // Backends register a factory by name; "local" is built in. The multi-process issue adds

@@ -74,6 +74,30 @@ struct Param {
   // From the first matching [optimizer] param_groups entry, if any:
   double lr_scale = 1.0;       // this parameter's lr = the schedule's lr x lr_scale
   double weight_decay = -1.0;  // >= 0: overrides the group's weight decay
+  // Note [Placed parameters] — from Engine::place_param (expert parallelism); the defaults
+  // describe an ordinary data-parallel parameter:
+  // - global_shape: this rank holds rows [row_offset, row_offset + size(0)) of a global tensor
+  //   of this shape (empty: the tensor is whole). Checkpoints save each rank's rows as pieces
+  //   of the global tensor ("weight/<name>"), and `loom consolidate`/`loom export` join them.
+  // - replicas: the ranks that hold the same rows (gradient sync reduces over them, the start
+  //   broadcast stays within them); nullptr: every rank of the job's Comm. Gradients are summed
+  //   over the replicas and divided by the job's world size either way: each rank's loss is
+  //   scaled by world / global targets (Note [Loss normalisation]), and a placed parameter's
+  //   gradient already sums the contributions that other ranks' tokens sent it.
+  std::vector<int64_t> global_shape;
+  int64_t row_offset = 0;
+  std::shared_ptr<Comm> replicas;
+  bool placed() const { return !global_shape.empty() || replicas != nullptr; }
+};
+
+// Where a placed parameter lives (see Param). Given in model_built, before params_ready.
+struct ParamPlacement {
+  std::vector<int64_t> global_shape;
+  int64_t row_offset = 0;
+  std::shared_ptr<Comm> replicas;
+  // The parameter's weight-decay group, when its rank misleads Model::no_weight_decay (stacked
+  // expert biases are 2-D): 0 decay, 1 none; -1: the model decides.
+  int group = -1;
 };
 
 // What save/load handlers add to or read from a checkpoint: extra safetensors files and
@@ -109,6 +133,10 @@ class Engine {
   // In model_built: swap the model for a transformed one.
   virtual void set_model(std::shared_ptr<Model> model) = 0;
   virtual std::vector<nn::UnitList*> unit_lists() = 0;
+  // In model_built: `param` (a parameter of the final model) is placed, not replicated on
+  // every rank (Note [Placed parameters]), and/or its weight-decay group is set; params()
+  // carries both from params_ready on.
+  virtual void place_param(const at::Tensor& param, ParamPlacement placement) = 0;
 
   virtual DataSource& data() = 0;
   // In setup: wrap the data source (preloading). take_data() hands the current one over.

@@ -152,6 +152,21 @@ class UnitList : public torch::nn::Module {
   std::vector<std::shared_ptr<UnitInterceptor>> interceptors_;
 };
 
+// Note [Auxiliary losses]: returns x unchanged, but backward also sends `aux_loss` (a 0-d
+// tensor with a graph) the gradient the engine's objective gives it: loss_scale /
+// accumulation_steps, set by the engine before each backward. So a layer's auxiliary loss
+// trains its parameters wherever the layer runs, a recomputed (checkpointed) unit included;
+// its detached value is also collected for Output::aux_loss.
+at::Tensor attach_aux_loss(const at::Tensor& x, const at::Tensor& aux_loss);
+
+namespace detail {
+// The engine's side of attach_aux_loss: the gradient its backward gives an auxiliary loss, and
+// the collection of the values attached since the last reset (summed; undefined for none).
+void set_aux_loss_grad_scale(double scale);
+void reset_aux_losses();
+at::Tensor collected_aux_losses();
+}  // namespace detail
+
 // GPT-2's initialisation: weights N(0, std), biases 0, norms 1/0. Deterministic given the
 // global generator's state.
 void init_normal_(torch::nn::Module& module, double std = 0.02);

@@ -48,6 +48,7 @@ class GradBuckets {
     bool ready = false;
   };
   struct Bucket {
+    Comm* comm = nullptr;  // its parameters' replicas (the job's Comm, or a placed group's)
     at::Tensor flat;  // fp32 (n)
     std::vector<Slot> slots;
     size_t pending = 0;
@@ -64,7 +65,8 @@ class GradBuckets {
 };
 
 // One starting point for every replica: rank 0's parameters (and buffers when `buffers`) are
-// broadcast to every rank. Collective; a no-op on one rank.
+// broadcast to every rank; a placed parameter (expert parallelism) is broadcast within its
+// replicas. Collective (from params_ready on); a no-op on one rank.
 void start_from_rank0(Engine& engine, bool buffers);
 
 }  // namespace loom::sharding
