@@ -7,21 +7,22 @@ include(CMakePackageConfigHelpers)
 set(LOOM_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/loom)
 set(LOOM_INSTALL_PLUGINDIR ${CMAKE_INSTALL_LIBDIR}/loom/plugins)
 
-# Exported as loom::core, loom::sharding, loom::torch: the names the build tree uses.
+# Exported as loom::core, loom::sharding, loom::offload, loom::torch: the build tree's names.
 set_target_properties(loom_core PROPERTIES EXPORT_NAME core)
 set_target_properties(loom_sharding PROPERTIES EXPORT_NAME sharding)
+set_target_properties(loom_offload PROPERTIES EXPORT_NAME offload)
 set_target_properties(loom_torch PROPERTIES EXPORT_NAME torch)
-install(TARGETS loom_core loom_sharding EXPORT loomTargets
+install(TARGETS loom_core loom_sharding loom_offload EXPORT loomTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS loom_torch EXPORT loomTargets)
 install(TARGETS loom loom-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(DIRECTORY core/include/loom sharding/include/loom DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY core/include/loom sharding/include/loom offload/include/loom DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 get_property(_plugins GLOBAL PROPERTY LOOM_PLUGIN_TARGETS)
 foreach(target ${_plugins})
   install(TARGETS ${target} LIBRARY DESTINATION ${LOOM_INSTALL_PLUGINDIR})
 endforeach()
 # Installed binaries find libloom_* next to them; plugins find them two folders up.
-set_target_properties(loom_core loom_sharding PROPERTIES INSTALL_RPATH "$ORIGIN;${LOOM_TORCH_LIBDIR}")
+set_target_properties(loom_core loom_sharding loom_offload PROPERTIES INSTALL_RPATH "$ORIGIN;${LOOM_TORCH_LIBDIR}")
 set_target_properties(loom loom-launch PROPERTIES
   INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR};${LOOM_TORCH_LIBDIR}")
 foreach(target ${_plugins})

@@ -17,6 +17,7 @@
 #include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
+#include "loom/offload/offloaded_driver.h"
 #include "loom/plugin.h"
 #include "loom/sharding/grad_buckets.h"
 #include "loom/sharding/zero_driver.h"
@@ -166,6 +167,13 @@ class Zero final : public loom::Plugin {
                    "stage 3: parameters with fewer elements stay whole on every rank")
         .key_float("stage3_max_live_parameters", 1e9,
                    "stage 3: no prefetch once this many elements are gathered")
+        .key_optional("offload_optimizer", loom::ValueType::Table,
+                      "where fp32 masters and optimizer state live (DeepSpeed's keys): { device "
+                      "= \"nvme\", nvme_path = \"/local_nvme\", buffer_count = 4, "
+                      "pin_memory = true, block_size = 1048576, queue_depth = 8 }; device = "
+                      "\"cpu\" on a CPU run changes nothing")
+        .key_optional("offload_param", loom::ValueType::Table,
+                      "stage 3 parameter offload (DeepSpeed's key): not implemented yet")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
@@ -193,6 +201,7 @@ class Zero final : public loom::Plugin {
                   t.where("allgather_bucket_size"), ": [zero] allgather_bucket_size must be "
                   "positive, got ", options_.allgather_bucket_bytes);
     options_.overlap = t.get_bool("overlap_comm");
+    parse_offload(t);
     broadcast_buffers_ = t.get_bool("broadcast_buffers");
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
   }
@@ -202,6 +211,33 @@ class Zero final : public loom::Plugin {
     // Every replica starts from rank 0's weights, before the driver copies its chunks.
     loom::sharding::start_from_rank0(engine, broadcast_buffers_);
     auto& comm = *options.comm;
+    if (offload_.device == "cpu" && engine.device().is_cpu()) {
+      loom::log::info("zero: offload_optimizer.device = \"cpu\" on a CPU run: the state is in "
+                      "CPU memory already; nothing changes");
+    } else if (offload_.device == "cpu") {
+      throw loom::ConfigError(loom::detail::cat(
+          where_offload_, ": [zero] offload_optimizer.device = \"cpu\" on a GPU is not "
+          "implemented yet; use device = \"nvme\" (the update runs on the CPU either way)"));
+    } else if (offload_.device == "nvme") {
+      // Note [Offload on one rank]: the offloaded driver keeps the state unsharded; on one rank
+      // stages 1-2 shard nothing, so they are that driver too.
+      LOOM_CHECK_AS(ConfigError, stage_ == 0 || (stage_ <= 2 && comm.world_size() == 1),
+                    where_offload_, ": [zero] offload_optimizer with stage ", stage_, " on ",
+                    comm.world_size(), " ranks is not implemented yet: NVMe offload runs "
+                    "unsharded (stage 0, or stages 1-2 on one rank)");
+      offload_.nvme.path = engine.resolve_path(offload_.nvme.path);
+      if (comm.world_size() > 1) {
+        // Stage 0 over several ranks: data parallelism on the buckets; each rank's own swap
+        // file (the process id in its name keeps them apart in one folder).
+        buckets_ = std::make_unique<loom::sharding::GradBuckets>(
+            options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+      }
+      loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
+                      offload_.nvme.path, ")");
+      auto offloaded = loom::offload::make_offloaded_step_driver(options, offload_);
+      offloaded_ = offloaded.get();
+      return offloaded;
+    }
     if (stage_ == 0) {
       buckets_ = std::make_unique<loom::sharding::GradBuckets>(
           options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
@@ -299,6 +335,16 @@ class Zero final : public loom::Plugin {
         driver_->gather_all_weights();
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
+      if (offloaded_ && !e.state().skip_update) {
+        // Note [Pipelined update]: how much of the swap file's I/O the rule's compute hid.
+        const auto s = offloaded_->last_stats();
+        e.state().metrics.emplace_back("offload_update_s", s.update_seconds);
+        e.state().metrics.emplace_back("offload_compute_s", s.compute_seconds);
+        e.state().metrics.emplace_back("offload_io_wait_s", s.io_wait_seconds);
+        e.state().metrics.emplace_back("offload_bytes_read", static_cast<double>(s.bytes_read));
+        e.state().metrics.emplace_back("offload_bytes_written",
+                                       static_cast<double>(s.bytes_written));
+      }
       if (driver_)
         e.state().metrics.emplace_back("zero_comm_elements",
                                        static_cast<double>(driver_->stats().elements));
@@ -398,6 +444,66 @@ class Zero final : public loom::Plugin {
     return {static_cast<int64_t>(bytes + frozen), text.str()};
   }
 
+  // [zero] offload_optimizer = { device, nvme_path, buffer_count, pin_memory, block_size,
+  // queue_depth }: every key checked here, before anything runs.
+  void parse_offload(const loom::ConfigSection& t) {
+    where_offload_ = t.where("offload_optimizer");
+    if (t.get("offload_param"))
+      throw loom::ConfigError(loom::detail::cat(t.where("offload_param"), ": [zero] offload_param "
+                                          "(stage-3 parameter offload) is not implemented yet; "
+                                          "remove it (offload_optimizer works)"));
+    const auto* table = t.get("offload_optimizer");
+    if (!table) return;
+    LOOM_CHECK_AS(ConfigError, table->is_table(), where_offload_,
+                  ": [zero] offload_optimizer must be a table, e.g. { device = \"nvme\", "
+                  "nvme_path = \"/local_nvme\" }");
+    offload_.nvme.what = "optimizer state";
+    for (const auto& [key, value] : std::get<loom::ConfigTable>(table->value)) {
+      auto integer = [&, &key = key, &value = value]() -> int64_t {
+        const auto* i = std::get_if<int64_t>(&value.value);
+        LOOM_CHECK_AS(ConfigError, i, value.where, ": [zero] offload_optimizer.", key,
+                      " must be an integer, not ", value.to_text());
+        return *i;
+      };
+      if (key == "device") {
+        const auto* text = std::get_if<std::string>(&value.value);
+        LOOM_CHECK_AS(ConfigError, text && (*text == "none" || *text == "cpu" || *text == "nvme"),
+                      value.where, ": [zero] offload_optimizer.device must be \"none\", "
+                      "\"cpu\" or \"nvme\", not ", value.to_text());
+        offload_.device = *text;
+      } else if (key == "nvme_path") {
+        const auto* text = std::get_if<std::string>(&value.value);
+        LOOM_CHECK_AS(ConfigError, text, value.where,
+                      ": [zero] offload_optimizer.nvme_path must be a folder path (a string)");
+        offload_.nvme.path = *text;
+      } else if (key == "buffer_count") {
+        offload_.buffer_count = static_cast<int>(integer());
+        LOOM_CHECK_AS(ConfigError, offload_.buffer_count >= 3 && offload_.buffer_count <= 64,
+                      value.where, ": [zero] offload_optimizer.buffer_count must be 3 to 64 "
+                      "(one segment read, one updated, one written), got ", offload_.buffer_count);
+      } else if (key == "pin_memory") {
+        const auto* flag = std::get_if<bool>(&value.value);
+        LOOM_CHECK_AS(ConfigError, flag, value.where,
+                      ": [zero] offload_optimizer.pin_memory must be true or false");
+        offload_.pin_memory = *flag;
+      } else if (key == "block_size") {
+        offload_.nvme.block_size = integer();
+      } else if (key == "queue_depth") {
+        offload_.nvme.queue_depth = static_cast<int>(integer());
+      } else {
+        throw loom::ConfigError(loom::detail::cat(
+            value.where, ": [zero] offload_optimizer has no key '", key, "'; it takes device, "
+            "nvme_path, buffer_count, pin_memory, block_size, queue_depth"));
+      }
+    }
+    LOOM_CHECK_AS(ConfigError, offload_.device != "nvme" || !offload_.nvme.path.empty(),
+                  where_offload_, ": [zero] offload_optimizer.device = \"nvme\" needs "
+                  "nvme_path, a folder on a fast local disk");
+  }
+
+  loom::offload::OffloadOptions offload_;
+  loom::offload::OffloadedStepDriver* offloaded_ = nullptr;  // owned by the engine
+  std::string where_offload_;
   int64_t baseline_bytes_ = 0;
   bool measured_ = false;
   int stage_ = 2;

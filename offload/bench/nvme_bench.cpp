@@ -1,0 +1,91 @@
+// loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--chunk-mib N]
+//                 [--rounds N]
+// The swap file's sustained sequential throughput: N GiB written, then read back (checksums
+// computed and checked, as in training), in chunks of --chunk-mib through the I/O thread with
+// two chunks in flight (the offloaded update's pattern: one moving while the next is queued).
+// Prints one line per round and direction in MiB/s; examples/bench/offload/run.py runs fio
+// beside it with the same block size and queue depth.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "loom/error.h"
+#include "loom/offload/nvme_store.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 2) {
+      std::cerr << "usage: loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] "
+                   "[--queue-depth N] [--chunk-mib N] [--rounds N]\n";
+      return 2;
+    }
+    loom::offload::NvmeOptions options;
+    options.path = argv[1];
+    options.what = "benchmark data";
+    double gib = 2.0;
+    int64_t chunk_mib = 64;
+    int rounds = 3;
+    for (int i = 2; i + 1 < argc; i += 2) {
+      const std::string key = argv[i];
+      const char* value = argv[i + 1];
+      if (key == "--gib") gib = std::atof(value);
+      else if (key == "--block-size") options.block_size = std::atoll(value);
+      else if (key == "--queue-depth") options.queue_depth = std::atoi(value);
+      else if (key == "--chunk-mib") chunk_mib = std::atoll(value);
+      else if (key == "--rounds") rounds = std::atoi(value);
+      else throw loom::ConfigError("unknown option " + key);
+    }
+    const int64_t chunk = chunk_mib << 20;
+    const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(gib * (1 << 30)) / chunk);
+    loom::offload::SwapFile file(options, chunks * chunk);
+    std::vector<int64_t> regions;
+    for (int64_t c = 0; c < chunks; ++c) regions.push_back(file.allocate(chunk));
+    // Two buffers: one chunk in flight while the next is handed over.
+    loom::offload::AlignedBuffer buffers[2] = {loom::offload::AlignedBuffer(chunk),
+                                               loom::offload::AlignedBuffer(chunk)};
+    for (auto& b : buffers) {
+      auto* words = static_cast<uint64_t*>(b.data());
+      for (int64_t i = 0; i < chunk / 8; ++i) words[i] = i * 0x9E3779B97F4A7C15ull;
+    }
+    std::printf("file %s (%s), %.2f GiB in %lld chunks of %lld MiB, block %lld B, queue depth %d\n",
+                file.file().c_str(), file.direct() ? "O_DIRECT" : "buffered",
+                chunks * chunk / double(1 << 30), static_cast<long long>(chunks),
+                static_cast<long long>(chunk_mib), static_cast<long long>(options.block_size),
+                options.queue_depth);
+    for (int round = 0; round < rounds; ++round) {
+      for (const bool writing : {true, false}) {
+        const auto start = Clock::now();
+        loom::offload::SwapFile::Ticket pending[2] = {0, 0};
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int slot = static_cast<int>(c % 2);
+          if (pending[slot]) file.wait(pending[slot]);
+          pending[slot] = writing ? file.write(regions[c], buffers[slot].data())
+                                  : file.read(regions[c], buffers[slot].data());
+        }
+        for (auto ticket : pending)
+          if (ticket) file.wait(ticket);
+        const double s = seconds_since(start);
+        std::printf("round %d %s %.0f MiB/s\n", round + 1, writing ? "write" : "read",
+                    chunks * chunk / double(1 << 20) / s);
+      }
+    }
+    return 0;
+  } catch (const std::exception& error) {
+    std::cerr << "loom_nvme_bench: " << error.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,364 @@
+// The swap file and its io_uring engine. See loom/offload/nvme_store.h.
+#include "loom/offload/nvme_store.h"
+
+#include <fcntl.h>
+#include <liburing.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "loom/error.h"
+#include "loom/log.h"
+
+namespace loom::offload {
+
+int64_t align_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+AlignedBuffer::AlignedBuffer(int64_t bytes) : size_(align_up(std::max<int64_t>(bytes, 1))) {
+  if (posix_memalign(&data_, kAlignment, static_cast<size_t>(size_)) != 0 || !data_)
+    throw Error(detail::cat("cannot allocate an aligned I/O buffer of ", size_,
+                            " bytes; lower [zero] offload buffer_count or the chunk size"));
+  std::memset(data_, 0, static_cast<size_t>(size_));
+}
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
+    : data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(size_, other.size_);
+  return *this;
+}
+
+uint64_t checksum(const void* data, int64_t bytes) {
+  // Four independent lanes over 8-byte words (so the multiplies pipeline), then the tail, then
+  // a final mix. Not cryptographic: it catches truncation, stale and changed bytes.
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t lane[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
+                      0x082EFA98EC4E6C89ull};
+  int64_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * l, 8);
+      lane[l] = (lane[l] ^ w) * kMul;
+      lane[l] ^= lane[l] >> 29;
+    }
+  uint64_t h = static_cast<uint64_t>(bytes) * kMul;
+  for (int l = 0; l < 4; ++l) h = (h ^ lane[l]) * kMul + (h >> 31);
+  for (; i < bytes; ++i) h = (h ^ p[i]) * kMul;
+  return h ^ (h >> 33);
+}
+
+struct SwapFile::Impl {
+  struct Region {
+    int64_t offset = 0, bytes = 0;
+    uint64_t sum = 0;
+    bool written = false;
+  };
+  struct Request {
+    int64_t region = 0;
+    bool write = false;
+    char* buffer = nullptr;
+    int64_t pending = 0;  // pieces not completed
+    int error = 0;        // first errno (negative res), or EIO for a short transfer
+    int64_t short_piece_at = -1;
+    bool done = false;
+  };
+  struct Piece {
+    Ticket ticket;
+    bool write;
+    char* buffer;
+    int64_t offset, length;
+  };
+
+  NvmeOptions options;
+  std::string file;
+  int fd = -1;
+  bool direct = true;
+  int64_t capacity = 0, used = 0;
+  std::vector<Region> regions;
+
+  io_uring ring{};
+  std::thread thread;
+  std::mutex mutex;
+  std::condition_variable work, finished;
+  std::deque<Piece> queued;  // not yet submitted
+  std::unordered_map<Ticket, Request> requests;
+  Ticket next_ticket = 1;
+  int in_flight = 0;
+  bool stopping = false;
+  std::atomic<int64_t> moved{0};
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      work.wait(lock, [&] { return stopping || !queued.empty() || in_flight > 0; });
+      if (stopping && queued.empty() && in_flight == 0) return;
+      // Fill the ring up to the queue depth.
+      int added = 0;
+      while (!queued.empty() && in_flight < options.queue_depth) {
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+        if (!sqe) break;
+        Piece piece = queued.front();
+        queued.pop_front();
+        if (piece.write)
+          io_uring_prep_write(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
+                              static_cast<__u64>(piece.offset));
+        else
+          io_uring_prep_read(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
+                             static_cast<__u64>(piece.offset));
+        // Remember the piece's length to check a short transfer: ticket and length packed.
+        io_uring_sqe_set_data64(sqe, (static_cast<uint64_t>(piece.ticket) << 32) |
+                                         static_cast<uint64_t>(piece.length));
+        ++in_flight;
+        ++added;
+      }
+      lock.unlock();
+      if (added > 0) io_uring_submit(&ring);
+      io_uring_cqe* cqe = nullptr;
+      // A short wait, so pieces queued meanwhile are submitted promptly.
+      __kernel_timespec timeout{0, 200 * 1000};
+      const int got = io_uring_wait_cqe_timeout(&ring, &cqe, &timeout);
+      lock.lock();
+      if (got != 0) continue;
+      unsigned head;
+      unsigned seen = 0;
+      io_uring_for_each_cqe(&ring, head, cqe) {
+        ++seen;
+        const uint64_t data = io_uring_cqe_get_data64(cqe);
+        const Ticket ticket = static_cast<Ticket>(data >> 32);
+        const int64_t length = static_cast<int64_t>(data & 0xFFFFFFFFull);
+        --in_flight;
+        auto it = requests.find(ticket);
+        if (it == requests.end()) continue;
+        Request& request = it->second;
+        if (cqe->res < 0) {
+          if (!request.error) request.error = -cqe->res;
+        } else if (cqe->res != length) {
+          if (!request.error) request.error = EIO;
+        } else {
+          moved += length;
+        }
+        if (--request.pending == 0) request.done = true;
+      }
+      io_uring_cq_advance(&ring, seen);
+      if (seen) finished.notify_all();
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error(detail::cat(options.what, " swap file ", file, ": ", what));
+  }
+};
+
+namespace {
+
+bool writable_folder(const std::string& path) { return ::access(path.c_str(), W_OK | X_OK) == 0; }
+
+}  // namespace
+
+SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.options = options;
+  namespace fs = std::filesystem;
+  LOOM_CHECK_AS(ConfigError, !options.path.empty(), "nvme_path is empty: name a folder on a fast "
+                "local disk (NVMe) for the ", options.what);
+  std::error_code ec;
+  LOOM_CHECK_AS(ConfigError, fs::is_directory(options.path, ec), "nvme_path '", options.path,
+                "' is not an existing folder: create it (on a fast local disk) or name another");
+  LOOM_CHECK_AS(ConfigError, writable_folder(options.path), "nvme_path '", options.path,
+                "' is not writable by this process: fix its permissions or name another folder");
+  LOOM_CHECK_AS(ConfigError, options.block_size >= kAlignment && options.block_size % kAlignment == 0 &&
+                                 options.block_size <= (int64_t{1} << 30),
+                "block_size ", options.block_size, " must be a multiple of ", kAlignment,
+                " bytes, at most 1 GiB");
+  LOOM_CHECK_AS(ConfigError, options.queue_depth >= 1 && options.queue_depth <= 4096,
+                "queue_depth ", options.queue_depth, " must be between 1 and 4096");
+  s.capacity = align_up(std::max<int64_t>(capacity, kAlignment));
+  s.file = (fs::path(options.path) /
+            detail::cat("loom-swap-", ::getpid(), "-", reinterpret_cast<uintptr_t>(this) % 100000,
+                        ".bin"))
+               .string();
+  s.fd = ::open(s.file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+  if (s.fd < 0 && errno == EINVAL) {
+    LOOM_CHECK_AS(ConfigError, !options.require_direct, "nvme_path '", options.path,
+                  "' is on a file system without O_DIRECT (tmpfs?); name a folder on a real "
+                  "disk");
+    s.direct = false;
+    s.fd = ::open(s.file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (s.fd >= 0)
+      log::warn("nvme_path '", options.path, "' has no O_DIRECT (tmpfs?): the ", options.what,
+                " goes through the page cache, which holds it in memory too; use a folder on "
+                "an NVMe disk");
+  }
+  LOOM_CHECK_AS(ConfigError, s.fd >= 0, "cannot create a swap file in nvme_path '",
+                options.path, "': ", std::strerror(errno));
+  {
+    // A memory-backed file system takes O_DIRECT on recent kernels, but what is written there
+    // stays in RAM: offloading to it saves no memory.
+    struct statfs fs_info {};
+    if (::fstatfs(s.fd, &fs_info) == 0 &&
+        (fs_info.f_type == TMPFS_MAGIC || fs_info.f_type == RAMFS_MAGIC)) {
+      if (options.require_direct) {
+        ::close(s.fd);
+        ::unlink(s.file.c_str());
+        throw ConfigError(detail::cat("nvme_path '", options.path, "' is on tmpfs (memory): "
+                                      "the ", options.what, " would stay in RAM; name a folder "
+                                      "on an NVMe disk"));
+      }
+      log::warn("nvme_path '", options.path, "' is on tmpfs: the ", options.what,
+                " stays in memory there; name a folder on an NVMe disk to save memory");
+    }
+  }
+  // Reserve the whole size now (Note [Swap file]).
+  const int reserved = ::posix_fallocate(s.fd, 0, static_cast<off_t>(s.capacity));
+  if (reserved != 0) {
+    struct statvfs vfs {};
+    const int64_t free_bytes =
+        ::fstatvfs(s.fd, &vfs) == 0 ? static_cast<int64_t>(vfs.f_bavail) * vfs.f_frsize : -1;
+    ::close(s.fd);
+    ::unlink(s.file.c_str());
+    s.fd = -1;
+    throw ConfigError(detail::cat(
+        "nvme_path '", options.path, "' cannot hold the ", options.what, ": it needs ",
+        s.capacity, " bytes (", s.capacity / double(1 << 30), " GiB), ",
+        free_bytes >= 0 ? detail::cat(free_bytes, " bytes are free") : std::string("free space unknown"),
+        " (", std::strerror(reserved), "); free space there or name a larger disk"));
+  }
+  const int ring = io_uring_queue_init(static_cast<unsigned>(options.queue_depth), &s.ring, 0);
+  if (ring < 0) {
+    ::close(s.fd);
+    ::unlink(s.file.c_str());
+    throw Error(detail::cat("io_uring is not available (", std::strerror(-ring),
+                            "): NVMe offload needs Linux io_uring (kernel 5.6 or later, not "
+                            "disabled by the container's seccomp policy)"));
+  }
+  s.thread = std::thread([&s] { s.run(); });
+}
+
+SwapFile::~SwapFile() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stopping = true;
+  }
+  s.work.notify_all();
+  if (s.thread.joinable()) s.thread.join();
+  io_uring_queue_exit(&s.ring);
+  if (s.fd >= 0) ::close(s.fd);
+  ::unlink(s.file.c_str());
+}
+
+int64_t SwapFile::allocate(int64_t bytes) {
+  Impl& s = *impl_;
+  LOOM_CHECK(bytes >= 0, "a swap region cannot have ", bytes, " bytes");
+  const int64_t size = align_up(std::max<int64_t>(bytes, 1));
+  LOOM_CHECK(s.used + size <= s.capacity, s.options.what, " swap file ", s.file, ": a region of ",
+             bytes, " bytes does not fit the ", s.capacity, " reserved (", s.used, " used)");
+  s.regions.push_back({s.used, bytes, 0, false});
+  s.used += size;
+  return static_cast<int64_t>(s.regions.size()) - 1;
+}
+
+int64_t SwapFile::region_bytes(int64_t region) const {
+  LOOM_CHECK(region >= 0 && region < static_cast<int64_t>(impl_->regions.size()), "swap region ",
+             region, " does not exist");
+  return impl_->regions[region].bytes;
+}
+
+namespace {
+SwapFile::Ticket start(SwapFile::Impl& s, int64_t region, bool write, char* buffer) {
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(buffer) % kAlignment == 0,
+             "swap I/O buffers must be aligned to ", kAlignment, " bytes (AlignedBuffer)");
+  const auto& r = s.regions[region];
+  const int64_t length = align_up(std::max<int64_t>(r.bytes, 1));
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const SwapFile::Ticket ticket = s.next_ticket++;
+  auto& request = s.requests[ticket];
+  request.region = region;
+  request.write = write;
+  request.buffer = buffer;
+  for (int64_t at = 0; at < length; at += s.options.block_size) {
+    const int64_t piece = std::min(s.options.block_size, length - at);
+    s.queued.push_back({ticket, write, buffer + at, r.offset + at, piece});
+    ++request.pending;
+  }
+  s.work.notify_one();
+  return ticket;
+}
+}  // namespace
+
+namespace {
+void check_region(const SwapFile::Impl& s, int64_t region) {
+  LOOM_CHECK(region >= 0 && region < static_cast<int64_t>(s.regions.size()), s.options.what,
+             " swap file ", s.file, ": region ", region, " does not exist");
+}
+}  // namespace
+
+SwapFile::Ticket SwapFile::write(int64_t region, const void* buffer) {
+  Impl& s = *impl_;
+  check_region(s, region);
+  auto& r = s.regions[region];
+  r.sum = checksum(buffer, r.bytes);
+  r.written = true;
+  return start(s, region, true, static_cast<char*>(const_cast<void*>(buffer)));
+}
+
+SwapFile::Ticket SwapFile::read(int64_t region, void* buffer) {
+  Impl& s = *impl_;
+  check_region(s, region);
+  LOOM_CHECK(s.regions[region].written, s.options.what, " swap file ", s.file, ": region ",
+             region, " is read before it was ever written");
+  return start(s, region, false, static_cast<char*>(buffer));
+}
+
+void SwapFile::wait(Ticket ticket) {
+  Impl& s = *impl_;
+  Impl::Request request;
+  {
+    std::unique_lock<std::mutex> lock(s.mutex);
+    auto it = s.requests.find(ticket);
+    LOOM_CHECK(it != s.requests.end(), "swap ticket ", ticket, " is unknown or already waited for");
+    s.finished.wait(lock, [&] { return it->second.done; });
+    request = it->second;
+    s.requests.erase(it);
+  }
+  const auto& r = s.regions[request.region];
+  if (request.error)
+    s.fail(detail::cat(request.write ? "writing" : "reading", " region ", request.region, " (",
+                       r.bytes, " bytes at offset ", r.offset, ") failed: ",
+                       request.error == EIO && !request.write
+                           ? std::string("short read: the file was truncated under the run")
+                           : std::string(std::strerror(request.error)),
+                       request.error == ENOSPC ? "; the disk is full: free space there"
+                                               : "; check the disk (dmesg) and the file"));
+  if (!request.write && checksum(request.buffer, r.bytes) != r.sum)
+    s.fail(detail::cat("region ", request.region, " (", r.bytes, " bytes at offset ", r.offset,
+                       ") does not hold what was written (checksum mismatch): the file was "
+                       "changed under the run, or the disk returned bad data"));
+}
+
+const std::string& SwapFile::file() const { return impl_->file; }
+bool SwapFile::direct() const { return impl_->direct; }
+int64_t SwapFile::capacity() const { return impl_->capacity; }
+int64_t SwapFile::bytes_moved() const { return impl_->moved.load(); }
+
+}  // namespace loom::offload
