@@ -314,6 +314,11 @@ class GptPlugin final : public loom::Plugin {
     if (!config.contains("eos_token_id")) config["eos_token_id"] = std::min<int64_t>(50256, c.vocab_size - 1);
     config["dtype"] = "float32";
     std::map<std::string, at::Tensor> by_name(weights.begin(), weights.end());
+    for (const auto& [name, tensor] : by_name)
+      LOOM_CHECK_AS(CheckpointError, name.find(".ffn.router") == std::string::npos,
+                    "the checkpoint is a Mixture-of-Experts GPT ([moe]: '", name, "'), which "
+                    "transformers' GPT2LMHeadModel cannot hold; `loom consolidate` gives its "
+                    "weights in one safetensors file");
     loom::pretrained::Export out;
     out.config_json = config.dump(2) + "\n";
     for (const auto& [hf, loom_name, transpose] : gpt2_names(c.n_layer, c.tie_word_embeddings)) {

@@ -2,7 +2,8 @@
 // output and gradients (dropped tokens, auxiliary losses) equal an independent Python
 // reference (moe_ref.py); activation checkpointing changes nothing (the auxiliary losses reach
 // the router through the recompute); a resumed run is bitwise the uninterrupted one; the
-// metrics are written; bad [moe] keys are clear errors. Expert parallelism over real ranks is
+// metrics are written; `loom export` says an MoE GPT has no GPT-2 form; bad [moe] keys are
+// clear errors. Expert parallelism over real ranks is
 // tests/distributed/moe_test.sh.
 #include <ATen/ATen.h>
 
@@ -158,6 +159,11 @@ TEST(Moe, CheckpointingAndResumeChangeNothingAndMetricsAreWritten) {
                  "resume = \"" + (plain_dir / "checkpoint-3").string() + "\"\n");
   const auto after = trained(resumed, resumed_dir.path());
   for (const auto& [name, tensor] : plain) EXPECT_TRUE(at::equal(tensor, after.at(name))) << name;
+
+  // transformers' GPT-2 has no experts: exporting says so, and writes nothing.
+  EXPECT_THROW_WITH(export_checkpoint(plain_dir / "checkpoint-6", resumed_dir / "hf"),
+                    CheckpointError, "Mixture-of-Experts", "loom consolidate");
+  EXPECT_FALSE(fs::exists(resumed_dir / "hf"));
 
   std::ifstream metrics(plain_dir / "metrics.jsonl");
   std::string line;
