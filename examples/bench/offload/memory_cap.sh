@@ -25,43 +25,14 @@ else  # v2
   peak_file=$cg/memory.peak
 fi
 trap 'rm -rf "$work"; rmdir "$cg" 2>/dev/null' EXIT
-cat >"$work/job.toml" <<TOML
-[train]
-model = "gpt"
-max_steps = 2
-per_device_train_batch_size = 1
-learning_rate = 1e-4
-progress_bar = false
-logging_steps = 1
-save_final = false
-[model]
-vocab_size = 256
-n_positions = 16
-n_embd = 1536
-n_layer = 18
-n_head = 16
-dropout = 0.0
-[data]
-source = "random_tokens"
-task = "lm"
-num_samples = 16
-seq_len = 16
-vocab_low = 0
-vocab_high = 256
-[precision]
-mode = "full_bf16"
-[optimizer]
-name = "adamw"
-[zero]
-stage = 0
-TOML
 echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), cap ${cap_mib} MiB"
 for mode in nvme memory; do
-  sets=(--set "train.output_dir=$work/$mode")
+  sets=(--set "train.output_dir=$work/$mode" --set train.max_steps=2 --set model.n_embd=1536
+        --set model.n_layer=18 --set 'train.log_level="info"')
   [ $mode = nvme ] && sets+=(--set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$folder\"}")
   [ -f "$cg/memory.max_usage_in_bytes" ] && echo 0 >"$cg/memory.max_usage_in_bytes"
   start=$(date +%s)
-  bash -c "echo \$\$ >$cg/cgroup.procs; exec $loom run $work/job.toml $(printf '%q ' "${sets[@]}")" \
+  bash -c "echo \$\$ >$cg/cgroup.procs; exec $loom run $root/examples/bench/offload/gpt_bf16.toml $(printf '%q ' "${sets[@]}")" \
     >"$work/$mode.log" 2>&1
   rc=$?
   echo "--- state in $mode: exit $rc after $(($(date +%s) - start)) s; cgroup peak $(($(cat "$peak_file") / 1048576)) MiB"

@@ -15,44 +15,18 @@ import subprocess
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-JOB = """[train]
-model = "gpt"
-per_device_train_batch_size = 1
-learning_rate = 1e-4
-progress_bar = false
-log_level = "warn"
-save_final = false
-[model]
-vocab_size = 256
-n_positions = 16
-n_embd = 1024
-n_layer = 16
-n_head = 16
-dropout = 0.0
-[data]
-source = "random_tokens"
-task = "lm"
-num_samples = 16
-seq_len = 16
-vocab_low = 0
-vocab_high = 256
-[precision]
-mode = "full_bf16"
-[optimizer]
-name = "adamw"
-[zero]
-stage = 0
-"""
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_bf16.toml")
 
 
 def run(args, offload):
     out = tempfile.mkdtemp(prefix="loom-bench-offload-")
-    job = os.path.join(out, "job.toml")
-    with open(job, "w") as f:
-        f.write(JOB + (offload or ""))
-    subprocess.run([os.path.join(ROOT, args.build, "bin/loom"), "run", job, "--set",
-                    f"train.output_dir={out}/run", "--set", f"train.max_steps={args.steps}"],
-                   check=True)
+    sets = [f"train.output_dir={out}/run", f"train.max_steps={args.steps}"]
+    if offload:
+        sets.append(f"zero.offload_optimizer={offload}")
+    cmd = [os.path.join(ROOT, args.build, "bin/loom"), "run", JOB]
+    for s in sets:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True)
     with open(os.path.join(out, "run", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -74,8 +48,8 @@ def main():
     print("| buffers, queue depth | update s | compute s | I/O wait s | I/O alone s | update / max(I/O, compute) |")
     print("|---|---|---|---|---|---|")
     for buffers, qd in ((4, 8), (8, 16)):
-        lines = run(args, f'offload_optimizer = {{ device = "nvme", nvme_path = "{args.folder}", '
-                          f'buffer_count = {buffers}, queue_depth = {qd} }}\n')[1:]
+        lines = run(args, f'{{ device = "nvme", nvme_path = "{args.folder}", '
+                          f'buffer_count = {buffers}, queue_depth = {qd} }}')[1:]
         update = statistics.median(l["offload_update_s"] for l in lines)
         compute = statistics.median(l["offload_compute_s"] for l in lines)
         wait = statistics.median(l["offload_io_wait_s"] for l in lines)
