@@ -360,28 +360,26 @@ class EngineImpl final : public Engine, public Trainer {
       output_.logits = at::Tensor();  // see Engine::output()
     }
     const int signal = stop_requested();
+    at::Tensor host;  // the step's one host read of the loss
     if (comm_->world_size() > 1) {
       // The reported loss is the window's mean over all ranks' targets; and the ranks agree
       // whether to stop after this step (one of them was signalled).
       loss_total.narrow(0, 1, 1).fill_(signal != 0 ? 1.0 : 0.0);
       loss_total = loss_total.to(comm_->device());
       comm_->all_reduce(loss_total, ReduceOp::sum)->wait();
-      const at::Tensor host = loss_total.cpu();
+      host = loss_total.cpu();
       state_.loss = host[0].item<double>() / static_cast<double>(state_.window_targets);
       if (host[1].item<double>() > 0) stop_signal_ = signal != 0 ? signal : SIGTERM;
-      if (any_aux)
-        state_.metrics.emplace_back(
-            "aux_loss", host[2].item<double>() /
-                            static_cast<double>(state_.accumulation_steps * comm_->world_size()));
     } else {
-      const at::Tensor host = loss_total.cpu();
+      host = loss_total.cpu();
       state_.loss = host[0].item<double>() /
                     static_cast<double>(std::max<int64_t>(1, local_targets));
       stop_signal_ = signal;
-      if (any_aux)
-        state_.metrics.emplace_back(
-            "aux_loss", host[2].item<double>() / static_cast<double>(state_.accumulation_steps));
     }
+    if (any_aux)  // the mean over the window's micro-batches and the ranks
+      state_.metrics.emplace_back(
+          "aux_loss", host[2].item<double>() /
+                          static_cast<double>(state_.accumulation_steps * comm_->world_size()));
 
     fire(Event::before_update);
     if (state_.skip_update) {

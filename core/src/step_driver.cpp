@@ -2,6 +2,7 @@
 #include "step_driver.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 
 #include <cmath>
 #include <map>
@@ -35,14 +36,6 @@ DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule
     entries_.push_back(std::move(entry));
   }
 }
-
-namespace {
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-}  // namespace
 
 bool DefaultStepDriver::writes(const Param& param) const {
   if (!any_rows_placed_) return true;  // rank 0 alone writes (state_is_sharded() is false)
@@ -80,44 +73,45 @@ void DefaultStepDriver::zero_grad() {
   if (!all.empty()) at::_foreach_zero_(all);
 }
 
-at::Tensor DefaultStepDriver::grad_norm_squared() {
+at::Tensor squared_norm(const std::vector<at::Tensor>& grads) {
   // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
   // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
-  if (any_rows_placed_) {
-    // Rows placed on some ranks only: their squares are summed over every rank, each set of
-    // rows counted once (divided by its replica count); the rest is the same on every rank.
-    at::Tensor whole = at::zeros({}, at::kDouble), placed = at::zeros({}, at::kDouble);
-    for (const auto& entry : entries_) {
-      const at::Tensor& grad = entry.param.tensor.grad();
-      if (!grad.defined()) continue;
-      at::Tensor square = at::sum(grad.to(at::kFloat).pow(2), at::kDouble).cpu();
-      if (entry.param.global_shape.empty()) {
-        whole += square;
-      } else {
-        const int replicas = entry.param.replicas ? entry.param.replicas->world_size()
-                                                  : comm_->world_size();
-        placed += square / replicas;
-      }
-    }
-    at::Tensor total = placed.reshape({1}).to(comm_->device());
-    comm_->all_reduce(total, ReduceOp::sum)->wait();
-    at::Tensor device = entries_.front().param.tensor.device().is_cpu()
-                            ? total.cpu()
-                            : total.to(entries_.front().param.tensor.device());
-    return (device.reshape({}) + whole.to(device.device()));
-  }
-  auto all = defined_grads();
-  if (all.empty()) return at::zeros({}, at::kDouble);
-  if (all.front().is_cuda()) {
+  if (grads.empty()) return at::zeros({}, at::kDouble);
+  if (grads.front().is_cuda()) {
     // One multi-tensor norm kernel (what clip_grad_norm_ runs), squared in fp64.
-    return at::stack(at::_foreach_norm(all, 2)).to(at::kDouble).pow(2).sum();
+    return at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum();
   }
   // fp32 squares summed in fp64: the total hardly depends on where a sharded driver cuts a
   // tensor, so the clipping factor (applied in fp32) comes out the same for every cut.
   std::vector<at::Tensor> squares;
-  for (const at::Tensor& grad : all)
+  for (const at::Tensor& grad : grads)
     squares.push_back(at::sum(grad.to(at::kFloat).pow(2), at::kDouble));
   return at::stack(squares).sum();
+}
+
+at::Tensor DefaultStepDriver::grad_norm_squared() {
+  if (!any_rows_placed_) return squared_norm(defined_grads());
+  // Rows placed on some ranks only: their squares are summed over every rank, each set of rows
+  // counted once (divided by its replica count); the rest is the same on every rank. The sums
+  // stay on the parameters' device until the one all-reduce.
+  const c10::Device device = entries_.front().param.tensor.device();
+  const auto fp64 = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor whole = at::zeros({}, fp64), placed = at::zeros({}, fp64);
+  for (const auto& entry : entries_) {
+    const at::Tensor& grad = entry.param.tensor.grad();
+    if (!grad.defined()) continue;
+    const at::Tensor square = at::sum(grad.to(at::kFloat).pow(2), at::kDouble);
+    if (entry.param.global_shape.empty()) {
+      whole += square;
+    } else {
+      const int replicas = entry.param.replicas ? entry.param.replicas->world_size()
+                                                : comm_->world_size();
+      placed += square / replicas;
+    }
+  }
+  at::Tensor total = placed.reshape({1}).to(comm_->device());
+  comm_->all_reduce(total, ReduceOp::sum)->wait();
+  return total.to(device).reshape({}) + whole;
 }
 
 std::vector<at::Tensor> DefaultStepDriver::grads() { return defined_grads(); }
@@ -168,70 +162,55 @@ void DefaultStepDriver::update(int64_t step, double lr) {
   }
 }
 
-// A placed parameter's state and masters are pieces of the global tensor's (offsets from its
-// row offset); an unplaced one's are whole.
+// The checkpoint pieces of one parameter, aliasing its state, masters and (placed) weights, so
+// load_state reads into them in place. A placed parameter's are pieces of the global tensors
+// (offsets from its row offset) and include its weights; an unplaced one's are whole.
+StatePieces DefaultStepDriver::pieces_of(const Entry& entry) const {
+  const Param& param = entry.param;
+  const std::string state = "state/" + param.name + "/";
+  StatePieces out;
+  if (param.global_shape.empty()) {
+    for (const auto& [key, tensor] : entry.segment.state)
+      out.push_back({state + key, tensor, tensor.sizes().vec(), 0});
+    if (entry.separate_master)
+      out.push_back({"master/" + param.name, entry.master, {entry.master.numel()}, 0});
+    return out;
+  }
+  const int64_t global_numel = c10::multiply_integers(param.global_shape);
+  const int64_t offset = param.row_offset * (param.tensor.numel() / param.tensor.size(0));
+  const NamedTensors whole =
+      whole_tensor_state_shapes(rule_, param.name, param.global_shape, param.group);
+  for (const auto& [key, tensor] : entry.segment.state) {
+    at::Tensor shape_of;
+    for (const auto& [whole_key, whole_tensor] : whole)
+      if (whole_key == key) shape_of = whole_tensor;
+    LOOM_INTERNAL_ASSERT(shape_of.defined(), "no whole-tensor state '", key, "' for ", param.name);
+    out.push_back(state_piece(state + key, tensor, shape_of, offset, param.tensor.numel(),
+                              global_numel));
+  }
+  out.push_back({"weight/" + param.name, param.tensor.detach().view(-1), {global_numel}, offset,
+                 param.global_shape});
+  if (entry.separate_master)
+    out.push_back({"master/" + param.name, entry.master, {global_numel}, offset});
+  return out;
+}
+
 StatePieces DefaultStepDriver::state_pieces() const {
   StatePieces out;
-  for (const auto& entry : entries_) {
-    const Param& param = entry.param;
-    if (!writes(param)) continue;
-    const std::string state = "state/" + param.name + "/";
-    if (param.global_shape.empty()) {
-      for (const auto& [key, tensor] : entry.segment.state)
-        out.push_back({state + key, tensor, tensor.sizes().vec(), 0});
-      if (entry.separate_master)
-        out.push_back({"master/" + param.name, entry.master, {entry.master.numel()}, 0});
-      continue;
-    }
-    const int64_t global_numel = numel_of(param.global_shape);
-    const int64_t offset = param.row_offset * (param.tensor.numel() / param.tensor.size(0));
-    const NamedTensors whole =
-        whole_tensor_state_shapes(rule_, param.name, param.global_shape, param.group);
-    for (const auto& [key, tensor] : entry.segment.state) {
-      at::Tensor shape_of;
-      for (const auto& [whole_key, whole_tensor] : whole)
-        if (whole_key == key) shape_of = whole_tensor;
-      LOOM_INTERNAL_ASSERT(shape_of.defined(), "no whole-tensor state '", key, "' for ", param.name);
-      out.push_back(state_piece(state + key, tensor, shape_of, offset, param.tensor.numel(),
-                                global_numel));
-    }
-    if (entry.separate_master)
-      out.push_back({"master/" + param.name, entry.master, {global_numel}, offset});
-    out.push_back({"weight/" + param.name, param.tensor.detach().reshape(-1), {global_numel},
-                   offset, param.global_shape});
-  }
+  for (const auto& entry : entries_)
+    if (writes(entry.param))
+      for (auto& piece : pieces_of(entry)) out.push_back(std::move(piece));
   return out;
 }
 
 void DefaultStepDriver::load_state(StateReader& reader) {
   at::NoGradGuard no_grad;
   for (auto& entry : entries_) {
-    const Param& param = entry.param;
-    if (param.global_shape.empty()) {
-      for (auto& [key, tensor] : entry.segment.state)
-        reader.read("state/" + param.name + "/" + key, tensor.sizes().vec(), 0, tensor);
-      if (entry.separate_master) {
-        reader.read("master/" + param.name, {entry.master.numel()}, 0, entry.master);
-        param.tensor.detach().copy_(entry.master.view(param.tensor.sizes()));
-      }
-      continue;
-    }
-    const int64_t global_numel = numel_of(param.global_shape);
-    const int64_t offset = param.row_offset * (param.tensor.numel() / param.tensor.size(0));
-    const NamedTensors whole =
-        whole_tensor_state_shapes(rule_, param.name, param.global_shape, param.group);
-    for (auto& [key, tensor] : entry.segment.state) {
-      at::Tensor shape_of;
-      for (const auto& [whole_key, whole_tensor] : whole)
-        if (whole_key == key) shape_of = whole_tensor;
-      const StatePiece where = state_piece(key, tensor, shape_of, offset, param.tensor.numel(),
-                                           global_numel);
-      reader.read("state/" + param.name + "/" + key, where.global_shape, where.offset, tensor);
-    }
-    at::Tensor weight = param.tensor.detach().view(-1);
-    reader.read("weight/" + param.name, {global_numel}, offset, weight);
-    if (entry.separate_master)
-      reader.read("master/" + param.name, {global_numel}, offset, entry.master);
+    for (auto& piece : pieces_of(entry))
+      reader.read(piece.name, piece.global_shape, piece.offset, piece.tensor);
+    // An unplaced parameter's weights are its masters' (a placed one read its own weights).
+    if (entry.separate_master && entry.param.global_shape.empty())
+      entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
   }
   check_nothing_unread(reader);
 }

@@ -52,6 +52,8 @@ class DefaultStepDriver final : public StepDriver {
     bool separate_master = false;
     Segment segment;
   };
+  // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
+  StatePieces pieces_of(const Entry& entry) const;
   std::vector<Entry> entries_;
   const UpdateRule& rule_;
   double weight_decay_;

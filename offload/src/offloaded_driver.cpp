@@ -77,14 +77,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
     auto all = grads();
     if (!all.empty()) at::_foreach_zero_(all);
   }
-  at::Tensor grad_norm_squared() override {
-    // As the in-memory driver: fp32 squares summed in fp64.
-    std::vector<at::Tensor> squares;
-    for (const at::Tensor& grad : grads())
-      squares.push_back(at::sum(grad.to(at::kFloat).pow(2), at::kDouble));
-    if (squares.empty()) return at::zeros({}, at::kDouble);
-    return at::stack(squares).sum();
-  }
+  at::Tensor grad_norm_squared() override { return squared_norm(grads()); }
   std::vector<at::Tensor> grads() override {
     std::vector<at::Tensor> out;
     for (const auto& e : entries_)

@@ -105,7 +105,7 @@ class MoeLayer final : public loom::nn::FeedForwardBase {
     const int64_t experts = options.num_experts;
     const int64_t ranks = ep ? ep->world_size() : 1;
     local_ = experts / ranks;
-    first_ = (ep ? ep->rank() : 0) * local_;
+    const int64_t first = (ep ? ep->rank() : 0) * local_;  // this rank's first expert
     const at::Tensor w1 = dense.fc_in->weight.detach(), w2 = dense.fc_out->weight.detach();
     const int64_t hidden = w1.size(0), dim = w1.size(1);
     const bool bias = dense.fc_in->bias.defined();
@@ -132,11 +132,11 @@ class MoeLayer final : public loom::nn::FeedForwardBase {
     }
     const auto dtype = w1.scalar_type();
     router_ = register_parameter("router", router.to(dtype));
-    w_in = register_parameter("w_in", in.narrow(0, first_, local_).to(dtype).contiguous());
-    w_out = register_parameter("w_out", out.narrow(0, first_, local_).to(dtype).contiguous());
+    w_in = register_parameter("w_in", in.narrow(0, first, local_).to(dtype).contiguous());
+    w_out = register_parameter("w_out", out.narrow(0, first, local_).to(dtype).contiguous());
     if (bias) {
-      b_in = register_parameter("b_in", in_bias.narrow(0, first_, local_).to(dtype).contiguous());
-      b_out = register_parameter("b_out", out_bias.narrow(0, first_, local_).to(dtype).contiguous());
+      b_in = register_parameter("b_in", in_bias.narrow(0, first, local_).to(dtype).contiguous());
+      b_out = register_parameter("b_out", out_bias.narrow(0, first, local_).to(dtype).contiguous());
     }
   }
 
@@ -299,7 +299,7 @@ class MoeLayer final : public loom::nn::FeedForwardBase {
   loom::Comm* ep_;
   loom::nn::FeedForward::Activation activation_;
   double dropout_;
-  int64_t local_ = 0, first_ = 0;
+  int64_t local_ = 0;  // experts on this rank
   at::Tensor router_;
   LayerStats stats_;
 };

@@ -36,10 +36,10 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
                   p.tensor.device().str(), " and '", params_.front().name, "' is ",
                   c10::toString(weight_dtype_), " on ", device_.str());
     LOOM_INTERNAL_ASSERT(p.tensor.is_contiguous(), "parameter ", p.name, " is not contiguous");
-    LOOM_CHECK_AS(ConfigError, !p.placed(), "[zero] shards parameters over every rank, but '",
-                  p.name, "' is placed on some ranks only (expert parallelism, [moe] "
-                  "expert_parallel_size > 1); use [ddp] with expert parallelism, or "
-                  "expert_parallel_size = 1 with [zero]");
+    // The zero plugin gives placed parameters to a driver beside this one (Note [ZeRO with
+    // placed parameters]).
+    LOOM_INTERNAL_ASSERT(!p.placed(), "ZeroDriver shards parameters over every rank, but '",
+                         p.name, "' is placed on some ranks only");
     tensors_.push_back({p.name, p.tensor.sizes().vec()});
   }
   separate_master_ = weight_dtype_ != at::kFloat;

@@ -85,6 +85,10 @@ NamedTensors whole_tensor_state_shapes(const UpdateRule& rule, const std::string
                                        const std::vector<int64_t>& shape, int group);
 // Checks after a load_state that the reader has nothing left (else a CheckpointError).
 void check_nothing_unread(const StateReader& reader);
+// The squared global norm of `grads` (fp32 squares summed in fp64; on CUDA one multi-tensor norm
+// kernel): a 0-d fp64 tensor on the grads' device, so reading it is the caller's one host sync.
+// What an unsharded driver returns from grad_norm_squared(); zero for no grads.
+at::Tensor squared_norm(const std::vector<at::Tensor>& grads);
 
 class StepDriver {
  public:
