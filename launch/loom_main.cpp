@@ -1,5 +1,6 @@
-// The `loom` command: run, check, plugins, env, consolidate, export. Every error is one line naming the thing and what
+// The `loom` command: run, check, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -26,10 +27,20 @@ usage:
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
   loom export CHECKPOINT OUT_DIR                   a transformers folder (config.json +
                                                    model.safetensors) from_pretrained loads
+  loom generate CHECKPOINT|OUTPUT_DIR [options]    continue a prompt (gpt, llama; KV cache)
+      --prompt TEXT          text, for jobs that trained on bytes ([data] source = "text")
+      --prompt-ids 1,2,3     token ids, for any job (printed back as ids)
+      --max-new-tokens N     64
+      --temperature T        0 = greedy (the default); > 0 samples
+      --top-k K, --top-p P   sampling filters (0 and 1: off)
+      --seed S               the sampling generator's seed (0)
+      --eos-id N             stop after this token
+      --device D             cpu, cuda, cuda:N (default: the job's [train] device)
   loom --version | --help
 
 examples:
   loom run examples/demo.toml --set train.max_steps=20
+  loom generate runs/demo --prompt "The meaning of " --temperature 0.8 --top-k 40
   loom check examples/bert_seed.toml
 )";
 
@@ -37,7 +48,42 @@ struct Args {
   std::string command, job, out;
   std::vector<std::string> overrides;
   std::vector<std::filesystem::path> paths;
+  loom::GenerateOptions generate;
+  bool has_prompt = false;
 };
+
+int64_t integer_of(const std::string& flag, const std::string& text) {
+  try {
+    size_t used = 0;
+    const int64_t value = std::stoll(text, &used);
+    if (used == text.size()) return value;
+  } catch (const std::exception&) {
+  }
+  throw loom::ConfigError(flag + " takes an integer, got '" + text + "'");
+}
+
+double number_of(const std::string& flag, const std::string& text) {
+  try {
+    size_t used = 0;
+    const double value = std::stod(text, &used);
+    if (used == text.size()) return value;
+  } catch (const std::exception&) {
+  }
+  throw loom::ConfigError(flag + " takes a number, got '" + text + "'");
+}
+
+std::vector<int64_t> ids_of(const std::string& text) {
+  std::vector<int64_t> ids;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    ids.push_back(integer_of("--prompt-ids", text.substr(start, comma - start)));
+    start = comma + 1;
+  }
+  for (int64_t id : ids)
+    if (id < 0) throw loom::ConfigError("--prompt-ids takes ids >= 0, got " + std::to_string(id));
+  return ids;
+}
 
 Args parse(int argc, char** argv) {
   Args args;
@@ -53,6 +99,26 @@ Args parse(int argc, char** argv) {
       args.overrides.push_back(a.substr(6));
     } else if (a == "--path") {
       args.paths.emplace_back(value("--path"));
+    } else if (args.command == "generate" && a == "--prompt") {
+      args.generate.prompt = value("--prompt");
+      args.has_prompt = true;
+    } else if (args.command == "generate" && a == "--prompt-ids") {
+      args.generate.prompt_ids = ids_of(value("--prompt-ids"));
+      args.has_prompt = true;
+    } else if (args.command == "generate" && a == "--max-new-tokens") {
+      args.generate.max_new_tokens = integer_of(a, value("--max-new-tokens"));
+    } else if (args.command == "generate" && a == "--temperature") {
+      args.generate.temperature = number_of(a, value("--temperature"));
+    } else if (args.command == "generate" && a == "--top-k") {
+      args.generate.top_k = integer_of(a, value("--top-k"));
+    } else if (args.command == "generate" && a == "--top-p") {
+      args.generate.top_p = number_of(a, value("--top-p"));
+    } else if (args.command == "generate" && a == "--seed") {
+      args.generate.seed = static_cast<uint64_t>(integer_of(a, value("--seed")));
+    } else if (args.command == "generate" && a == "--eos-id") {
+      args.generate.eos_id = integer_of(a, value("--eos-id"));
+    } else if (args.command == "generate" && a == "--device") {
+      args.generate.device = value("--device");
     } else if (!a.empty() && a[0] == '-') {
       throw loom::ConfigError("unknown option '" + a + "'; see loom --help");
     } else if (args.command.empty()) {
@@ -117,6 +183,22 @@ int main(int argc, char** argv) {
                 << "\n";
       return 0;
     }
+    if (args.command == "generate") {
+      if (args.job.empty() || !args.has_prompt)
+        throw loom::ConfigError(
+            "loom generate needs a checkpoint (or a run's output_dir) and a prompt: loom "
+            "generate runs/demo --prompt \"The \" (or --prompt-ids 1,2,3)");
+      const loom::Generation out = loom::generate(args.job, args.generate);
+      std::cerr << "loom generate: " << out.checkpoint << " (step " << out.step << "), "
+                << out.ids.size() - static_cast<size_t>(out.prompt_length) << " new tokens\n";
+      if (out.byte_level) {
+        std::cout << out.text() << "\n";
+      } else {
+        for (size_t i = 0; i < out.ids.size(); ++i) std::cout << (i ? " " : "") << out.ids[i];
+        std::cout << "\n";
+      }
+      return 0;
+    }
     if (args.command == "run" || args.command == "check") {
       if (args.job.empty())
         throw loom::ConfigError("loom " + args.command + " needs a job file: loom " +
@@ -136,7 +218,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, plugins, env, consolidate or export (loom --help)");
+                            "'; use run, check, plugins, env, consolidate, export or generate (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

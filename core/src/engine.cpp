@@ -21,6 +21,7 @@
 #include "checkpoint_io.h"
 #include "run_checkpoint.h"
 #include "device.h"
+#include "inference.h"
 #include "job.h"
 #include "param_groups.h"
 #include "loom/comm.h"
@@ -132,6 +133,43 @@ class EngineImpl final : public Engine, public Trainer {
                   ") has no transformers form to export; `loom consolidate` writes its weights "
                   "as one safetensors file");
     return std::move(*out);
+  }
+
+  // `loom generate`: the model alone, on `device_name` ("auto": the job's choice), with the
+  // structure the job's plugins give it at model_built (LoRA adapters, MoE layers) and
+  // `weights` (fp32, by loom's names) in it, in eval mode. Nothing else is built.
+  Model* build_for_inference(const NamedTensors& weights, const std::string& device_name,
+                             const std::string& source) {
+    const auto& train = resolved_.section("train");
+    CommOptions comm_options;  // one process: the local backend
+    comm_ = make_comm(comm_options);
+    log::configure(0, 1, false, log_level_);
+    cpu::apply_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
+    int threads = static_cast<int>(train.get_int("num_threads"));
+    if (threads <= 0) {
+      cpu_set_t set;
+      threads = sched_getaffinity(0, sizeof set, &set) == 0
+                    ? CPU_COUNT(&set)
+                    : static_cast<int>(std::thread::hardware_concurrency());
+    }
+    at::set_num_threads(std::max(1, threads));
+    device_ = pick_device(device_name == "auto" ? train.get_string("device") : device_name,
+                          "the generate command's --device", 0, 1);
+    activate_device(device_);
+    for (auto* plugin : resolved_.active) {
+      current_priority_ = plugin->plugin->priority();
+      plugin->plugin->attach(*this);
+    }
+    current_priority_ = 1000;
+    at::manual_seed(static_cast<int64_t>(train.get_int("seed")));
+    model_ = resolved_.model.provider->plugin->create_model(resolved_.model.name,
+                                                             resolved_.section("model"), *this);
+    LOOM_INTERNAL_ASSERT(model_, "plugin ", resolved_.model.provider->name, " made no model");
+    model_->to(device_);
+    fire(Event::model_built);
+    pretrained::assign(*model_, weights, source);
+    model_->eval();
+    return model_.get();
   }
 
   // ---- Trainer ----
@@ -789,24 +827,20 @@ std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
   return std::make_unique<EngineImpl>(Job::parse(toml, dir / "job.toml", overrides));
 }
 
-void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir) {
+namespace {
+
+// The job a checkpoint records and its weights in fp32 by loom's names: consolidated (any world
+// size or ZeRO stage) into a temporary file in `scratch_dir`, then read.
+std::pair<Job, NamedTensors> checkpoint_model(const std::filesystem::path& checkpoint,
+                                              const std::filesystem::path& scratch_dir) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  LOOM_CHECK_AS(CheckpointError, !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
-                "'", out_dir.string(), "' exists and is not an empty folder; choose a new folder "
-                "(an export never overwrites)");
   const CheckpointContents info = read_checkpoint_info(checkpoint.string());
   LOOM_CHECK_AS(CheckpointError, !info.job_text.empty(), "checkpoint '",
                 checkpoint.string(), "' does not record its job (written by an older loom); "
-                "resume it for one step with this loom and export that checkpoint");
+                "resume it for one step with this loom and use that checkpoint");
   Job job = Job::parse(info.job_text, fs::path(info.job_dir) / "job.toml (saved in the checkpoint)");
-  EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
-  // The weights in fp32 by loom's names: consolidated (any world size or ZeRO stage) into a
-  // temporary file next to the output, then read.
-  const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
-  LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
-                out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
-  const fs::path temp = parent / (".loom-export-" + std::to_string(::getpid()) + ".safetensors");
+  const fs::path temp = scratch_dir / (".loom-weights-" + std::to_string(::getpid()) + ".safetensors");
+  std::error_code ec;
   NamedTensors weights;
   try {
     consolidate_checkpoint_folder(checkpoint.string(), temp.string());
@@ -816,7 +850,56 @@ void export_checkpoint(const std::filesystem::path& checkpoint, const std::files
     throw;
   }
   fs::remove(temp, ec);
+  return {std::move(job), std::move(weights)};
+}
+
+}  // namespace
+
+void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  LOOM_CHECK_AS(CheckpointError, !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
+                "'", out_dir.string(), "' exists and is not an empty folder; choose a new folder "
+                "(an export never overwrites)");
+  const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
+  LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
+                out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
+  auto [job, weights] = checkpoint_model(checkpoint, parent);
+  EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
   pretrained::write_folder(out_dir, engine.to_pretrained(weights));
+}
+
+InferenceModel open_for_inference(const std::filesystem::path& path, const std::string& device) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  LOOM_CHECK_AS(CheckpointError, fs::is_directory(path, ec), "'", path.string(),
+                "' is not a folder; give a checkpoint folder (runs/x/checkpoint-300) or a run's "
+                "output_dir (its newest checkpoint is used)");
+  InferenceModel out;
+  out.checkpoint = path.string();
+  if (!fs::exists(path / "manifest.json", ec) && !latest_checkpoint(path.string()).empty())
+    out.checkpoint = latest_checkpoint(path.string());
+  auto [job, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
+  out.step = read_checkpoint_info(out.checkpoint).step;
+  // What the data was, for the prompt's encoding. Training's own tables go (optimizer,
+  // precision, ZeRO, DDP, checkpointing, preloading: none changes a weight's meaning); the model,
+  // the tables that shape it (lora, moe, a third party's) and [data] (the model checks its
+  // sequence length against it; nothing reads the data) stay.
+  out.data_source = "random_tokens";
+  if (const ConfigValue* data = job.table("data"))
+    if (const ConfigValue* source = data->find("source"))
+      if (const auto* name = std::get_if<std::string>(&source->value)) out.data_source = *name;
+  static const std::set<std::string> kTrainingOnly = {
+      "optimizer", "precision", "zero", "ddp", "checkpointing", "preload", "distributed"};
+  auto& tables = std::get<ConfigTable>(job.root.value);
+  tables.erase(std::remove_if(tables.begin(), tables.end(),
+                              [](const auto& t) { return kTrainingOnly.count(t.first) > 0; }),
+               tables.end());
+  auto engine = std::make_unique<EngineImpl>(std::move(job));
+  out.model = engine->build_for_inference(weights, device,
+                                          "checkpoint '" + out.checkpoint + "'");
+  out.owner = std::move(engine);
+  return out;
 }
 
 std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path) {

@@ -69,12 +69,33 @@ Attention::Attention(int64_t dim, int64_t heads, bool causal_, double dropout_, 
   proj = register_module("proj", std::make_shared<Linear>(dim, dim, bias));
 }
 
-at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mask) {
+at::Tensor causal_mask(int64_t held, int64_t new_len, const at::TensorOptions& options) {
+  // Query i sits at position held + i and sees keys 0..held+i.
+  return at::ones({new_len, held + new_len}, options.dtype(at::kBool)).tril(held);
+}
+
+at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mask,
+                              KVCache::Layer* kv) {
   // x is (B,T,C); q, k, v are (B,H,T,D).
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_heads;
   auto parts = qkv->forward(x).view({B, T, 3, n_heads, D}).permute({2, 0, 3, 1, 4});
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
   std::optional<at::Tensor> mask;
+  if (kv) {
+    LOOM_CHECK(!padding_mask.defined(), "attention with a KV cache takes no padding mask");
+    const int64_t held = kv->keys.defined() ? kv->keys.size(2) : 0;
+    if (held > 0) {
+      k = at::cat({kv->keys, k}, 2);
+      v = at::cat({kv->values, v}, 2);
+    }
+    kv->keys = k;
+    kv->values = v;
+    // One new query sees every key; a longer chunk after earlier ones needs the offset mask
+    // (SDPA's is_causal aligns the mask to the top left).
+    if (held > 0 && T > 1 && causal) mask = causal_mask(held, T, x.options());
+    at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal && held == 0 && T > 1);
+    return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
+  }
   if (padding_mask.defined()) {
     at::Tensor keep = padding_mask.to(at::kBool).view({B, 1, 1, T});
     if (causal) keep = keep & at::ones({T, T}, keep.options()).tril().view({1, 1, T, T});
@@ -118,10 +139,12 @@ void TransformerBlock::set_feed_forward(std::shared_ptr<FeedForwardBase> replace
 at::Tensor TransformerBlock::forward(const at::Tensor& x, const UnitArgs& args) {
   const double p = is_training() ? options.dropout : 0.0;
   if (options.pre_norm) {
-    at::Tensor h = x + at::dropout(attn->forward(norm1->forward(x), args.padding_mask), p, true);
+    at::Tensor h =
+        x + at::dropout(attn->forward(norm1->forward(x), args.padding_mask, args.kv), p, true);
     return h + ffn->forward(norm2->forward(h));
   }
-  at::Tensor h = norm1->forward(x + at::dropout(attn->forward(x, args.padding_mask), p, true));
+  at::Tensor h =
+      norm1->forward(x + at::dropout(attn->forward(x, args.padding_mask, args.kv), p, true));
   return norm2->forward(h + ffn->forward(h));
 }
 
@@ -137,9 +160,16 @@ at::Tensor UnitList::forward(const at::Tensor& x, const UnitArgs& args) {
   at::Tensor h = x;
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& unit = *units_[i];
+    UnitArgs unit_args = args;
+    if (args.cache) {
+      if (args.cache->layers.size() < units_.size()) args.cache->layers.resize(units_.size());
+      unit_args.kv = &args.cache->layers[i];
+    }
     // args by value: an interceptor may keep `next` and call it again after forward returned
     // (checkpointing recomputes the unit in backward).
-    UnitFn run = [&unit, args](const at::Tensor& input) { return unit.forward(input, args); };
+    UnitFn run = [&unit, unit_args](const at::Tensor& input) {
+      return unit.forward(input, unit_args);
+    };
     // The first interceptor added is the outermost: wrap from the last one inwards.
     for (auto it = interceptors_.rbegin(); it != interceptors_.rend(); ++it) {
       UnitFn inner = std::move(run);

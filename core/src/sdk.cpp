@@ -148,6 +148,8 @@ bool Model::no_weight_decay(const std::string&, const at::Tensor& param) const {
   return param.dim() < 2;
 }
 
+CausalLM::~CausalLM() = default;
+
 int64_t Batch::num_loss_targets() const {
   if (host_stats.known) return host_stats.loss_targets;
   if (!labels.defined()) return 0;

@@ -16,6 +16,7 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/hf_config.h"
 #include "loom/pretrained.h"
 
 namespace {
@@ -51,32 +52,25 @@ std::vector<Layer> bert_layers(int64_t layers) {
 }
 const char* const kQkv[] = {"query", "key", "value"};
 
-BertConfig config_from_hf(const nlohmann::json& hf, const std::string& file) {
-  auto integer = [&](const char* key, int64_t def) {
-    if (!hf.contains(key) || hf[key].is_null()) return def;
-    LOOM_CHECK_AS(ConfigError, hf[key].is_number_integer() && hf[key].get<int64_t>() > 0, "'",
-                  file, "': ", key, " is ", hf[key].dump(), ", not a positive integer");
-    return hf[key].get<int64_t>();
-  };
-  auto number = [&](const char* key, double def) {
-    if (!hf.contains(key) || hf[key].is_null()) return def;
-    LOOM_CHECK_AS(ConfigError, hf[key].is_number(), "'", file, "': ", key, " is not a number");
-    return hf[key].get<double>();
-  };
-  const std::string type = hf.value("model_type", std::string("(none)"));
+BertConfig config_from_hf(const loom::pretrained::HfConfig& hf) {
+  const std::string& file = hf.file();
+  auto integer = [&](const char* key, int64_t def) { return hf.positive(key, def); };
+  auto number = [&](const char* key, double def) { return hf.number(key, def); };
+  const std::string type = hf.type();
   LOOM_CHECK_AS(ConfigError, type == "bert", "'", file, "' describes a model of type '", type,
                 "'; [model] bert imports model_type 'bert' (BertModel, BertForMaskedLM, "
-                "BertForSequenceClassification) only. loom imports: gpt2 (model = \"gpt\"), bert "
-                "(model = \"bert\")");
-  const std::string act = hf.value("hidden_act", std::string("gelu"));
+                "BertForSequenceClassification) only. loom imports: ",
+                loom::pretrained::kImportable);
+  const std::string act = hf.text("hidden_act", "gelu");
   LOOM_CHECK_AS(ConfigError, act == "gelu", "'", file, "': hidden_act '", act,
                 "' is not supported; loom's bert has gelu (erf)");
-  const std::string positions = hf.value("position_embedding_type", std::string("absolute"));
+  const std::string positions = hf.text("position_embedding_type", "absolute");
   LOOM_CHECK_AS(ConfigError, positions == "absolute", "'", file, "': position_embedding_type '",
                 positions, "' is not supported; loom's bert has absolute positions");
   int64_t labels = integer("num_labels", 2);
-  if (hf.contains("id2label") && hf["id2label"].is_object() && !hf["id2label"].empty())
-    labels = static_cast<int64_t>(hf["id2label"].size());
+  if (const auto& json = hf.json(); json.contains("id2label") && json["id2label"].is_object() &&
+                                     !json["id2label"].empty())
+    labels = static_cast<int64_t>(json["id2label"].size());
   BertConfig c{integer("vocab_size", 30522),
                integer("hidden_size", 768),
                integer("num_hidden_layers", 12),
@@ -107,13 +101,7 @@ BertConfig job_config(const loom::ConfigSection& t,
                t.get_float("layer_norm_eps"),    t.get_float("initializer_range")};
   if (!folder) return c;
   const std::string file = folder->config_path().string();
-  nlohmann::json hf;
-  try {
-    hf = nlohmann::json::parse(folder->config_text());
-  } catch (const nlohmann::json::exception& error) {
-    throw loom::ConfigError(loom::detail::cat("'", file, "' is not valid JSON: ", error.what()));
-  }
-  BertConfig p = config_from_hf(hf, file);
+  BertConfig p = config_from_hf(loom::pretrained::HfConfig(*folder));
   const std::pair<const char*, int64_t> shape[] = {
       {"vocab_size", p.vocab_size},
       {"hidden_size", p.hidden_size},

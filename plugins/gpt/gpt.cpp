@@ -1,6 +1,6 @@
 // The `gpt` model plugin: a GPT-2-style decoder language model built from loom::nn blocks
-// (so LoRA, checkpointing, MoE and ZeRO-3 apply). Not a tokenizer or a generator: it maps
-// token ids to next-token logits and a summed cross-entropy. It imports and exports
+// (so LoRA, checkpointing, MoE and ZeRO-3 apply). Not a tokenizer: it maps token ids to
+// next-token logits and a summed cross-entropy, and decodes with a KV cache (`loom generate`). It imports and exports
 // transformers' GPT2LMHeadModel folders (Note [GPT-2 names]).
 #include <ATen/ATen.h>
 
@@ -14,6 +14,7 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
+#include "loom/hf_config.h"
 #include "loom/pretrained.h"
 
 namespace {
@@ -54,26 +55,15 @@ std::vector<NamePair> gpt2_names(int64_t n_layer, bool tied) {
 }
 
 // A GPT2Config's fields, checked: what loom's gpt cannot express is an error naming the key.
-GptConfig config_from_hf(const nlohmann::json& hf, const std::string& file) {
-  auto number = [&](const char* key, double def) {
-    if (!hf.contains(key) || hf[key].is_null()) return def;
-    LOOM_CHECK_AS(ConfigError, hf[key].is_number(), "'", file, "': ", key, " is ", hf[key].dump(),
-                  ", not a number");
-    return hf[key].get<double>();
-  };
-  auto integer = [&](const char* key, int64_t def) {
-    if (!hf.contains(key) || hf[key].is_null()) return def;
-    LOOM_CHECK_AS(ConfigError, hf[key].is_number_integer(), "'", file, "': ", key, " is ",
-                  hf[key].dump(), ", not an integer");
-    return hf[key].get<int64_t>();
-  };
-  auto flag = [&](const char* key, bool def) {
-    return hf.contains(key) && hf[key].is_boolean() ? hf[key].get<bool>() : def;
-  };
-  const std::string type = hf.value("model_type", std::string("(none)"));
+GptConfig config_from_hf(const loom::pretrained::HfConfig& hf) {
+  const std::string& file = hf.file();
+  auto number = [&](const char* key, double def) { return hf.number(key, def); };
+  auto integer = [&](const char* key, int64_t def) { return hf.integer(key, def); };
+  auto flag = [&](const char* key, bool def) { return hf.flag(key, def); };
+  const std::string type = hf.type();
   LOOM_CHECK_AS(ConfigError, type == "gpt2", "'", file, "' describes a model of type '", type,
                 "'; [model] gpt imports model_type 'gpt2' (GPT2LMHeadModel, GPT2Model) only. loom "
-                "imports: gpt2 (model = \"gpt\")");
+                "imports: ", loom::pretrained::kImportable);
   for (const char* off : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"})
     LOOM_CHECK_AS(ConfigError, !flag(off, false), "'", file, "': ", off,
                   " = true is not supported by loom's gpt");
@@ -83,7 +73,7 @@ GptConfig config_from_hf(const nlohmann::json& hf, const std::string& file) {
               integer("n_layer", 12),       integer("n_head", 12),        integer("n_inner", 0),
               number("resid_pdrop", 0.1),   number("layer_norm_epsilon", 1e-5),
               number("initializer_range", 0.02), flag("tie_word_embeddings", true)};
-  const std::string act = hf.value("activation_function", std::string("gelu_new"));
+  const std::string act = hf.text("activation_function", "gelu_new");
   using Act = loom::nn::FeedForward::Activation;
   if (act == "gelu_new" || act == "gelu_pytorch_tanh") c.activation = Act::gelu_tanh;
   else if (act == "gelu") c.activation = Act::gelu;
@@ -93,15 +83,6 @@ GptConfig config_from_hf(const nlohmann::json& hf, const std::string& file) {
                                         "' is not supported; loom's gpt has gelu_new, "
                                         "gelu_pytorch_tanh, gelu and relu"));
   return c;
-}
-
-nlohmann::json parse_config(const loom::pretrained::Folder& folder) {
-  try {
-    return nlohmann::json::parse(folder.config_text());
-  } catch (const nlohmann::json::exception& error) {
-    throw loom::ConfigError(loom::detail::cat("'", folder.config_path().string(),
-                                              "' is not valid JSON: ", error.what()));
-  }
 }
 
 // The model's configuration: the job's [model] keys, or a pretrained folder's config.json
@@ -114,7 +95,7 @@ GptConfig job_config(const loom::ConfigSection& t,
               t.get_float("initializer_range"), t.get_bool("tie_word_embeddings")};
   if (!folder) return c;
   const std::string file = folder->config_path().string();
-  GptConfig p = config_from_hf(parse_config(*folder), file);
+  GptConfig p = config_from_hf(loom::pretrained::HfConfig(*folder));
   const std::pair<const char*, int64_t> ints[] = {
       {"vocab_size", p.vocab_size}, {"n_positions", p.n_positions}, {"n_embd", p.n_embd},
       {"n_layer", p.n_layer},       {"n_head", p.n_head},           {"n_inner", p.n_inner}};
@@ -137,7 +118,7 @@ GptConfig job_config(const loom::ConfigSection& t,
   return p;
 }
 
-class Gpt final : public loom::Model {
+class Gpt final : public loom::Model, public loom::CausalLM {
  public:
   explicit Gpt(const GptConfig& c) : config_(c) {
     wte = register_module("wte", std::make_shared<loom::nn::Embedding>(c.vocab_size, c.n_embd));
@@ -200,6 +181,20 @@ class Gpt final : public loom::Model {
     }
     return out;
   }
+
+  at::Tensor decode(const at::Tensor& ids, loom::nn::KVCache& cache) override {
+    const int64_t held = cache.length, T = ids.size(1);
+    LOOM_CHECK(held + T <= config_.n_positions, "gpt: ", held + T,
+               " positions exceed [model] n_positions ", config_.n_positions);
+    at::Tensor positions = at::arange(held, held + T, ids.options());
+    at::Tensor x = wte->forward(ids) + wpe->forward(positions);
+    loom::nn::UnitArgs args;
+    args.cache = &cache;
+    x = ln_f->forward(units->forward(x, args));
+    cache.length += T;
+    return lm_head ? lm_head->forward(x) : at::linear(x, wte->weight);
+  }
+  int64_t max_positions() const override { return config_.n_positions; }
 
   std::shared_ptr<loom::nn::Embedding> wte, wpe;
   std::shared_ptr<loom::nn::UnitList> units;

@@ -11,7 +11,7 @@ build=$1 src=$2 python=$3
 loom=$build/bin/loom launch=$build/bin/loom-launch check=$build/bin/loom_comm_check
 job=$src/tests/distributed/ddp_job.toml
 work=$(mktemp -d)
-trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+trap cleanup_work EXIT  # testlib.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 mpirun=(mpirun --oversubscribe --bind-to none -x LOOM_PLUGIN_PATH)
 export LOOM_PLUGIN_PATH=$build/tests/plugins

@@ -13,7 +13,7 @@ build=$1 src=$2 python=$3
 loom=$build/bin/loom launch=$build/bin/loom-launch
 job=$src/tests/distributed/moe_job.toml
 work=$(mktemp -d)
-trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+trap cleanup_work EXIT  # testlib.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export LOOM_PLUGIN_PATH=$build/tests/plugins
 port=$((20000 + RANDOM % 20000))

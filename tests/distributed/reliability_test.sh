@@ -14,7 +14,7 @@ build=$1 src=$2 python=$3
 loom=$build/bin/loom launch=$build/bin/loom-launch
 job=$src/tests/distributed/ddp_job.toml
 work=$(mktemp -d)
-trap 'rm -rf "$work"; kill $(jobs -p) 2>/dev/null' EXIT
+trap cleanup_work EXIT  # testlib.sh
 export LOOM_PLUGIN_PATH=$build/tests/plugins
 port=$((20000 + RANDOM % 20000))
 # shellcheck source=testlib.sh

@@ -3,6 +3,18 @@
 passed=0 failed=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
+# The EXIT trap's cleanup: the temporary folder $work goes, but after a failure its runs' logs
+# are kept first (in $build/Testing/failed-logs/SCRIPT.PID, named in the output), so a failure
+# that does not repeat can still be read.
+cleanup_work() {
+  if [ "${failed:-0}" -gt 0 ] && [ -d "${work:-}" ]; then
+    local keep; keep=$build/Testing/failed-logs/$(basename "$0" .sh).$$
+    mkdir -p "$keep" && (cd "$work" && find . -name '*.log' -exec cp --parents {} "$keep" \;)
+    echo "the runs' logs are kept in $keep"
+  fi
+  rm -rf "$work"
+  kill $(jobs -p) 2>/dev/null
+}
 # expect_error NAME TEXT COMMAND...: COMMAND fails (not by timeout) and says TEXT.
 expect_error() {
   local name=$1 text=$2; shift 2

@@ -135,8 +135,39 @@ m = json.load(open(sys.argv[1])); del m["job"]; json.dump(m, open(sys.argv[1], "
 PY
 expect_error "export of a checkpoint without its job" "does not record its job" \
   "$loom" export "$work/old-ckpt" "$work/from-old"
-[ ! -e "$work/from-old" ] && [ -z "$(ls -A "$work" | grep '^\.loom-export')" ] &&
+[ ! -e "$work/from-old" ] && [ -z "$(ls -A "$work" | grep '^\.loom-')" ] &&
   ok "a failed export leaves nothing" || fail "a failed export left files"
+
+# loom generate: the demo's byte-level model continues a text prompt, from a checkpoint or a
+# run's output_dir (its newest checkpoint); a seed repeats its text; bad input is named.
+g1=$("$loom" generate "$out" --prompt "The " --max-new-tokens 30 --temperature 0.8 --top-k 20 \
+       --seed 3 2>"$work/generate.log")
+g2=$("$loom" generate "$out/checkpoint-40" --prompt "The " --max-new-tokens 30 --temperature 0.8 \
+       --top-k 20 --seed 3 2>/dev/null)
+if [ "${g1:0:4}" = "The " ] && [ "${#g1}" -gt 20 ] && [ "$g1" = "$g2" ] &&
+   grep -qF "checkpoint-40 (step 40), 30 new tokens" "$work/generate.log"; then
+  ok "generate continues a text prompt: $(head -1 <<<"$g1")"
+else
+  fail "generate: '$g1' vs '$g2': $(cat "$work/generate.log")"
+fi
+expect_error "generate needs a prompt" "needs a checkpoint (or a run's output_dir) and a prompt" \
+  "$loom" generate "$out"
+expect_error "generate: longer than the model takes" "--max-new-tokens 200 exceed the 128 positions" \
+  "$loom" generate "$out" --prompt "x" --max-new-tokens 200
+expect_error "generate: a bad --top-p" "--top-p must be in (0, 1]" \
+  "$loom" generate "$out" --prompt x --top-p 0
+expect_error "generate: a bad number" "--temperature takes a number, got 'hot'" \
+  "$loom" generate "$out" --prompt x --temperature hot
+expect_error "generate: not a folder" "is not a folder" "$loom" generate "$work/none" --prompt x
+printf '[train]\nmodel = "gpt"\nmax_steps = 1\noutput_dir = "tok"\nlog_level = "warn"\n[model]\nvocab_size = 64\nn_positions = 16\nn_embd = 16\nn_layer = 1\nn_head = 2\n[data]\nsource = "random_tokens"\ntask = "lm"\nseq_len = 16\nvocab_low = 0\nvocab_high = 64\n' >"$work/tok.toml"
+"$loom" run "$work/tok.toml" >/dev/null 2>&1
+expect_error "generate: text for a token-id job" "give the prompt's ids with --prompt-ids" \
+  "$loom" generate "$work/tok" --prompt "The "
+ids=$("$loom" generate "$work/tok" --prompt-ids 1,2,3 --max-new-tokens 5 2>/dev/null)
+[ "$(wc -w <<<"$ids")" -eq 8 ] && [ "${ids:0:6}" = "1 2 3 " ] && ok "generate from token ids: $ids" \
+  || fail "generate from token ids: '$ids'"
+expect_error "generate: a bad id" "--prompt-ids takes an integer, got 'x'" \
+  "$loom" generate "$work/tok" --prompt-ids 1,x
 
 # Bad input.
 printf '[train]\nmodel = "gpt"\nmax_step = 3\n' >"$work/typo.toml"

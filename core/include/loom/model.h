@@ -21,6 +21,22 @@ class Model : public torch::nn::Module {
   virtual bool no_weight_decay(const std::string& param_name, const at::Tensor& param) const;
 };
 
+namespace nn {
+struct KVCache;
+}
+
+// A model `loom generate` can continue text with: a causal language model that decodes with a
+// KV cache (Note [KV cache] in loom/nn.h). Implemented beside Model by gpt and llama.
+class CausalLM {
+ public:
+  virtual ~CausalLM();
+  // ids (B, T_new) continue the sequences `cache` holds (empty at first: the prompt). Returns
+  // the next-token logits of every new position, (B, T_new, V), and extends the cache by T_new.
+  virtual at::Tensor decode(const at::Tensor& ids, nn::KVCache& cache) = 0;
+  // The longest sequence (prompt and generated tokens) the model takes.
+  virtual int64_t max_positions() const = 0;
+};
+
 }  // namespace loom
 
 #pragma GCC visibility pop

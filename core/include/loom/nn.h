@@ -63,11 +63,29 @@ class RMSNorm : public torch::nn::Module {
   double eps;
 };
 
-// Multi-head self-attention. x (B,T,C); padding_mask, when defined, is (B,T) with 1 = keep.
+// Note [KV cache]: decoding a token at a time (`loom generate`) keeps each layer's keys and
+// values of the positions seen so far, so a new token attends to them without recomputing
+// them. A model's decode() passes the cache in UnitArgs; UnitList hands unit i its layers[i];
+// an attention layer appends its new keys and values and attends over all of them.
+struct KVCache {
+  struct Layer {
+    at::Tensor keys, values;  // (B, H_kv, T_held, D); undefined before the first call
+  };
+  std::vector<Layer> layers;  // one per unit, grown by UnitList
+  int64_t length = 0;         // positions held; the model advances it after each call
+};
+
+// Causal attention's mask for `new_len` queries at positions held..held+new_len-1 over
+// held+new_len keys: (new_len, held+new_len) bool, true = attend.
+at::Tensor causal_mask(int64_t held, int64_t new_len, const at::TensorOptions& options);
+
+// Multi-head self-attention. x (B,T,C); padding_mask, when defined, is (B,T) with 1 = keep;
+// kv, when given, holds the earlier positions' keys and values (Note [KV cache]).
 class Attention : public torch::nn::Module {
  public:
   Attention(int64_t dim, int64_t n_heads, bool causal, double dropout, bool bias = true);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& padding_mask = {});
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& padding_mask = {},
+                     KVCache::Layer* kv = nullptr);
   int64_t n_heads;
   bool causal;
   double dropout;
@@ -92,7 +110,9 @@ class FeedForward : public FeedForwardBase {
 
 // Arguments a unit needs besides the activation; fixed for one forward.
 struct UnitArgs {
-  at::Tensor padding_mask;  // (B,T) or undefined
+  at::Tensor padding_mask;     // (B,T) or undefined
+  KVCache* cache = nullptr;    // decoding (Note [KV cache]); null in training
+  KVCache::Layer* kv = nullptr;  // this unit's layer of `cache`, set by UnitList
 };
 
 // One repeated layer.

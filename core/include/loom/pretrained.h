@@ -23,6 +23,10 @@ class Module;
 
 namespace loom::pretrained {
 
+// The model types the in-tree model plugins import, for errors that name another one.
+inline constexpr const char* kImportable =
+    "gpt2 (model = \"gpt\"), bert (model = \"bert\"), llama (model = \"llama\")";
+
 // A save_pretrained folder, opened: config.json's text and every tensor's header (shards and
 // the index checked: a missing shard file or a tensor the index names but no file holds is a
 // CheckpointError naming it). Tensors are read one at a time.

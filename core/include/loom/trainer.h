@@ -81,6 +81,37 @@ void consolidate_checkpoint(const std::filesystem::path& checkpoint,
 void export_checkpoint(const std::filesystem::path& checkpoint,
                        const std::filesystem::path& out_dir);
 
+// Note [Generation]: `loom generate CKPT` continues a prompt with the checkpoint's model (a
+// loom::CausalLM: gpt, llama), decoding one token at a time with a KV cache, in fp32. The
+// prompt is text for jobs that trained on bytes ([data] source = "text"), token ids otherwise.
+// Each next token is the argmax (temperature 0, transformers' greedy search), or drawn from
+// softmax(logits / temperature) after top-k and then top-p filtering, as transformers' warpers
+// apply them, with a generator seeded by `seed`.
+struct GenerateOptions {
+  std::string prompt;               // text (byte-level jobs)
+  std::vector<int64_t> prompt_ids;  // token ids (any job); used when not empty
+  int64_t max_new_tokens = 64;
+  double temperature = 0.0;  // 0: greedy
+  int64_t top_k = 0;         // 0: off
+  double top_p = 1.0;        // 1: off
+  uint64_t seed = 0;
+  int64_t eos_id = -1;       // stop after this token (-1: never)
+  std::string device = "auto";  // cpu, cuda, cuda:N, auto (the job's [train] device)
+};
+
+struct Generation {
+  std::vector<int64_t> ids;  // the prompt's and the new tokens
+  int64_t prompt_length = 0;
+  bool byte_level = false;   // ids are bytes: text() decodes them
+  std::string checkpoint;    // the folder read
+  int64_t step = 0;          // its training step
+  std::string text() const;  // the bytes as text (byte-level jobs)
+};
+
+// `path`: a checkpoint folder, or a run's output_dir (its newest checkpoint). Bad options, a
+// model that cannot decode, or a prompt longer than the model takes: ConfigError saying so.
+Generation generate(const std::filesystem::path& path, const GenerateOptions& options);
+
 }  // namespace loom
 
 #pragma GCC visibility pop

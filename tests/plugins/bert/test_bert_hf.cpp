@@ -10,24 +10,17 @@
 #include "loom/model.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
+#include "hf_test.h"
 #include "test_util.h"
 
 namespace loom {
 namespace {
 
 using test::TempDir;
+using test::hf::load;
 namespace fs = std::filesystem;
 
-void python(const std::string& args) {
-  test::run_python("import runpy, sys\nsys.argv = ['bert_hf.py'] + " + args +
-                   "\nrunpy.run_path('" LOOM_SOURCE_DIR
-                   "/tests/plugins/bert/bert_hf.py', run_name='__main__')\n");
-}
-
-std::map<std::string, at::Tensor> load(const fs::path& file) {
-  auto contents = safetensors::load(file);
-  return {contents.tensors.begin(), contents.tensors.end()};
-}
+void python(const std::string& args) { test::hf::run_script("bert/bert_hf.py", args); }
 
 std::string bert_job(const std::string& out, const std::string& model_lines, int steps = 0) {
   return R"([train]

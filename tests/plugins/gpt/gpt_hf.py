@@ -5,6 +5,7 @@ reference. usage:
   gpt_hf.py logits DIR IDS OUT           logits of DIR (from_pretrained) for IDS' input_ids
   gpt_hf.py train DIR BATCHES OUT        5 steps of torch AdamW on BATCHES (input_ids, labels
                                          per step) from DIR: the losses
+  gpt_hf.py generate DIR IDS N OUT       greedy generate() of N new tokens after IDS' input_ids
 """
 import sys
 
@@ -18,6 +19,7 @@ if mode == "make":
     flags = sys.argv[3:]
     config = GPT2Config(vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        initializer_range=0.1 if "peaked" in flags else 0.02,
                         tie_word_embeddings="untied" not in flags)
     model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # biases and norms away from their 0/1 start, so a swap shows
@@ -50,3 +52,13 @@ elif mode == "train":
         opt.step()
         losses.append(loss.detach())
     save_file({"losses": torch.stack(losses).double()}, sys.argv[4])
+elif mode == "generate":
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    ids, n = load_file(sys.argv[3])["input_ids"], int(sys.argv[4])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+        # Greedy steps whose top two logits are this close could flip on rounding alone.
+        top2 = model(out).logits[0, ids.size(1) - 1:-1].topk(2, dim=-1).values
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4, "a near tie: the test is not sharp"
+    save_file({"ids": out[0].contiguous()}, sys.argv[5])

@@ -9,27 +9,22 @@
 
 #include "loom/engine.h"
 #include "loom/model.h"
+#include "loom/nn.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
+#include "hf_test.h"
 #include "test_util.h"
 
 namespace loom {
 namespace {
 
 using test::TempDir;
+using test::hf::expect_close;
+using test::hf::load;
+using test::hf::logits_of;
+
+void python(const std::string& args) { test::hf::run_script("gpt/gpt_hf.py", args); }
 namespace fs = std::filesystem;
-
-const std::string kScript = std::string(LOOM_SOURCE_DIR) + "/tests/plugins/gpt/gpt_hf.py";
-
-void python(const std::string& args) {
-  test::run_python("import runpy, sys\nsys.argv = ['gpt_hf.py'] + " + args +
-                   "\nrunpy.run_path('" + kScript + "', run_name='__main__')\n");
-}
-
-std::map<std::string, at::Tensor> load(const fs::path& file) {
-  auto contents = safetensors::load(file);
-  return {contents.tensors.begin(), contents.tensors.end()};
-}
 
 // A job that starts from `folder`; random tokens below the models' vocabulary of 96.
 std::string import_job(const std::string& out, const std::string& folder, int steps = 0,
@@ -62,20 +57,6 @@ seq_len = 16
 vocab_low = 0
 vocab_high = 96
 )";
-}
-
-at::Tensor logits_of(Engine& engine, const at::Tensor& ids) {
-  at::NoGradGuard no_grad;
-  engine.model().eval();
-  Batch batch;
-  batch.input_ids = ids;
-  return engine.model().forward(batch).logits.clone();
-}
-
-void expect_close(const at::Tensor& a, const at::Tensor& b, double tol) {
-  ASSERT_EQ(a.sizes(), b.sizes());
-  const double diff = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  EXPECT_LE(diff, tol) << "max |difference| " << diff;
 }
 
 TEST(GptHf, ImportedModelsGiveTransformersLogits) {
@@ -122,29 +103,55 @@ TEST(GptHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {
   const fs::path hf = dir / "hf";
   python("['make', '" + hf.string() + "']");
   auto trainer = Trainer::from_text(import_job(dir.str(), hf.string(), 5), dir.path());
-  // The batches loom trains on, for the reference to train on too.
-  NamedTensors batches;
-  int step = 0;
-  trainer->engine().on(Event::before_forward, [&](Engine& engine) {
-    batches.emplace_back("input_ids." + std::to_string(step), engine.batch().input_ids.clone());
-    batches.emplace_back("labels." + std::to_string(step), engine.batch().labels.clone());
-    ++step;
-  });
+  test::hf::expect_fine_tune_follows_reference(*trainer, "gpt/gpt_hf.py", hf, dir.path());
+}
+
+TEST(GptHf, GenerateGreedyEqualsTransformersGenerate) {
+  TempDir dir;
+  const fs::path hf = dir / "hf";
+  python("['make', '" + hf.string() + "', 'peaked']");
+  // A checkpoint of the imported model, unchanged (learning rate 0).
+  std::string job = import_job((dir / "run").string(), hf.string(), 1);
+  job.replace(job.find("save_final = false"), 18, "save_final = true");
+  const std::string checkpoint =
+      Trainer::from_text(job, dir.path(), {"train.learning_rate=0.0"})->run().last_checkpoint;
+  const std::vector<int64_t> prompt = {5, 17, 42, 3, 88};
+  safetensors::save(dir / "prompt.safetensors",
+                    {{"input_ids", at::tensor(prompt, at::kLong).view({1, -1})}});
+  python("['generate', '" + hf.string() + "', '" + (dir / "prompt.safetensors").string() +
+         "', '20', '" + (dir / "hf_ids.safetensors").string() + "']");
+  GenerateOptions options;
+  options.prompt_ids = prompt;
+  options.max_new_tokens = 20;
+  const Generation out = generate(checkpoint, options);
+  const at::Tensor expected = load(dir / "hf_ids.safetensors").at("ids");
+  test::hf::expect_same_ids(out.ids, expected);
+  // top-k 1 is greedy whatever the temperature; a seed repeats its draw; another seed may not.
+  options.temperature = 5.0;
+  options.top_k = 1;
+  EXPECT_EQ(generate(checkpoint, options).ids, out.ids);
+  options.top_k = 0;
+  options.top_p = 1e-6;  // only the most likely token is left
+  EXPECT_EQ(generate(checkpoint, options).ids, out.ids);
+  options.top_p = 1.0;
+  options.seed = 11;
+  const auto sampled = generate(checkpoint, options).ids;
+  EXPECT_EQ(generate(checkpoint, options).ids, sampled);
+  EXPECT_NE(sampled, out.ids);  // temperature 5 over 96 tokens: 20 argmaxes by chance ~ never
+  // The prompt and the new tokens must fit the 32 positions.
+  options.max_new_tokens = 28;
+  EXPECT_THROW_WITH(generate(checkpoint, options), ConfigError, "the prompt's 5 tokens",
+                    "--max-new-tokens 28", "exceed the 32 positions");
+}
+
+// Note [KV cache]: decoding a sequence in pieces (one, then several, then one token) gives the
+// logits one forward over the whole sequence gives.
+TEST(GptHf, DecodingInPiecesEqualsOneForward) {
+  TempDir dir;
+  auto trainer = Trainer::from_text(test::tiny_gpt_job(dir.str()), dir.path());
   trainer->run();
-  ASSERT_EQ(step, 5);
-  safetensors::save(dir / "batches.safetensors", batches);
-  python("['train', '" + hf.string() + "', '" + (dir / "batches.safetensors").string() + "', '" +
-         (dir / "losses.safetensors").string() + "']");
-  const at::Tensor expected = load(dir / "losses.safetensors").at("losses");
-  std::ifstream metrics(dir / "metrics.jsonl");
-  int i = 0;
-  for (std::string line; std::getline(metrics, line); ++i) {
-    const auto at = line.find("\"loss\":");
-    ASSERT_NE(at, std::string::npos);
-    const double loss = std::stod(line.substr(at + 7));
-    EXPECT_NEAR(loss, expected[i].item<double>(), 1e-5) << "step " << i;
-  }
-  EXPECT_EQ(i, 5);
+  const at::Tensor ids = (at::arange(24, at::kLong) * 7 % 64).view({2, 12});
+  test::hf::expect_decoding_in_pieces_equals_one_forward(trainer->engine(), ids);
 }
 
 TEST(GptHf, BadPretrainedFoldersAreClearErrors) {
