@@ -5,6 +5,7 @@ function(loom_add_plugin name)
   set(target loom_plugin_${name})
   add_library(${target} MODULE ${ARG_SOURCES})
   target_link_libraries(${target} PRIVATE loom::core ${ARG_LINK})
+  target_compile_features(${target} PRIVATE cxx_std_20)  # the SDK's headers need C++20
   set_target_properties(${target} PROPERTIES
     PREFIX "" OUTPUT_NAME "loom_${name}"
     LIBRARY_OUTPUT_DIRECTORY ${LOOM_PLUGIN_OUTPUT_DIRECTORY}

@@ -24,7 +24,12 @@ add_library(loom_torch INTERFACE)
 add_library(loom::torch ALIAS loom_torch)
 # TORCH_LIBRARIES names the imported targets `torch` and `torch_library` plus library files;
 # an installed loom re-finds Torch (loomConfig.cmake), so the names resolve there too.
-target_link_libraries(loom_torch INTERFACE ${TORCH_LIBRARIES})
+# Note [Relocatable package]: the wheel's library files and its libgomp are this machine's
+# paths, so they link the build tree only; an installed loom re-finds LibTorch wherever its
+# user has it and adds them back (loomConfig.cmake), so the installed package can move.
+foreach(_lib ${TORCH_LIBRARIES})
+  target_link_libraries(loom_torch INTERFACE $<BUILD_INTERFACE:${_lib}>)
+endforeach()
 # Note [LibTorch's std::filesystem]: the wheel's libtorch.so exports its own copies of 64
 # std::filesystem functions, some broken (remove_all(path, error_code&) jumps to address 0).
 # The dynamic linker resolves symbols in load order, and libtorch normally loads before
@@ -43,7 +48,7 @@ find_library(LOOM_TORCH_GOMP NAMES libgomp.so.1 PATHS "${TORCH_INSTALL_PREFIX}/l
 if(NOT LOOM_TORCH_GOMP)
   message(FATAL_ERROR "loom: the torch wheel's libgomp.so.1 is not in ${TORCH_INSTALL_PREFIX}/lib")
 endif()
-target_link_libraries(loom_torch INTERFACE "${LOOM_TORCH_GOMP}")
+target_link_libraries(loom_torch INTERFACE $<BUILD_INTERFACE:${LOOM_TORCH_GOMP}>)
 if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(LOOM_WITH_CUDA ON)
   target_compile_definitions(loom_torch INTERFACE LOOM_WITH_CUDA=1)

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,7 @@ usage:
       --seed S               the sampling generator's seed (0)
       --eos-id N             stop after this token
       --device D             cpu, cuda, cuda:N (default: the job's [train] device)
+  loom PLUGIN_COMMAND ARGS...                      a command a plugin adds (listed below)
   loom --version | --help
 
 examples:
@@ -137,9 +139,20 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
+  const std::set<std::string> own = {"run",         "check",  "plugins", "env",
+                                     "consolidate", "export", "generate"};
+  const bool plugin_command = argc > 1 && argv[1][0] != '-' && !own.count(argv[1]);
+  for (int i = 1; i < argc && !plugin_command; ++i) {
     if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
       std::cout << kUsage;
+      // Plugins may add commands (Plugin::commands); those on the search path are listed.
+      try {
+        const auto usages = loom::plugin_command_usages();
+        if (!usages.empty()) std::cout << "\nplugin commands:\n";
+        for (const auto& usage : usages) std::cout << "  loom " << usage << "\n";
+      } catch (const std::exception& error) {
+        std::cout << "\nplugin commands: cannot list them: " << error.what() << "\n";
+      }
       return 0;
     }
   }
@@ -153,6 +166,14 @@ int main(int argc, char** argv) {
                   << isa.summary() << " (loom env says more)\n";
         return 0;
       }
+    }
+    if (plugin_command) {
+      // Its arguments are the plugin's to parse.
+      const std::vector<std::string> rest(argv + 2, argv + argc);
+      if (auto rc = loom::run_plugin_command(argv[1], rest)) return *rc;
+      throw loom::ConfigError(std::string("unknown command '") + argv[1] +
+                              "'; use run, check, plugins, env, consolidate, export, generate "
+                              "or a plugin's command (loom --help lists them)");
     }
     Args args = parse(argc, argv);
     if (args.command == "env") {

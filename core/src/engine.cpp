@@ -902,6 +902,50 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
   return out;
 }
 
+namespace {
+
+const std::set<std::string> kOwnCommands = {"run", "check", "plugins", "env", "consolidate",
+                                            "export", "generate"};
+
+// Every command of the loadable plugins, by name; a clash is a PluginError naming both.
+std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHost& host) {
+  host.load_all();  // a plugin that does not load has no commands (`loom plugins` says why)
+  std::map<std::string, std::pair<Command, std::string>> out;
+  for (const auto& record : host.plugins()) {
+    const std::string where = record->builtin() ? "the core" : record->file.string();
+    for (auto& command : record->plugin->commands()) {
+      LOOM_CHECK_AS(PluginError, !kOwnCommands.count(command.name), "plugin '", where,
+                    "' adds the command '", command.name, "', which is one of loom's own; "
+                    "rename it");
+      auto [it, fresh] = out.emplace(command.name, std::make_pair(command, where));
+      LOOM_CHECK_AS(PluginError, fresh, "two plugins add the command '", command.name, "': ",
+                    it->second.second, " and ", where, "; remove one from the plugin search path");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> plugin_command_usages(const std::vector<std::filesystem::path>& extra_path) {
+  PluginHost host;
+  host.prepend_search_path(extra_path);
+  std::vector<std::string> out;
+  for (const auto& [name, command] : plugin_commands(host))
+    out.push_back(command.first.usage + "  (plugin " + command.second + ")");
+  return out;
+}
+
+std::optional<int> run_plugin_command(const std::string& name, const std::vector<std::string>& args,
+                                      const std::vector<std::filesystem::path>& extra_path) {
+  PluginHost host;
+  host.prepend_search_path(extra_path);
+  auto commands = plugin_commands(host);
+  auto it = commands.find(name);
+  if (it == commands.end()) return std::nullopt;
+  return it->second.first.run(args);  // the host, and so the plugin, outlive the call
+}
+
 std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path) {
   PluginHost host;
   host.prepend_search_path(extra_path);

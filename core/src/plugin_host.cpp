@@ -1,15 +1,22 @@
-// Plugin discovery and loading. Checks, in this order: the file exists; it loads (dlopen with
-// RTLD_NOW, so a missing symbol fails here with the loader's message); it exports
-// loom_plugin_entry; its API version equals the host's; its build (LibTorch version, C++ ABI,
-// device) equals the host's. Only then is any C++ of the plugin called.
+// Plugin discovery and loading. Checks, in this order: the file exists; its ABI record (Note
+// [ABI record] in loom/plugin.h, read from the ELF file before the library is loaded, so none
+// of the plugin's code has run) has the host's API version and build (LibTorch version, C++
+// ABI, device); it loads (dlopen with RTLD_NOW, so a missing symbol fails here with the
+// loader's message); it exports loom_plugin_entry, whose version agrees. Only then is any C++
+// of the plugin called.
 #include "plugin_host.h"
 
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 
+#include <elf.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <mutex>
+#include <optional>
 
 #include "builtin.h"
 #include "loom/log.h"
@@ -32,6 +39,41 @@ const char* kSuffix = ".so";
 
 std::string build_without_compiler(const std::string& build) {
   return build.substr(0, build.find(" compiler="));
+}
+
+// The ABI record of an ELF file (Note [ABI record]): the ".loom_abi" section's bytes, read from
+// the file without loading it. nullopt when the file is ELF but has no record; a file that is
+// no 64-bit little-endian ELF is left to the loader, whose message says what it is.
+enum class AbiRead { record, no_record, not_elf };
+AbiRead read_abi_record(const std::filesystem::path& file, loom_plugin_abi& record) {
+  std::ifstream in(file, std::ios::binary);
+  Elf64_Ehdr header{};
+  if (!in.read(reinterpret_cast<char*>(&header), sizeof header) ||
+      std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0 || header.e_ident[EI_CLASS] != ELFCLASS64 ||
+      header.e_ident[EI_DATA] != ELFDATA2LSB || header.e_shentsize != sizeof(Elf64_Shdr) ||
+      header.e_shstrndx >= header.e_shnum)
+    return AbiRead::not_elf;
+  std::vector<Elf64_Shdr> sections(header.e_shnum);
+  in.seekg(static_cast<std::streamoff>(header.e_shoff));
+  if (!in.read(reinterpret_cast<char*>(sections.data()),
+               static_cast<std::streamsize>(sections.size() * sizeof(Elf64_Shdr))))
+    return AbiRead::not_elf;
+  const Elf64_Shdr& names = sections[header.e_shstrndx];
+  std::string table(names.sh_size, '\0');
+  in.seekg(static_cast<std::streamoff>(names.sh_offset));
+  if (!in.read(table.data(), static_cast<std::streamsize>(table.size()))) return AbiRead::not_elf;
+  for (const Elf64_Shdr& section : sections) {
+    if (section.sh_name >= table.size() ||
+        std::strcmp(table.c_str() + section.sh_name, LOOM_ABI_SECTION) != 0)
+      continue;
+    if (section.sh_type == SHT_NOBITS || section.sh_size < sizeof record) return AbiRead::no_record;
+    in.seekg(static_cast<std::streamoff>(section.sh_offset));
+    if (!in.read(reinterpret_cast<char*>(&record), sizeof record)) return AbiRead::no_record;
+    if (std::memcmp(record.magic, "LOOMABI", 8) != 0) return AbiRead::no_record;
+    record.build[sizeof record.build - 1] = '\0';
+    return AbiRead::record;
+  }
+  return AbiRead::no_record;
 }
 
 }  // namespace
@@ -84,6 +126,27 @@ LoadedPlugin& PluginHost::load(const std::filesystem::path& file) {
     if (record->file == absolute) return *record;
   LOOM_CHECK_AS(PluginError, std::filesystem::exists(absolute), "plugin file '", file.string(),
                 "' does not exist; check the name and the plugin search path");
+
+  // Before the library is loaded: the ABI record (Note [ABI record]).
+  loom_plugin_abi abi{};
+  const AbiRead read = read_abi_record(absolute, abi);
+  LOOM_CHECK_AS(PluginError, read != AbiRead::no_record, "'", absolute.string(),
+                "' has no loom ABI record (the section " LOOM_ABI_SECTION
+                " that LOOM_DEFINE_PLUGIN writes): it is not a loom plugin, or one built "
+                "against a loom older than plugin API 7; rebuild it against this loom's SDK. "
+                "Nothing of it was run");
+  if (read == AbiRead::record) {
+    LOOM_CHECK_AS(PluginError, abi.api_version == LOOM_PLUGIN_API_VERSION, "plugin '",
+                  absolute.string(), "' was built for loom plugin API version ", abi.api_version,
+                  ", but this loom has API version ", LOOM_PLUGIN_API_VERSION,
+                  "; rebuild the plugin against this loom's SDK (nothing of it was run)");
+    LOOM_CHECK_AS(PluginError,
+                  build_without_compiler(abi.build) == build_without_compiler(LOOM_BUILD_STRING),
+                  "plugin '", absolute.string(), "' was built for '", abi.build,
+                  "', but this loom is '", LOOM_BUILD_STRING,
+                  "'; rebuild the plugin with the same LibTorch and C++ ABI (nothing of it was "
+                  "run)");
+  }
 
   boost::dll::shared_library library;
   try {

@@ -1,8 +1,11 @@
-// A third-party plugin: logs a greeting every N steps and counts them into metrics.jsonl.
-// It shows the whole plugin surface a simple technique needs: a table, a handler, a metric.
+// A third-party plugin: logs a greeting every N steps and counts them into metrics.jsonl, and
+// adds the command `loom hello [NAME]`. It shows the smallest plugin surface: a table, a
+// handler, a metric, a command.
 #include "loom/engine.h"
 #include "loom/log.h"
 #include "loom/plugin.h"
+
+#include <iostream>
 
 namespace {
 
@@ -14,6 +17,17 @@ class Hello final : public loom::Plugin {
     loom::Schema table("hello");
     table.key_int("every", 10, "steps between greetings");
     return {table};
+  }
+  std::vector<loom::Command> commands() const override {
+    return {{"hello", "hello [NAME]   greets NAME (a plugin's command)",
+             [](const std::vector<std::string>& args) {
+               if (args.size() > 1)
+                 throw loom::ConfigError("loom hello takes one name at most, got " +
+                                         std::to_string(args.size()));
+               std::cout << "hello, " << (args.empty() ? "world" : args[0])
+                         << ", from a plugin command\n";
+               return 0;
+             }}};
   }
   void configure(const loom::ConfigSection& table) override {
     every_ = table.get_int("every");

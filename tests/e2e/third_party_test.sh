@@ -1,27 +1,89 @@
 #!/usr/bin/env bash
-# Installs loom into a temporary prefix, builds examples/third_party_plugin against the
-# installed package (find_package(loom)), and trains with it through the installed `loom`.
-# usage: third_party_test.sh BUILD_DIR SOURCE_DIR
+# A relocatable SDK and out-of-tree plugins: installs loom into a temporary prefix, moves the
+# prefix, builds examples/third_party_plugin (ema and hello, five lines of CMake) against the
+# moved package with LibTorch found through LOOM_PYTHON (no path of this build in the package's
+# CMake files), and trains with both through the installed `loom`: the EMA of the weights equals
+# torch's AveragedModel fed the checkpoint of every step, and a resume continues the average.
+# usage: third_party_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -euo pipefail
-build=$1 src=$2
+build=$1 src=$2 python=$3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
-cmake -S "$src/examples/third_party_plugin" -B "$work/hello" -G Ninja \
-  -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release ${CMAKE_CXX_COMPILER_LAUNCHER:+-DCMAKE_CXX_COMPILER_LAUNCHER=$CMAKE_CXX_COMPILER_LAUNCHER} >/dev/null
-cmake --build "$work/hello" >/dev/null
-test -f "$work/hello/loom_hello.so"
-echo "ok: built loom_hello.so against the installed SDK"
-listing=$("$work/prefix/bin/loom" plugins --path "$work/hello")
-grep -q "^hello 1.0.0" <<<"$listing"
-echo "ok: the installed loom lists it"
-"$work/prefix/bin/loom" run "$src/examples/demo.toml" --set "plugins.path=$work/hello" \
+mv "$work/prefix" "$work/moved"
+torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+if grep -rqF "$torch_prefix" "$work/moved/lib/cmake"; then
+  echo "FAIL: the installed CMake files name this machine's torch ($torch_prefix)"; exit 1
+fi
+echo "ok: the installed CMake package names no path of this build's LibTorch"
+if LOOM_PYTHON= cmake -S "$src/examples/third_party_plugin" -B "$work/none" -G Ninja \
+     -DCMAKE_PREFIX_PATH="$work/moved" >"$work/none.log" 2>&1; then
+  echo "FAIL: configured without any way to find LibTorch"; exit 1
+fi
+grep -q "LOOM_PYTHON to a" "$work/none.log"
+echo "ok: without LibTorch the package says how to point at it"
+LOOM_PYTHON=$python cmake -S "$src/examples/third_party_plugin" -B "$work/plugins" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$work/moved" -DCMAKE_BUILD_TYPE=Release \
+  ${CMAKE_CXX_COMPILER_LAUNCHER:+-DCMAKE_CXX_COMPILER_LAUNCHER=$CMAKE_CXX_COMPILER_LAUNCHER} >/dev/null
+cmake --build "$work/plugins" >/dev/null
+test -f "$work/plugins/loom_ema.so" && test -f "$work/plugins/loom_hello.so"
+echo "ok: built loom_ema.so and loom_hello.so against the moved SDK"
+loom=$work/moved/bin/loom
+listing=$("$loom" plugins --path "$work/plugins")
+grep -q "^hello 1.0.0" <<<"$listing" && grep -q "^ema 1.0.0" <<<"$listing"
+echo "ok: the installed loom lists them"
+"$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" \
   --set hello.every=2 --set train.max_steps=4 --set "train.output_dir=$work/run" \
   --set train.resume= > "$work/run.log" 2>&1 || { cat "$work/run.log"; exit 1; }
 grep -q "hello from a third-party plugin at step 4" "$work/run.log"
 grep -q '"hello_greetings":2' "$work/run/metrics.jsonl"
-echo "ok: trained with it (greeting logged, metric written)"
-out=$("$work/prefix/bin/loom" run "$src/examples/demo.toml" --set "plugins.path=$work/hello" --set hello.every=0 --set "train.output_dir=$work/bad" 2>&1 || true)
+echo "ok: trained with hello (greeting logged, metric written)"
+out=$("$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" --set hello.every=0 --set "train.output_dir=$work/bad" 2>&1 || true)
 grep -q "\[hello\] every must be positive, got 0" <<<"$out"
 echo "ok: its config error reaches the user"
-echo "4 passed, 0 failed"
+help=$(LOOM_PLUGIN_PATH=$work/plugins "$loom" --help)
+grep -q "loom hello \[NAME\]   greets NAME" <<<"$help"
+out=$(LOOM_PLUGIN_PATH=$work/plugins "$loom" hello loom)
+[ "$out" = "hello, loom, from a plugin command" ]
+out=$(LOOM_PLUGIN_PATH=$work/plugins "$loom" hello a b 2>&1 || true)
+grep -q "loom: error: loom hello takes one name at most, got 2" <<<"$out"
+out=$("$loom" no-such-command 2>&1 || true)
+grep -q "unknown command 'no-such-command'" <<<"$out"
+echo "ok: its command is listed by loom --help and runs, its error is loom's one line"
+
+# EMA: 6 steps with a checkpoint after each; then 3 steps, and a resume for 3 more.
+ema_run() {  # OUT MAX_STEPS
+  "$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" --set ema.decay=0.8 \
+    --set train.max_steps="$2" --set train.save_steps=1 --set "train.output_dir=$1" \
+    --set train.resume=latest --set train.progress_bar=false >>"$1.log" 2>&1 || { cat "$1.log"; exit 1; }
+}
+ema_run "$work/ema" 6
+ema_run "$work/ema_resumed" 3
+ema_run "$work/ema_resumed" 6
+"$python" - "$work/ema" "$work/ema_resumed" <<'PY'
+import sys
+import torch
+from safetensors.torch import load_file
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+run, resumed = sys.argv[1], sys.argv[2]
+ema = load_file(f"{run}/ema.safetensors")
+names = sorted(ema)
+holder = torch.nn.Module()
+holder.weights = torch.nn.ParameterList(
+    [torch.nn.Parameter(torch.zeros_like(ema[n])) for n in names])
+average = AveragedModel(holder, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+for step in range(1, 7):
+    weights = load_file(f"{run}/checkpoint-{step}/model.safetensors")
+    with torch.no_grad():
+        for p, n in zip(holder.weights, names):
+            p.copy_(weights[n])
+    average.update_parameters(holder)
+worst = max(float((ema[n] - a.detach()).abs().max()) for n, a in zip(names, average.module.weights))
+assert worst < 1e-6, f"ema differs from AveragedModel by {worst}"
+other = load_file(f"{resumed}/ema.safetensors")
+assert all(torch.equal(other[n], ema[n]) for n in names), "the resumed run's average differs"
+print(f"ema of {len(names)} tensors equals AveragedModel's (worst {worst:.1e}); the resumed run's is bitwise")
+PY
+echo "ok: the EMA equals torch's AveragedModel over the checkpoints, and resumes bitwise"
+echo "8 passed, 0 failed"

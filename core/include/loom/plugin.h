@@ -21,7 +21,7 @@
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 7u
+#define LOOM_PLUGIN_API_VERSION 8u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -45,6 +45,15 @@ class UpdateRule;
 class StepDriver;
 struct StepDriverOptions;
 
+// A `loom NAME ARGS...` subcommand a plugin adds (estimators, exporters, converters): listed by
+// `loom --help`, run by `loom NAME` with the arguments after NAME. `run` returns the exit
+// code; the SDK's errors it throws are printed as one line and exit 1, as loom's own.
+struct Command {
+  std::string name;   // not one of loom's own (run, check, ...) nor another plugin's
+  std::string usage;  // one line: "NAME ARGS   what it does"
+  std::function<int(const std::vector<std::string>& args)> run;
+};
+
 // The exclusive slots: each is filled by at most one active plugin.
 enum class Slot { model, data, precision, update_rule, grad_sync, step_driver };
 const char* to_string(Slot slot);
@@ -63,6 +72,8 @@ class Plugin {
   virtual std::vector<Schema> schemas() const { return {}; }
   // Handlers of lower priority run first for every event.
   virtual int priority() const { return 100; }
+  // `loom` subcommands this plugin adds (no job is involved: they run without a table).
+  virtual std::vector<Command> commands() const { return {}; }
   // Switched on by its own table: receives that validated table.
   virtual void configure(const ConfigSection& table);
   // Once everything is configured: register event handlers and unit interceptors.
@@ -109,12 +120,30 @@ struct loom_plugin_info {
   loom::Plugin* (*create)();
   void (*destroy)(loom::Plugin*);
 };
+
+// Note [ABI record]: what the host must know before any of a plugin's code runs — its API
+// version and its build — in an ELF section of its own, ".loom_abi", which the host reads
+// from the file before it loads the library (loading runs the plugin's static initialisers,
+// compiled against whatever SDK the plugin saw). The layout is fixed for every future version.
+struct loom_plugin_abi {
+  char magic[8];         // "LOOMABI" and a NUL
+  uint32_t api_version;  // LOOM_PLUGIN_API_VERSION of the plugin's build
+  char build[244];       // LOOM_BUILD_STRING of the plugin's build, NUL-terminated
+};
 }
 
 #define LOOM_PLUGIN_EXPORT __attribute__((visibility("default")))
+#define LOOM_ABI_SECTION ".loom_abi"
+
+// A plugin's ABI record (Note [ABI record]); LOOM_DEFINE_PLUGIN writes it. Tests of the host
+// write one of another version or build by hand.
+#define LOOM_DEFINE_ABI_RECORD(API_VERSION, BUILD)                                         \
+  extern "C" LOOM_PLUGIN_EXPORT __attribute__((section(LOOM_ABI_SECTION), used))           \
+  const loom_plugin_abi loom_plugin_abi_record = {"LOOMABI", API_VERSION, BUILD};
 
 // In exactly one .cpp of a plugin: LOOM_DEFINE_PLUGIN(MyPlugin, "myplugin", "1.0.0")
 #define LOOM_DEFINE_PLUGIN(Class, NAME, VERSION)                                           \
+  LOOM_DEFINE_ABI_RECORD(LOOM_PLUGIN_API_VERSION, LOOM_BUILD_STRING)                       \
   extern "C" LOOM_PLUGIN_EXPORT const loom_plugin_info* loom_plugin_entry() {              \
     static const loom_plugin_info info{                                                    \
         LOOM_PLUGIN_API_VERSION, NAME, VERSION, LOOM_BUILD_STRING,                         \

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,14 @@ class Trainer {
   virtual std::string save_checkpoint() = 0;
   virtual Engine& engine() = 0;
 };
+
+// Plugin commands (Plugin::commands): the usage line of every command of the plugins on the
+// search path (extra_path first), for `loom --help`; and running one by name. run_plugin_command
+// returns nullopt when no plugin has `name`; two plugins with one command name, or a command
+// named as one of loom's own, is a PluginError naming both.
+std::vector<std::string> plugin_command_usages(const std::vector<std::filesystem::path>& extra_path = {});
+std::optional<int> run_plugin_command(const std::string& name, const std::vector<std::string>& args,
+                                      const std::vector<std::filesystem::path>& extra_path = {});
 
 // `loom plugins`: every plugin on the search path (plus the core's), its slots and keys.
 // extra_path: folders searched first. Load failures are listed, not thrown.

@@ -1,6 +1,20 @@
-// Test plugin built for a future plugin API version: the host must refuse it by its version
-// field alone, without touching the rest of the (here deliberately bogus) info struct.
-#include <cstdint>
+// Test plugin built for a future plugin API version: the host must refuse it by its ABI record
+// (Note [ABI record]) before loading it: were the library loaded, its static initialiser would
+// end the test process at once. Its entry point, too, is deliberately bogus.
+#include <cstdio>
+#include <cstdlib>
+
+#include "loom/plugin.h"
+
+LOOM_DEFINE_ABI_RECORD(999u, LOOM_BUILD_STRING)
+
+namespace {
+const int kLoud = [] {
+  std::fputs("future_api: the host loaded a plugin of another API version\n", stderr);
+  std::abort();
+  return 0;
+}();
+}  // namespace
 
 extern "C" {
 struct future_plugin_info {
