@@ -144,32 +144,51 @@ class EngineImpl final : public Engine, public Trainer {
     CommOptions comm_options;  // one process: the local backend
     comm_ = make_comm(comm_options);
     log::configure(0, 1, false, log_level_);
+    const int threads = intra_op_threads(train, 1);
     cpu::apply_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
-    int threads = static_cast<int>(train.get_int("num_threads"));
-    if (threads <= 0) {
-      cpu_set_t set;
-      threads = sched_getaffinity(0, sizeof set, &set) == 0
-                    ? CPU_COUNT(&set)
-                    : static_cast<int>(std::thread::hardware_concurrency());
-    }
-    at::set_num_threads(std::max(1, threads));
+    at::set_num_threads(threads);
     device_ = pick_device(device_name == "auto" ? train.get_string("device") : device_name,
                           "the generate command's --device", 0, 1);
     activate_device(device_);
+    seed_ = static_cast<uint64_t>(train.get_int("seed"));
+    attach_plugins();
+    build_model();
+    pretrained::assign(*model_, weights, source);
+    model_->eval();
+    return model_.get();
+  }
+
+  // [train] num_threads, or (0) the cores this process may use shared among the node's ranks.
+  static int intra_op_threads(const ConfigSection& train, int local_world_size) {
+    const int threads = static_cast<int>(train.get_int("num_threads"));
+    LOOM_CHECK_AS(ConfigError, threads >= 0, train.where("num_threads"),
+                  ": [train] num_threads must be >= 0 (0 = all cores)");
+    if (threads > 0) return threads;
+    cpu_set_t set;
+    const int cores = sched_getaffinity(0, sizeof set, &set) == 0
+                          ? CPU_COUNT(&set)
+                          : static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, cores / std::max(1, local_world_size));
+  }
+
+  void attach_plugins() {
     for (auto* plugin : resolved_.active) {
       current_priority_ = plugin->plugin->priority();
       plugin->plugin->attach(*this);
     }
     current_priority_ = 1000;
-    at::manual_seed(static_cast<int64_t>(train.get_int("seed")));
+  }
+
+  // The model, built right after seeding (its initial weights depend on the seed only), moved to
+  // the device, in train mode; then model_built.
+  void build_model() {
+    at::manual_seed(seed_);
     model_ = resolved_.model.provider->plugin->create_model(resolved_.model.name,
                                                              resolved_.section("model"), *this);
     LOOM_INTERNAL_ASSERT(model_, "plugin ", resolved_.model.provider->name, " made no model");
     model_->to(device_);
+    model_->train();
     fire(Event::model_built);
-    pretrained::assign(*model_, weights, source);
-    model_->eval();
-    return model_.get();
   }
 
   // ---- Trainer ----
@@ -212,16 +231,7 @@ class EngineImpl final : public Engine, public Trainer {
     log::configure(comm_->rank(), comm_->world_size(), train.get_bool("log_all_ranks"),
                    log_level_);
 
-    int threads = static_cast<int>(train.get_int("num_threads"));
-    LOOM_CHECK_AS(ConfigError, threads >= 0, train.where("num_threads"),
-                  ": [train] num_threads must be >= 0 (0 = all cores)");
-    if (threads == 0) {
-      // The cores this process may use, shared among the ranks of this node.
-      cpu_set_t set;
-      int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
-                                                              : static_cast<int>(std::thread::hardware_concurrency());
-      threads = std::max(1, cores / std::max(1, comm_->local_world_size()));
-    }
+    const int threads = intra_op_threads(train, comm_->local_world_size());
     cpu::apply_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));  // before any kernel
     at::set_num_threads(threads);
     device_ = pick_device(device_name, train.where("device"), comm_->local_rank(),
@@ -251,11 +261,7 @@ class EngineImpl final : public Engine, public Trainer {
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
 
-    for (auto* plugin : resolved_.active) {
-      current_priority_ = plugin->plugin->priority();
-      plugin->plugin->attach(*this);
-    }
-    current_priority_ = 1000;
+    attach_plugins();
 
     // Data first, so setup handlers can wrap it (preloading).
     SamplerOptions sampler;
@@ -270,14 +276,7 @@ class EngineImpl final : public Engine, public Trainer {
     data_ = std::make_unique<SampledSource>(std::move(dataset), sampler);
     fire(Event::setup);
 
-    // The model is built right after seeding, so its initial weights depend on the seed only.
-    at::manual_seed(seed_);
-    model_ = resolved_.model.provider->plugin->create_model(resolved_.model.name,
-                                                             resolved_.section("model"), *this);
-    LOOM_INTERNAL_ASSERT(model_, "plugin ", resolved_.model.provider->name, " made no model");
-    model_->to(device_);
-    model_->train();
-    fire(Event::model_built);
+    build_model();
     for (auto* list : unit_lists()) list->set_interceptors(interceptors_);
     if (!interceptors_.empty() && unit_lists().empty())
       log::warn("unit interceptors were added (", interceptors_.front()->name(),
@@ -829,10 +828,15 @@ std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
 
 namespace {
 
-// The job a checkpoint records and its weights in fp32 by loom's names: consolidated (any world
-// size or ZeRO stage) into a temporary file in `scratch_dir`, then read.
-std::pair<Job, NamedTensors> checkpoint_model(const std::filesystem::path& checkpoint,
-                                              const std::filesystem::path& scratch_dir) {
+// The job a checkpoint records, its step, and its weights in fp32 by loom's names: consolidated
+// (any world size or ZeRO stage) into a temporary file in `scratch_dir`, then read.
+struct CheckpointModel {
+  Job job;
+  int64_t step = 0;
+  NamedTensors weights;
+};
+CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
+                                 const std::filesystem::path& scratch_dir) {
   namespace fs = std::filesystem;
   const CheckpointContents info = read_checkpoint_info(checkpoint.string());
   LOOM_CHECK_AS(CheckpointError, !info.job_text.empty(), "checkpoint '",
@@ -850,7 +854,7 @@ std::pair<Job, NamedTensors> checkpoint_model(const std::filesystem::path& check
     throw;
   }
   fs::remove(temp, ec);
-  return {std::move(job), std::move(weights)};
+  return {std::move(job), info.step, std::move(weights)};
 }
 
 }  // namespace
@@ -864,7 +868,7 @@ void export_checkpoint(const std::filesystem::path& checkpoint, const std::files
   const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
   LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
                 out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
-  auto [job, weights] = checkpoint_model(checkpoint, parent);
+  auto [job, step, weights] = checkpoint_model(checkpoint, parent);
   EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
   pretrained::write_folder(out_dir, engine.to_pretrained(weights));
 }
@@ -877,10 +881,11 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
                 "output_dir (its newest checkpoint is used)");
   InferenceModel out;
   out.checkpoint = path.string();
-  if (!fs::exists(path / "manifest.json", ec) && !latest_checkpoint(path.string()).empty())
-    out.checkpoint = latest_checkpoint(path.string());
-  auto [job, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
-  out.step = read_checkpoint_info(out.checkpoint).step;
+  if (!fs::exists(path / "manifest.json", ec))
+    if (std::string newest = latest_checkpoint(path.string()); !newest.empty())
+      out.checkpoint = newest;
+  auto [job, step, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
+  out.step = step;
   // What the data was, for the prompt's encoding. Training's own tables go (optimizer,
   // precision, ZeRO, DDP, checkpointing, preloading: none changes a weight's meaning); the model,
   // the tables that shape it (lora, moe, a third party's) and [data] (the model checks its
