@@ -1,4 +1,4 @@
-// The `loom` command: run, check, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
+// The `loom` command: run, check, estimate, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
 #include <algorithm>
 #include <cstdio>
@@ -12,6 +12,7 @@
 
 #include "loom/cpu.h"
 #include "loom/error.h"
+#include "loom/estimate.h"
 #include "loom/plugin.h"
 #include "loom/log.h"
 #include "loom/trainer.h"
@@ -23,6 +24,13 @@ const char* kUsage = R"(loom — a C++ training engine on LibTorch whose techniq
 usage:
   loom run JOB.toml [--set table.key=value ...]    train
   loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
+  loom estimate JOB.toml [options] [--set ...]     memory per rank for every ZeRO stage,
+                                                   offload and precision (short probe runs)
+  loom estimate --params N [options]               the same for N parameters, model states only
+      --world-size N         ranks to shard over (1)
+      --batch B              per-device batch of the activations (the job's)
+      --budget SIZE          also the largest batch that fits SIZE (e.g. 20GiB) per rank
+      --no-probe             model states only: no probe runs
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
@@ -51,6 +59,8 @@ struct Args {
   std::vector<std::string> overrides;
   std::vector<std::filesystem::path> paths;
   loom::GenerateOptions generate;
+  loom::estimate::Options estimate;
+  double params = 0;
   bool has_prompt = false;
 };
 
@@ -62,6 +72,37 @@ int64_t integer_of(const std::string& flag, const std::string& text) {
   } catch (const std::exception&) {
   }
   throw loom::ConfigError(flag + " takes an integer, got '" + text + "'");
+}
+
+double number_of(const std::string& flag, const std::string& text);
+
+// "20GiB", "512MB", "1e9": bytes (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal).
+double bytes_of(const std::string& flag, const std::string& text) {
+  const std::string error = flag + " takes a positive size such as 20GiB, got '" + text + "'";
+  static const std::pair<const char*, double> units[] = {
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
+      {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1.0}};
+  for (const auto& [suffix, scale] : units) {
+    const std::string s(suffix);
+    if (text.size() > s.size() && text.compare(text.size() - s.size(), s.size(), s) == 0) {
+      double value = 0;
+      try {
+        value = number_of(flag, text.substr(0, text.size() - s.size()));
+      } catch (const loom::ConfigError&) {
+        throw loom::ConfigError(error);
+      }
+      if (value > 0) return value * scale;
+      throw loom::ConfigError(error);
+    }
+  }
+  double value = 0;
+  try {
+    value = number_of(flag, text);
+  } catch (const loom::ConfigError&) {
+    throw loom::ConfigError(error);
+  }
+  if (value > 0) return value;
+  throw loom::ConfigError(error);
 }
 
 double number_of(const std::string& flag, const std::string& text) {
@@ -121,6 +162,25 @@ Args parse(int argc, char** argv) {
       args.generate.eos_id = integer_of(a, value("--eos-id"));
     } else if (args.command == "generate" && a == "--device") {
       args.generate.device = value("--device");
+    } else if (args.command == "estimate" && a == "--world-size") {
+      const int64_t n = integer_of(a, value("--world-size"));
+      if (n < 1 || n > (int64_t{1} << 30))
+        throw loom::ConfigError("--world-size takes a rank count >= 1, got " + std::to_string(n));
+      args.estimate.world_size = static_cast<int>(n);
+    } else if (args.command == "estimate" && a == "--batch") {
+      args.estimate.batch = integer_of(a, value("--batch"));
+      if (args.estimate.batch < 1)
+        throw loom::ConfigError("--batch takes a batch size >= 1, got " +
+                                std::to_string(args.estimate.batch));
+    } else if (args.command == "estimate" && a == "--budget") {
+      args.estimate.budget_bytes = bytes_of(a, value("--budget"));
+    } else if (args.command == "estimate" && a == "--no-probe") {
+      args.estimate.probe = false;
+    } else if (args.command == "estimate" && a == "--params") {
+      args.params = number_of(a, value("--params"));
+      if (!(args.params >= 1))
+        throw loom::ConfigError("--params takes a parameter count such as 1e12, got " +
+                                std::to_string(args.params));
     } else if (!a.empty() && a[0] == '-') {
       throw loom::ConfigError("unknown option '" + a + "'; see loom --help");
     } else if (args.command.empty()) {
@@ -139,7 +199,7 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::set<std::string> own = {"run",         "check",  "plugins", "env",
+  const std::set<std::string> own = {"run",         "check",  "estimate", "plugins", "env",
                                      "consolidate", "export", "generate"};
   const bool plugin_command = argc > 1 && argv[1][0] != '-' && !own.count(argv[1]);
   for (int i = 1; i < argc && !plugin_command; ++i) {
@@ -172,7 +232,7 @@ int main(int argc, char** argv) {
       const std::vector<std::string> rest(argv + 2, argv + argc);
       if (auto rc = loom::run_plugin_command(argv[1], rest)) return *rc;
       throw loom::ConfigError(std::string("unknown command '") + argv[1] +
-                              "'; use run, check, plugins, env, consolidate, export, generate "
+                              "'; use run, check, estimate, plugins, env, consolidate, export, generate "
                               "or a plugin's command (loom --help lists them)");
     }
     Args args = parse(argc, argv);
@@ -220,6 +280,22 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (args.command == "estimate") {
+      if (args.params > 0 && !args.job.empty())
+        throw loom::ConfigError("loom estimate takes a job file or --params N, not both");
+      if (args.params <= 0 && args.job.empty())
+        throw loom::ConfigError(
+            "loom estimate needs a job file (loom estimate JOB.toml) or a parameter count "
+            "(loom estimate --params 1e12 --world-size 1024)");
+      if (args.params > 0 && args.estimate.budget_bytes > 0)
+        throw loom::ConfigError("--budget needs a job file: the batch that fits depends on the "
+                                "model's activations, which --params does not know");
+      const loom::estimate::Report report =
+          args.params > 0 ? loom::estimate::estimate_params(args.params, args.estimate)
+                          : loom::estimate::estimate_job(args.job, args.overrides, args.estimate);
+      std::cout << loom::estimate::format(report);
+      return 0;
+    }
     if (args.command == "run" || args.command == "check") {
       if (args.job.empty())
         throw loom::ConfigError("loom " + args.command + " needs a job file: loom " +
@@ -239,7 +315,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, plugins, env, consolidate, export or generate (loom --help)");
+                            "'; use run, check, estimate, plugins, env, consolidate, export or generate (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

@@ -909,8 +909,8 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
 
 namespace {
 
-const std::set<std::string> kOwnCommands = {"run", "check", "plugins", "env", "consolidate",
-                                            "export", "generate"};
+const std::set<std::string> kOwnCommands = {"run", "check", "estimate", "plugins", "env",
+                                            "consolidate", "export", "generate"};
 
 // Every command of the loadable plugins, by name; a clash is a PluginError naming both.
 std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHost& host) {

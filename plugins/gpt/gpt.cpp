@@ -15,6 +15,7 @@
 #include "loom/nn.h"
 #include "loom/plugin.h"
 #include "loom/hf_config.h"
+#include "loom/loss.h"
 #include "loom/pretrained.h"
 
 namespace {
@@ -24,6 +25,9 @@ struct GptConfig {
   double dropout, layer_norm_epsilon, initializer_range;
   bool tie_word_embeddings;
   loom::nn::FeedForward::Activation activation = loom::nn::FeedForward::Activation::gelu_tanh;
+  // Training choices, not the architecture: Note [Fused linear cross-entropy] in loom/loss.h.
+  bool fused_cross_entropy = true;
+  int64_t cross_entropy_chunk = 0;
 };
 
 // Note [GPT-2 names]: transformers' GPT2LMHeadModel stores Conv1D weights as (in, out), the
@@ -93,6 +97,8 @@ GptConfig job_config(const loom::ConfigSection& t,
               t.get_int("n_layer"),    t.get_int("n_head"),      t.get_int("n_inner"),
               t.get_float("dropout"),  t.get_float("layer_norm_epsilon"),
               t.get_float("initializer_range"), t.get_bool("tie_word_embeddings")};
+  c.fused_cross_entropy = t.get_bool("fused_cross_entropy");
+  c.cross_entropy_chunk = t.get_int("cross_entropy_chunk");
   if (!folder) return c;
   const std::string file = folder->config_path().string();
   GptConfig p = config_from_hf(loom::pretrained::HfConfig(*folder));
@@ -115,6 +121,8 @@ GptConfig job_config(const loom::ConfigSection& t,
                 " is not divisible by n_head ", p.n_head);
   if (t.has("dropout")) p.dropout = t.get_float("dropout");  // a training choice: the job's
   if (t.has("layer_norm_epsilon")) p.layer_norm_epsilon = t.get_float("layer_norm_epsilon");
+  p.fused_cross_entropy = c.fused_cross_entropy;
+  p.cross_entropy_chunk = c.cross_entropy_chunk;
   return p;
 }
 
@@ -167,18 +175,26 @@ class Gpt final : public loom::Model, public loom::CausalLM {
     at::Tensor x = at::dropout(wte->forward(ids) + wpe->forward(positions), config_.dropout,
                                is_training());
     x = ln_f->forward(units->forward(x));
-    at::Tensor logits = lm_head ? lm_head->forward(x) : at::linear(x, wte->weight);
     loom::Output out;
-    out.logits = logits;
     if (batch.labels.defined()) {
       LOOM_CHECK(batch.labels.sizes() == ids.sizes(), "gpt needs next-token labels of shape ",
                  ids.sizes(), ", got ", batch.labels.sizes(),
                  "; with random_tokens set [data] task = \"lm\"");
-      out.loss_sum = at::cross_entropy_loss(logits.view({-1, logits.size(-1)}).to(at::kFloat),
-                                            batch.labels.reshape({-1}), {}, at::Reduction::Sum,
-                                            loom::kIgnoreIndex);
       out.num_targets = batch.num_loss_targets();
+      // An adapted head (LoRA on lm_head) is more than a matmul: it takes the unfused path.
+      if (config_.fused_cross_entropy && !(lm_head && lm_head->adapter())) {
+        const at::Tensor& head = lm_head ? lm_head->weight : wte->weight;
+        out.loss_sum = loom::nn::linear_cross_entropy_sum(
+            x, head, lm_head ? lm_head->bias : at::Tensor(), batch.labels, loom::kIgnoreIndex,
+            config_.cross_entropy_chunk);
+        return out;  // no logits: Note [Fused linear cross-entropy]
+      }
     }
+    out.logits = lm_head ? lm_head->forward(x) : at::linear(x, wte->weight);
+    if (batch.labels.defined())
+      out.loss_sum = at::cross_entropy_loss(
+          out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat), batch.labels.reshape({-1}),
+          {}, at::Reduction::Sum, loom::kIgnoreIndex);
     return out;
   }
 
@@ -223,6 +239,11 @@ class GptPlugin final : public loom::Plugin {
         .key_float("layer_norm_epsilon", 1e-5, "LayerNorm epsilon")
         .key_float("initializer_range", 0.02, "std of the initial weights")
         .key_bool("tie_word_embeddings", true, "the LM head shares the token embedding")
+        .key_bool("fused_cross_entropy", true,
+                  "the loss runs the LM head chunk by chunk and never holds the (tokens, "
+                  "vocab) logits; training outputs then carry no logits")
+        .key_int("cross_entropy_chunk", 0,
+                 "tokens per chunk of the fused loss (0: about 16 M logits per chunk)")
         .key_string("from_pretrained", "",
                     "a transformers GPT-2 folder (save_pretrained: config.json + safetensors) "
                     "to start from; its config.json sets the shape keys");
@@ -243,6 +264,9 @@ class GptPlugin final : public loom::Plugin {
     for (const char* key : {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head"})
       LOOM_CHECK_AS(ConfigError, t.get_int(key) > 0, t.where(key), ": [model] ", key,
                     " must be positive, got ", t.get_int(key));
+    LOOM_CHECK_AS(ConfigError, t.get_int("cross_entropy_chunk") >= 0, t.where("cross_entropy_chunk"),
+                  ": [model] cross_entropy_chunk must be >= 0 (0: automatic), got ",
+                  t.get_int("cross_entropy_chunk"));
     LOOM_CHECK_AS(ConfigError, t.get_int("n_inner") >= 0, t.where("n_inner"),
                   ": [model] n_inner must be >= 0 (0: 4 x n_embd), got ", t.get_int("n_inner"));
     const int64_t n_embd = t.get_int("n_embd"), n_head = t.get_int("n_head");

@@ -13,6 +13,7 @@
 
 #include "loom/engine.h"
 #include "loom/memory.h"
+#include "loom/loss.h"
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/plugin.h"
@@ -39,6 +40,9 @@ struct LlamaConfig {
   double rms_norm_eps, initializer_range, attention_dropout;
   bool tie_word_embeddings, attention_bias, mlp_bias;
   Rope rope;
+  // Training choices, not the architecture: Note [Fused linear cross-entropy] in loom/loss.h.
+  bool fused_cross_entropy = true;
+  int64_t cross_entropy_chunk = 0;
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
   int64_t dim_per_head() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
 };
@@ -212,18 +216,28 @@ class Llama final : public loom::Model, public loom::CausalLM {
     LOOM_CHECK(max_id < config_.vocab_size && min_id >= 0, "llama: token id ",
                min_id < 0 ? min_id : max_id, " is outside [model] vocab_size ",
                config_.vocab_size, "; raise vocab_size to cover the data's ids");
-    at::Tensor logits = head(model->layers->forward(model->embed_tokens->forward(ids)));
+    at::Tensor x =
+        model->norm->forward(model->layers->forward(model->embed_tokens->forward(ids)));
     loom::Output out;
-    out.logits = logits;
     if (batch.labels.defined()) {
       LOOM_CHECK(batch.labels.sizes() == ids.sizes(), "llama needs next-token labels of shape ",
                  ids.sizes(), ", got ", batch.labels.sizes(),
                  "; with random_tokens set [data] task = \"lm\"");
-      out.loss_sum = at::cross_entropy_loss(logits.view({-1, logits.size(-1)}).to(at::kFloat),
-                                            batch.labels.reshape({-1}), {}, at::Reduction::Sum,
-                                            loom::kIgnoreIndex);
       out.num_targets = batch.num_loss_targets();
+      // An adapted head (LoRA on lm_head) is more than a matmul: it takes the unfused path.
+      if (config_.fused_cross_entropy && !(lm_head && lm_head->adapter())) {
+        out.loss_sum = loom::nn::linear_cross_entropy_sum(
+            x, lm_head ? lm_head->weight : model->embed_tokens->weight,
+            lm_head ? lm_head->bias : at::Tensor(), batch.labels, loom::kIgnoreIndex,
+            config_.cross_entropy_chunk);
+        return out;  // no logits: Note [Fused linear cross-entropy]
+      }
     }
+    out.logits = project(x);
+    if (batch.labels.defined())
+      out.loss_sum = at::cross_entropy_loss(
+          out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat), batch.labels.reshape({-1}),
+          {}, at::Reduction::Sum, loom::kIgnoreIndex);
     return out;
   }
 
@@ -245,8 +259,8 @@ class Llama final : public loom::Model, public loom::CausalLM {
   std::shared_ptr<loom::nn::Linear> lm_head;
 
  private:
-  at::Tensor head(const at::Tensor& hidden) {
-    at::Tensor x = model->norm->forward(hidden);
+  at::Tensor head(const at::Tensor& hidden) { return project(model->norm->forward(hidden)); }
+  at::Tensor project(const at::Tensor& x) {
     return lm_head ? lm_head->forward(x) : at::linear(x, model->embed_tokens->weight);
   }
   LlamaConfig config_;
@@ -350,6 +364,8 @@ LlamaConfig job_config(const loom::ConfigSection& t,
                 {t.get_string("rope_type"), t.get_float("rope_theta"), t.get_float("rope_factor"),
                  t.get_float("rope_low_freq_factor"), t.get_float("rope_high_freq_factor"),
                  t.get_int("rope_original_max_position_embeddings")}};
+  c.fused_cross_entropy = t.get_bool("fused_cross_entropy");
+  c.cross_entropy_chunk = t.get_int("cross_entropy_chunk");
   if (!folder) return c;
   const std::string file = folder->config_path().string();
   LlamaConfig p = config_from_hf(loom::pretrained::HfConfig(*folder));
@@ -373,6 +389,8 @@ LlamaConfig job_config(const loom::ConfigSection& t,
                   " is set, but a pretrained model's comes from its '", file,
                   "'; remove the key");
   if (t.has("attention_dropout")) p.attention_dropout = t.get_float("attention_dropout");
+  p.fused_cross_entropy = c.fused_cross_entropy;
+  p.cross_entropy_chunk = c.cross_entropy_chunk;
   return p;
 }
 
@@ -415,6 +433,11 @@ class LlamaPlugin final : public loom::Plugin {
         .key_bool("attention_bias", false, "biases in q/k/v/o projections")
         .key_bool("mlp_bias", false, "biases in the SwiGLU projections")
         .key_float("attention_dropout", 0.0, "dropout of attention probabilities")
+        .key_bool("fused_cross_entropy", true,
+                  "the loss runs the LM head chunk by chunk and never holds the (tokens, "
+                  "vocab) logits; training outputs then carry no logits")
+        .key_int("cross_entropy_chunk", 0,
+                 "tokens per chunk of the fused loss (0: about 16 M logits per chunk)")
         .key_float("initializer_range", 0.02, "std of the initial weights")
         .key_string("from_pretrained", "",
                     "a transformers Llama folder (save_pretrained: config.json + safetensors) "
@@ -427,6 +450,10 @@ class LlamaPlugin final : public loom::Plugin {
     LOOM_CHECK_AS(ConfigError,
                   t.get_float("attention_dropout") >= 0 && t.get_float("attention_dropout") < 1,
                   t.where("attention_dropout"), ": [model] attention_dropout must be in [0, 1)");
+    LOOM_CHECK_AS(ConfigError, t.get_int("cross_entropy_chunk") >= 0,
+                  t.where("cross_entropy_chunk"),
+                  ": [model] cross_entropy_chunk must be >= 0 (0: automatic), got ",
+                  t.get_int("cross_entropy_chunk"));
     if (!t.get_string("from_pretrained").empty()) return;  // the shape is checked at import
     LlamaConfig c = job_config(t, std::nullopt);
     check_shape(c, t.where("(shape)"));  // "job.toml [model]"

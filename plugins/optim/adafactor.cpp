@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -36,6 +37,68 @@ struct Geometry {
   }
   int64_t matrix(int64_t k) const { return (first_row + k) / R; }  // of local row k
 };
+
+// ---- CPU kernels: plain loops the compiler vectorises, cloned for AVX-512 and AVX2 (as the
+// core's AdamW; no FMA contraction, so every clone rounds alike). Sums run in fp64 over eight
+// fixed lanes, folded in lane order: the result depends on the row alone, never on threads or
+// on where a shard cuts the tensor.
+#define LOOM_ADAFACTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+// sum_j (x_j² + eps), each term in fp32 (as torch squares), summed in fp64.
+LOOM_ADAFACTOR_CLONES
+double sum_of_squares_plus(const float* __restrict x, int64_t n, float eps) {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l] * x[i + l] + eps);
+  for (; i < n; ++i) lane[0] += static_cast<double>(x[i] * x[i] + eps);
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// sum_j x_j², in fp64 throughout (the parameter's RMS).
+LOOM_ADAFACTOR_CLONES
+double sum_of_squares(const float* __restrict x, int64_t n) {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l]) * x[i + l];
+  for (; i < n; ++i) lane[0] += static_cast<double>(x[i]) * x[i];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// Columns j0..j1 of one row: col_j += g_j² + eps1 and w_j += g_j² / r (inv_row = 1/r).
+LOOM_ADAFACTOR_CLONES
+void fold_columns(const float* __restrict g, int64_t j0, int64_t j1, float eps, double inv_row,
+                  double* __restrict col, double* __restrict w) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const float g2 = g[j] * g[j];
+    col[j] += static_cast<double>(g2 + eps);
+    w[j] += static_cast<double>(g[j]) * g[j] * inv_row;
+  }
+}
+
+struct Coefficients {
+  float lr, b1, w1, wd, clip_div;
+};
+
+// One row: u = rf · rsqrt_col · g (or rf · g where rsqrt_col is null), x = u / clip_div · lr,
+// then momentum, weight decay and the step, in transformers' order.
+LOOM_ADAFACTOR_CLONES
+void update_row(const float* __restrict g, const float* __restrict rsqrt_col, float rf,
+                float* __restrict p, float* __restrict m, int64_t n, Coefficients c) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = rsqrt_col ? rf * rsqrt_col[j] * g[j] : rf * g[j];
+    float x = u / c.clip_div * c.lr;
+    if (m) {
+      m[j] = m[j] * c.b1 + c.w1 * x;
+      x = m[j];
+    }
+    float pj = p[j];
+    if (c.wd != 0) pj = pj + c.wd * pj;
+    p[j] = pj - x;
+  }
+}
 
 class Adafactor final : public UpdateRule {
  public:
@@ -80,103 +143,114 @@ class Adafactor final : public UpdateRule {
     return state;
   }
 
-  // Round 0: [column sums of g²+eps1 (M*C) | sums of the new row factor (M) | sum p²] for
-  // factored tensors, [sum p²] for vectors. Round 1: [sum of the unclipped update²].
-  int reduction_rounds() const override { return 2; }
-  at::Tensor make_accumulator(const Segment& s, int round) const override {
+  // Note [Adafactor in two passes]: one reduction round whose accumulator holds everything the
+  // update needs from the whole tensor. The update's RMS, before clipping, comes from round 0 too:
+  // u_kj² = (row_mean/r_k)(1/c_j) g_kj² (r, c the new factors), so sum u² = sum over matrices m
+  // and columns j of row_mean_m / c_mj · w_mj with w_mj = sum over m's rows k of g_kj² / r_k. w
+  // is folded with the column sums, so the gradient is read once to reduce and once to update.
+  // Factored: [column sums of g²+eps1 (M*C) | w (M*C) | sums of the new row factor (M) | sum p²].
+  // Vectors: [sum g²/v (v the new second moment) | sum p²].
+  int reduction_rounds() const override { return 1; }
+  at::Tensor make_accumulator(const Segment& s, int) const override {
     const Geometry geo(s);
-    const int64_t size = round == 1 ? 1 : geo.factored ? geo.M * geo.C + geo.M + 1 : 1;
+    const int64_t size = geo.factored ? 2 * geo.M * geo.C + geo.M + 1 : 2;
     // The tensor-op path folds into it on the parameter's device, without a host sync.
     return at::zeros({size}, at::TensorOptions().dtype(at::kDouble).device(
                                  use_loops(s) ? c10::Device(c10::kCPU) : s.param.device()));
   }
 
-  void accumulate(const Segment& segment, const UpdateContext& ctx, int round,
+  void accumulate(const Segment& segment, const UpdateContext& ctx, int,
                   at::Tensor& acc) const override {
-    if (!use_loops(segment)) return tensor_ops_accumulate(segment, ctx, round, acc);
+    if (!use_loops(segment)) return tensor_ops_accumulate(segment, ctx, acc);
     const Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
     double* a = acc.data_ptr<double>();
-    std::vector<float> new_row(geo.rows);
-    std::vector<double> partial(geo.rows);  // one sum per row, then folded in row order
-    if (round == 0) {
-      if (geo.factored) {
-        row_factors(s, geo, b2t, new_row.data());
-        // Column sums: threads split the columns; each walks the rows in order.
-        at::parallel_for(0, geo.C, 256, [&](int64_t j0, int64_t j1) {
-          for (int64_t k = 0; k < geo.rows; ++k) {
-            const float* g = s.g + k * geo.C;
-            double* col = a + geo.matrix(k) * geo.C;
-            for (int64_t j = j0; j < j1; ++j) col[j] += static_cast<double>(g[j] * g[j] + eps1f());
-          }
-        });
-        for (int64_t k = 0; k < geo.rows; ++k) a[geo.M * geo.C + geo.matrix(k)] += new_row[k];
+    std::vector<double> p2(geo.rows);  // one sum per row, then folded in row order
+    if (!geo.factored) {
+      const float* v = s.state("exp_avg_sq");
+      double u2 = 0;
+      for (int64_t i = 0; i < geo.rows; ++i) {
+        const float vi = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
+        u2 += static_cast<double>(s.g[i]) * s.g[i] / vi;
+        p2[i] = static_cast<double>(s.p[i]) * s.p[i];
       }
-      row_sums(s, geo, partial.data(), [](const float* p, const float*, int64_t j) {
-        return static_cast<double>(p[j]) * p[j];
-      });
-      double& total = a[acc.numel() - 1];
-      for (double x : partial) total += x;
+      a[0] += u2;
+      for (double x : p2) a[1] += x;
       return;
     }
-    // Round 1: the unclipped update u = g / sqrt(v_hat), squared.
-    const Factors f = factors(s, geo, ctx, b2t, new_row);
-    at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
-      std::vector<float> u(geo.C);
-      for (int64_t k = k0; k < k1; ++k) {
-        unclipped(s, geo, f, k, u.data());
-        double sum = 0;
-        for (int64_t j = 0; j < geo.C; ++j) sum += static_cast<double>(u[j]) * u[j];
-        partial[k] = sum;
-      }
-    });
-    for (double x : partial) a[0] += x;
+    const float* row = s.state("exp_avg_sq_row");
+    double* col_sums = a;
+    double* w = a + geo.M * geo.C;
+    std::vector<float> new_row(geo.rows);
+    // Blocks of rows small enough to stay in cache between the row pass and the column pass.
+    const int64_t block = std::max<int64_t>(1, (int64_t{1} << 17) / geo.C);
+    for (int64_t b0 = 0; b0 < geo.rows; b0 += block) {
+      const int64_t b1 = std::min(geo.rows, b0 + block);
+      at::parallel_for(b0, b1, 1, [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k) {
+          new_row[k] = new_row_factor(s.g + k * geo.C, geo.C, row[k], b2t);
+          p2[k] = sum_of_squares(s.p + k * geo.C, geo.C);
+        }
+      });
+      // Threads split the columns; each folds the block's rows in order.
+      at::parallel_for(0, geo.C, 256, [&](int64_t j0, int64_t j1) {
+        for (int64_t k = b0; k < b1; ++k) {
+          const int64_t offset = geo.matrix(k) * geo.C;
+          fold_columns(s.g + k * geo.C, j0, j1, eps1f(), 1.0 / new_row[k], col_sums + offset,
+                       w + offset);
+        }
+      });
+    }
+    for (int64_t k = 0; k < geo.rows; ++k) a[2 * geo.M * geo.C + geo.matrix(k)] += new_row[k];
+    double& total = a[acc.numel() - 1];
+    for (double x : p2) total += x;
   }
 
   void update(Segment& segment, const UpdateContext& ctx) const override {
-    LOOM_INTERNAL_ASSERT(ctx.totals.size() == 2, "adafactor runs through update_tensor");
+    LOOM_INTERNAL_ASSERT(ctx.totals.size() == 1, "adafactor runs through update_tensor");
     if (!use_loops(segment)) return tensor_ops_update(segment, ctx);
     Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
-    std::vector<float> new_row(geo.rows);
-    const Factors f = factors(s, geo, ctx, b2t, new_row);
     const double* t0 = ctx.totals[0].data_ptr<double>();
-    const double param_rms =
-        std::sqrt(t0[ctx.totals[0].numel() - 1] / static_cast<double>(geo.numel));
+    const int64_t n_total = ctx.totals[0].numel();
+    const double n = static_cast<double>(geo.numel);
+    const double param_rms = std::sqrt(t0[n_total - 1] / n);
     const double lr = step_size(ctx, param_rms);
-    const double update_rms =
-        std::sqrt(ctx.totals[1].data_ptr<double>()[0] / static_cast<double>(geo.numel));
-    const float clip_div = static_cast<float>(std::max(update_rms / clip_, 1.0));
-    const float lrf = static_cast<float>(lr), b1 = static_cast<float>(beta1_),
-                w1 = static_cast<float>(1.0 - beta1_),
-                wd = static_cast<float>(-ctx.weight_decay * lr);
+    Coefficients c;
+    c.lr = static_cast<float>(lr);
+    c.b1 = static_cast<float>(beta1_);
+    c.w1 = static_cast<float>(1.0 - beta1_);
+    c.wd = static_cast<float>(-ctx.weight_decay * lr);
     float* m = beta1_ > 0 ? s.state("exp_avg") : nullptr;
+    if (!geo.factored) {
+      c.clip_div = clip_divisor(std::sqrt(t0[0] / n));
+      float* v = s.state("exp_avg_sq");
+      for (int64_t i = 0; i < geo.rows; ++i) {
+        v[i] = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
+        const float u = (1.0f / std::sqrt(v[i])) * s.g[i];
+        update_row(&u, nullptr, 1.0f, s.p + i, m ? m + i : nullptr, 1, c);
+      }
+      s.write_back(segment);
+      return;
+    }
+    const ColumnFactors f = column_factors(s, geo, t0, b2t);
+    c.clip_div = clip_divisor(std::sqrt(f.sum_u2 / n));
+    const float* row = s.state("exp_avg_sq_row");
+    std::vector<float> new_row(geo.rows);
     at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
-      std::vector<float> u(geo.C);
       for (int64_t k = k0; k < k1; ++k) {
-        unclipped(s, geo, f, k, u.data());
-        float* p = s.p + k * geo.C;
-        for (int64_t j = 0; j < geo.C; ++j) {
-          float x = u[j] / clip_div * lrf;
-          if (m) {
-            float& mj = m[k * geo.C + j];
-            mj = mj * b1 + w1 * x;
-            x = mj;
-          }
-          if (wd != 0) p[j] = p[j] + wd * p[j];
-          p[j] = p[j] - x;
-        }
+        const float* g = s.g + k * geo.C;
+        new_row[k] = new_row_factor(g, geo.C, row[k], b2t);  // the same value round 0 folded
+        const float rf = 1.0f / std::sqrt(new_row[k] / f.row_mean[geo.matrix(k)]);
+        update_row(g, f.rsqrt_col.data() + geo.matrix(k) * geo.C, rf, s.p + k * geo.C,
+                   m ? m + k * geo.C : nullptr, geo.C, c);
       }
     });
     // Store the new second moments (the column factor is whole-tensor, the same everywhere).
-    if (geo.factored) {
-      std::copy(new_row.begin(), new_row.end(), s.state("exp_avg_sq_row"));
-      std::copy(f.col.begin(), f.col.end(), s.state("exp_avg_sq_col"));
-    } else {
-      std::copy(f.v.begin(), f.v.end(), s.state("exp_avg_sq"));
-    }
+    std::copy(new_row.begin(), new_row.end(), s.state("exp_avg_sq_row"));
+    std::copy(f.col.begin(), f.col.end(), s.state("exp_avg_sq_col"));
     s.write_back(segment);
   }
 
@@ -215,11 +289,11 @@ class Adafactor final : public UpdateRule {
     const float* g;
   };
 
-  struct Factors {
-    std::vector<float> col;       // new column factor (M*C), factored
-    std::vector<float> row_mean;  // mean of the new row factor per matrix (M), factored
-    std::vector<float> v;         // new second moment (n), vectors
-    const float* row = nullptr;   // new row factor of the segment's rows
+  struct ColumnFactors {
+    std::vector<float> col;        // new column factor (M*C)
+    std::vector<float> rsqrt_col;  // 1/sqrt of it: the column factor of u, once per tensor
+    std::vector<float> row_mean;   // mean of the new row factor per matrix (M)
+    double sum_u2 = 0;             // the unclipped update's sum of squares (Note [Adafactor in two passes])
   };
 
   float eps1f() const { return static_cast<float>(eps1_); }
@@ -243,68 +317,38 @@ class Adafactor final : public UpdateRule {
     const double scale = scale_parameter_ ? std::max(eps2_, double(float(param_rms))) : 1.0;
     return scale * relative_lr(ctx);
   }
-
-  // new_row[k] = b2t row[k] + (1-b2t) mean_j(g²+eps1): each row on its own, in column order.
-  void row_factors(const Cpu& s, const Geometry& geo, Beta2 b2t, float* new_row) const {
-    const float* row = s.state("exp_avg_sq_row");
-    at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        const float* g = s.g + k * geo.C;
-        double sum = 0;
-        for (int64_t j = 0; j < geo.C; ++j) sum += static_cast<double>(g[j] * g[j] + eps1f());
-        const float mean = static_cast<float>(sum / static_cast<double>(geo.C));
-        new_row[k] = row[k] * b2t.keep + b2t.add * mean;
-      }
-    });
+  float clip_divisor(double update_rms) const {
+    return static_cast<float>(std::max(update_rms / clip_, 1.0));
   }
 
-  template <typename F>
-  void row_sums(const Cpu& s, const Geometry& geo, double* out, F term) const {
-    at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        double sum = 0;
-        for (int64_t j = 0; j < geo.C; ++j) sum += term(s.p + k * geo.C, s.g + k * geo.C, j);
-        out[k] = sum;
-      }
-    });
+  // b2t row + (1-b2t) mean_j(g²+eps1) of one row.
+  float new_row_factor(const float* g, int64_t C, float old, Beta2 b2t) const {
+    const float mean = static_cast<float>(sum_of_squares_plus(g, C, eps1f()) /
+                                          static_cast<double>(C));
+    return old * b2t.keep + b2t.add * mean;
   }
 
-  // The new second-moment factors from round 0's totals.
-  Factors factors(const Cpu& s, const Geometry& geo, const UpdateContext& ctx, Beta2 b2t,
-                  std::vector<float>& new_row) const {
-    Factors f;
-    if (geo.factored) {
-      row_factors(s, geo, b2t, new_row.data());
-      f.row = new_row.data();
-      const double* t0 = ctx.totals[0].data_ptr<double>();
-      const float* col = s.state("exp_avg_sq_col");
-      f.col.resize(geo.M * geo.C);
-      for (int64_t i = 0; i < geo.M * geo.C; ++i)
-        f.col[i] =
-            col[i] * b2t.keep + b2t.add * static_cast<float>(t0[i] / static_cast<double>(geo.R));
-      f.row_mean.resize(geo.M);
-      for (int64_t m = 0; m < geo.M; ++m)
-        f.row_mean[m] = static_cast<float>(t0[geo.M * geo.C + m] / static_cast<double>(geo.R));
-    } else {
-      const float* v = s.state("exp_avg_sq");
-      const int64_t n = geo.rows;
-      f.v.resize(n);
-      for (int64_t i = 0; i < n; ++i)
-        f.v[i] = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
+  // The new column factors from round 0's totals, and the update's sum of squares.
+  ColumnFactors column_factors(const Cpu& s, const Geometry& geo, const double* t0,
+                               Beta2 b2t) const {
+    ColumnFactors f;
+    const int64_t MC = geo.M * geo.C;
+    const double R = static_cast<double>(geo.R);
+    const float* col = s.state("exp_avg_sq_col");
+    f.col.resize(MC);
+    f.rsqrt_col.resize(MC);
+    for (int64_t i = 0; i < MC; ++i) {
+      f.col[i] = col[i] * b2t.keep + b2t.add * static_cast<float>(t0[i] / R);
+      f.rsqrt_col[i] = 1.0f / std::sqrt(f.col[i]);
+    }
+    f.row_mean.resize(geo.M);
+    for (int64_t m = 0; m < geo.M; ++m) {
+      f.row_mean[m] = static_cast<float>(t0[2 * MC + m] / R);
+      for (int64_t j = 0; j < geo.C; ++j)
+        f.sum_u2 += static_cast<double>(f.row_mean[m]) / f.col[m * geo.C + j] *
+                    t0[MC + m * geo.C + j];
     }
     return f;
-  }
-
-  // Local row k of the unclipped update: (rsqrt(r/mean r) rsqrt(c)) g, or g rsqrt(v).
-  void unclipped(const Cpu& s, const Geometry& geo, const Factors& f, int64_t k, float* u) const {
-    const float* g = s.g + k * geo.C;
-    if (geo.factored) {
-      const float rf = 1.0f / std::sqrt(f.row[k] / f.row_mean[geo.matrix(k)]);
-      const float* col = f.col.data() + geo.matrix(k) * geo.C;
-      for (int64_t j = 0; j < geo.C; ++j) u[j] = rf * (1.0f / std::sqrt(col[j])) * g[j];
-    } else {
-      u[0] = (1.0f / std::sqrt(f.v[k])) * g[0];
-    }
   }
 
   // ---- tensor ops: the loops' arithmetic, step for step, as ATen ops on any device ----
@@ -341,7 +385,7 @@ class Adafactor final : public UpdateRule {
       const double R = static_cast<double>(geo.R);
       f.new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
                   t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
-      at::Tensor row_mean = t0.narrow(0, geo.M * geo.C, geo.M).div(R).to(at::kFloat);
+      at::Tensor row_mean = t0.narrow(0, 2 * geo.M * geo.C, geo.M).div(R).to(at::kFloat);
       at::Tensor rf = at::reciprocal(at::sqrt(f.new_row / row_mean.index_select(0, r.matrix)));
       at::Tensor cf = at::reciprocal(at::sqrt(f.new_col.view({geo.M, geo.C})))
                           .index_select(0, r.matrix);
@@ -353,25 +397,39 @@ class Adafactor final : public UpdateRule {
     return f;
   }
 
-  void tensor_ops_accumulate(const Segment& s, const UpdateContext& ctx, int round,
-                             at::Tensor& acc) const {
+  void tensor_ops_accumulate(const Segment& s, const UpdateContext& ctx, at::Tensor& acc) const {
     const Geometry geo(s);
     const Beta2 b2t = beta2t(ctx.step);
-    if (round == 0) {
-      if (geo.factored) {
-        const Rows r = rows_of(s, geo);
-        acc.narrow(0, 0, geo.M * geo.C)
-            .view({geo.M, geo.C})
-            .index_add_(0, r.matrix, (r.g * r.g + eps1f()).to(at::kDouble));
-        acc.narrow(0, geo.M * geo.C, geo.M)
-            .index_add_(0, r.matrix, new_row_factor(s, geo, r, b2t).to(at::kDouble));
-      }
-      at::Tensor p = s.param.to(at::kDouble);
-      acc.narrow(0, acc.numel() - 1, 1).add_((p * p).sum());
+    at::Tensor p = s.param.to(at::kDouble);
+    acc.narrow(0, acc.numel() - 1, 1).add_((p * p).sum());
+    if (!geo.factored) {
+      const at::Tensor v =
+          s.state_at("exp_avg_sq") * b2t.keep + (s.grad * s.grad + eps1f()) * b2t.add;
+      const at::Tensor g = s.grad.to(at::kDouble);
+      acc.narrow(0, 0, 1).add_((g * g / v.to(at::kDouble)).sum());
       return;
     }
-    at::Tensor u = tensor_factors(s, geo, ctx, b2t).u.to(at::kDouble);
-    acc.add_((u * u).sum());
+    const int64_t MC = geo.M * geo.C;
+    const Rows r = rows_of(s, geo);
+    const at::Tensor new_row = new_row_factor(s, geo, r, b2t);
+    acc.narrow(0, 0, MC).view({geo.M, geo.C}).index_add_(0, r.matrix,
+                                                          (r.g * r.g + eps1f()).to(at::kDouble));
+    const at::Tensor g = r.g.to(at::kDouble);
+    acc.narrow(0, MC, MC).view({geo.M, geo.C}).index_add_(
+        0, r.matrix, g * g / new_row.to(at::kDouble).unsqueeze(1));
+    acc.narrow(0, 2 * MC, geo.M).index_add_(0, r.matrix, new_row.to(at::kDouble));
+  }
+
+  // The unclipped update's sum of squares from the totals (Note [Adafactor in two passes]).
+  at::Tensor sum_u2(const Geometry& geo, const at::Tensor& t0, const TensorFactors& f) const {
+    if (!geo.factored) return t0.narrow(0, 0, 1);
+    const int64_t MC = geo.M * geo.C;
+    const at::Tensor row_mean =
+        t0.narrow(0, 2 * MC, geo.M).div(static_cast<double>(geo.R)).to(at::kFloat);
+    return (row_mean.to(at::kDouble).unsqueeze(1) / f.new_col.view({geo.M, geo.C}).to(at::kDouble) *
+            t0.narrow(0, MC, MC).view({geo.M, geo.C}))
+        .sum()
+        .view({1});
   }
 
   void tensor_ops_update(Segment& s, const UpdateContext& ctx) const {
@@ -385,7 +443,7 @@ class Adafactor final : public UpdateRule {
     at::Tensor lr = scale_parameter_
                         ? param_rms.to(at::kFloat).to(at::kDouble).clamp_min(eps2_).mul(rel)
                         : at::full({1}, rel, param_rms.options());
-    at::Tensor update_rms = ctx.totals[1].div(n).sqrt();
+    at::Tensor update_rms = sum_u2(geo, ctx.totals[0], f).div(n).sqrt();
     at::Tensor clip_div = update_rms.div(clip_).clamp_min(1.0).to(at::kFloat);
     at::Tensor x = f.u / clip_div * lr.to(at::kFloat);
     if (beta1_ > 0) {

@@ -30,4 +30,15 @@ inline std::string cpu_half_gap(c10::ScalarType dtype,
   return "";
 }
 
+// Note [Auto precision]: mode = "auto" runs bf16 autocast where it is faster than fp32 and
+// fp32 elsewhere. On a CPU that speed depends on more than the instruction set (bf16 ran at
+// 1.5x fp32 on an AVX-512-BF16 EPYC and at 0.65x on a Xeon with AMX switched off: the casts
+// and non-matmul ops dominated), so the plugin times one transformer MLP block (matmuls,
+// LayerNorm, GELU, forward and backward) both ways and hands the medians here. bf16 must win by
+// a margin, because it also costs precision.
+constexpr double kAutoBf16Margin = 0.9;
+inline bool auto_prefers_bf16(double fp32_seconds, double bf16_seconds) {
+  return bf16_seconds > 0 && fp32_seconds > 0 && bf16_seconds < kAutoBf16Margin * fp32_seconds;
+}
+
 }  // namespace loom::precision

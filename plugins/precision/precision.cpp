@@ -2,11 +2,15 @@
 // fp16) over fp32 weights, pure half-precision weights (full_bf16, full_fp16) over the step
 // driver's fp32 masters, and fp16's dynamic loss scaler. Not an optimizer: the rule sees fp32.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/cpu/Utils.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -84,7 +88,8 @@ class Precision final : public loom::Plugin {
                 .key_string("mode", "fp32",
                             "fp32 | tf32 (CUDA matmuls in TF32) | bf16 | fp16 (autocast over fp32 "
                             "weights) | full_bf16 | full_fp16 (weights stored in half, fp32 "
-                            "masters in the optimizer)")
+                            "masters in the optimizer) | auto (bf16 where a probe finds it "
+                            "faster than fp32 on this machine, else fp32)")
                 .key_float("init_scale", 65536.0, "fp16: the first loss scale")
                 .key_float("growth_factor", 2.0, "fp16: scale multiplier after growth_interval "
                                                  "steps without overflow")
@@ -94,7 +99,9 @@ class Precision final : public loom::Plugin {
 
   void configure(const loom::ConfigSection& table) override {
     const std::string name = table.get_string("mode");
+    auto_ = name == "auto";  // fp32 until attach() has timed both (Note [Auto precision])
     std::optional<Mode> mode;
+    if (auto_) mode = Mode::fp32;
     std::vector<std::string> names;
     for (const auto& [candidate, value] : modes()) {
       names.push_back(candidate);
@@ -105,7 +112,7 @@ class Precision final : public loom::Plugin {
       throw loom::ConfigError(loom::detail::cat(
           table.where("mode"), ": [precision] mode '", name, "' is unknown",
           hint ? "; did you mean '" + *hint + "'?" : std::string(),
-          " (use fp32, tf32, bf16, fp16, full_bf16 or full_fp16)"));
+          " (use fp32, tf32, bf16, fp16, full_bf16, full_fp16 or auto)"));
     }
     mode_ = *mode;
     mode_name_ = name;
@@ -134,6 +141,7 @@ class Precision final : public loom::Plugin {
 
   void attach(loom::Engine& engine) override {
     device_ = engine.device();
+    if (auto_) resolve_auto(engine.comm());
     check_device();
     set_tf32_flags();
 
@@ -144,8 +152,11 @@ class Precision final : public loom::Plugin {
       if (loss_scaling(mode_)) e.state().loss_scale = scaler_.scale;
       loom::log::info(anatomy(e.model_state()));
     });
-    if (uses_autocast(mode_)) {
-      engine.on(loom::Event::before_forward, [this](loom::Engine&) { enter_autocast(); });
+    // auto may still change its mind on resume (load), so it always listens.
+    if (uses_autocast(mode_) || auto_) {
+      engine.on(loom::Event::before_forward, [this](loom::Engine&) {
+        if (uses_autocast(mode_)) enter_autocast();
+      });
       engine.on(loom::Event::after_forward, [this](loom::Engine&) { leave_autocast(); });
     }
     if (loss_scaling(mode_))
@@ -165,6 +176,87 @@ class Precision final : public loom::Plugin {
 
  private:
   // ---- setup ----
+  void set_mode(Mode mode, const std::string& name) {
+    mode_ = mode;
+    mode_name_ = name;
+    dtype_ = compute_dtype(mode);
+  }
+
+  // Note [Auto precision] in cpu_support.h. Every rank must choose alike: the ranks' timings are
+  // summed before the choice.
+  void resolve_auto(loom::Comm& comm) {
+    set_mode(Mode::fp32, "fp32");
+    if (device_.is_cuda()) {
+      set_mode(Mode::bf16, "bf16");
+      loom::log::info("[precision] mode = \"auto\" chose bf16 autocast on ", device_.str(),
+                      " (GPUs before Ampere emulate bf16 slowly: set mode = \"fp16\" there)");
+      return;
+    }
+    const std::string gap = device_.is_cpu()
+                                ? loom::precision::cpu_half_gap(at::kBFloat16,
+                                                                at::cpu::get_cpu_capabilities())
+                                : "no bf16 probe for " + device_.str();
+    if (!gap.empty()) {
+      loom::log::info("[precision] mode = \"auto\" chose fp32: ", gap);
+      return;
+    }
+    at::Tensor seconds = probe_block();
+    if (comm.world_size() > 1) {
+      at::Tensor shared = seconds.to(comm.device());
+      comm.all_reduce(shared, loom::ReduceOp::sum)->wait();
+      seconds = shared.cpu();
+    }
+    const double fp32 = seconds[0].item<double>(), bf16 = seconds[1].item<double>();
+    const bool use_bf16 = loom::precision::auto_prefers_bf16(fp32, bf16);
+    if (use_bf16) set_mode(Mode::bf16, "bf16");
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.2f", bf16 / fp32);
+    loom::log::info("[precision] mode = \"auto\" chose ", use_bf16 ? "bf16 autocast" : "fp32",
+                    ": a transformer MLP block took ", ratio,
+                    "x its fp32 time in bf16 on this CPU (bf16 is chosen below ",
+                    loom::precision::kAutoBf16Margin, "x)");
+  }
+
+  // Medians of five forward + backward passes of one MLP block (LayerNorm, 768 -> 3072 GELU ->
+  // 768, 256 rows) in fp32 and under bf16 autocast, interleaved, after one warm-up each: a
+  // (2) fp64 tensor of seconds. Its own generator: the run's random stream is untouched.
+  at::Tensor probe_block() {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    const at::Tensor x = at::randn({256, 768}, gen);
+    const at::Tensor w1 = (at::randn({3072, 768}, gen) * 0.02).requires_grad_();
+    const at::Tensor w2 = (at::randn({768, 3072}, gen) * 0.02).requires_grad_();
+    const at::Tensor ln_w = at::ones({768}).requires_grad_(), ln_b = at::zeros({768});
+    auto pass = [&](bool bf16) {
+      const auto start = std::chrono::steady_clock::now();
+      if (bf16) {
+        dtype_ = at::kBFloat16;
+        enter_autocast();
+      }
+      at::Tensor h = at::layer_norm(x, {768}, ln_w, ln_b);
+      at::Tensor y = at::linear(at::gelu(at::linear(h, w1), "tanh"), w2);
+      leave_autocast();
+      y.to(at::kFloat).square().sum().backward();
+      for (const at::Tensor* t : {&w1, &w2, &ln_w}) t->mutable_grad() = at::Tensor();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
+    std::vector<double> times[2];
+    {
+      at::AutoGradMode grad(true);
+      for (int round = 0; round < 6; ++round)
+        for (int bf16 : {round % 2, 1 - round % 2}) {
+          const double t = pass(bf16 == 1);
+          if (round > 0) times[bf16].push_back(t);
+        }
+    }
+    dtype_ = compute_dtype(mode_);
+    at::Tensor out = at::empty({2}, at::kDouble);
+    for (int i : {0, 1}) {
+      std::sort(times[i].begin(), times[i].end());
+      out[i] = times[i][times[i].size() / 2];
+    }
+    return out;
+  }
+
   // Called once per run (from attach), so each warning appears once, at the start.
   void check_device() {
     if (mode_ == Mode::tf32 && !device_.is_cuda())
@@ -342,6 +434,12 @@ class Precision final : public loom::Plugin {
     const auto& values = engine.checkpoint().values;
     auto mode = values.find("precision.mode");
     const std::string saved_mode = mode == values.end() ? "fp32" : mode->second;
+    if (auto_ && saved_mode != mode_name_ && (saved_mode == "fp32" || saved_mode == "bf16")) {
+      // A resumed run continues as it started, whatever today's probe says: both keep fp32
+      // weights, so only the forward's autocast changes.
+      loom::log::info("[precision] mode = \"auto\": continuing in the checkpoint's ", saved_mode);
+      set_mode(saved_mode == "bf16" ? Mode::bf16 : Mode::fp32, saved_mode);
+    }
     if (saved_mode != mode_name_)
       loom::log::warn("[precision] the checkpoint was trained with mode ", saved_mode,
                       ", this run uses ", mode_name_, "; continuing in ", mode_name_);
@@ -373,6 +471,7 @@ class Precision final : public loom::Plugin {
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_{c10::kCPU};
   LossScaler scaler_;
+  bool auto_ = false;
   bool autocast_on_ = false, saved_enabled_ = false, flags_set_ = false;
   at::ScalarType saved_dtype_ = at::kFloat;
   at::Float32Precision saved_matmul_ = at::Float32Precision::NONE,

@@ -138,6 +138,24 @@ expect_error "export of a checkpoint without its job" "does not record its job" 
 [ ! -e "$work/from-old" ] && [ -z "$(ls -A "$work" | grep '^\.loom-')" ] &&
   ok "a failed export leaves nothing" || fail "a failed export left files"
 
+# loom estimate: the ZeRO paper's 1 T parameters on 1024 GPUs (stage 3: 15.6 GB = 14.55 GiB per
+# GPU), and the demo job probed, with the batch that fits a budget; nothing written beside it.
+est=$("$loom" estimate --params 1e12 --world-size 1024 2>&1)
+if grep -qE "^3 +none +full_bf16 .*\| +14\.55 " <<<"$est"; then ok "estimate: 1 T parameters on 1024 ranks"
+else fail "estimate --params: $est"; fi
+est_out="$work/estimate-out"
+est=$("$loom" estimate "$src/examples/demo.toml" --budget 1GiB --set "train.output_dir=$est_out" 2>&1)
+if grep -q "<- this job" <<<"$est" && grep -q "per_device_train_batch_size = [0-9]*, gradient_accumulation_steps = 1" <<<"$est" \
+   && [ ! -e "$est_out" ]; then ok "estimate: the demo job, a budget"
+else fail "estimate of the demo: $est"; fi
+expect_error "estimate needs a job or --params" "loom estimate needs a job file" "$loom" estimate
+expect_error "estimate: --budget needs a job" "--budget needs a job file" \
+  "$loom" estimate --params 1e9 --budget 10GiB
+expect_error "estimate: a bad world size" "--world-size takes a rank count >= 1" \
+  "$loom" estimate --params 1e9 --world-size 0
+expect_error "estimate: a bad budget" "--budget takes a positive size such as 20GiB" \
+  "$loom" estimate "$src/examples/demo.toml" --budget 12XB
+
 # loom generate: the demo's byte-level model continues a text prompt, from a checkpoint or a
 # run's output_dir (its newest checkpoint); a seed repeats its text; bad input is named.
 g1=$("$loom" generate "$out" --prompt "The " --max-new-tokens 30 --temperature 0.8 --top-k 20 \

@@ -229,18 +229,26 @@ inline Report check_dataset(const std::shared_ptr<const Dataset>& dataset, int64
   return report;
 }
 
-// A model on `batch` (with labels): two forwards in eval mode give the same logits bit for bit;
-// in train mode a backward of loss_sum gives every trainable parameter a finite gradient.
+// A model on `batch` (with labels): two forwards in eval mode give the same loss (and logits,
+// where the model returns them: one with a fused loss need not, Note [Fused linear
+// cross-entropy] in loom/loss.h) bit for bit, and a forward without labels gives logits; in
+// train mode a backward of loss_sum gives every trainable parameter a finite gradient.
 inline Report check_model(Model& model, const Batch& batch, const std::string& name = "model") {
   Report report{name, {}};
   {
     at::NoGradGuard no_grad;
     model.eval();
     const Output a = model.forward(batch), b = model.forward(batch);
-    if (!a.logits.defined() || !at::equal(a.logits, b.logits))
-      report.fail("two forwards of one batch in eval mode differ");
     if (!a.loss_sum.defined() || a.loss_sum.dim() != 0 || a.num_targets <= 0)
       report.fail("forward with labels gives no 0-d loss_sum and positive num_targets");
+    else if (!b.loss_sum.defined() || !at::equal(a.loss_sum, b.loss_sum) ||
+             a.logits.defined() != b.logits.defined() ||
+             (a.logits.defined() && !at::equal(a.logits, b.logits)))
+      report.fail("two forwards of one batch in eval mode differ");
+    Batch unlabeled = batch;
+    unlabeled.labels = at::Tensor();
+    if (!model.forward(unlabeled).logits.defined())
+      report.fail("forward without labels gives no logits");
   }
   model.train();
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();

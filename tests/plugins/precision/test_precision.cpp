@@ -2,12 +2,14 @@
 // overflow, bf16 against fp32, bitwise fp16 resume, pure-half weights, and the bad-input errors.
 // Overflows are injected by an after_backward handler the test registers, not by a config key.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cpu/Utils.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "../../../plugins/precision/cpu_support.h"
@@ -235,8 +237,9 @@ TEST(Precision, Bf16AndFullBf16FollowTheFp32Loss) {
   TempDir a, b, c;
   auto fp32 = Trainer::from_text(with_precision(text_job(a.str(), steps), "mode = \"fp32\""),
                                  a.path());
+  // The unfused loss, so the forward's output carries the logits whose dtype is checked.
   auto bf16 = Trainer::from_text(with_precision(text_job(b.str(), steps), "mode = \"bf16\""),
-                                 b.path());
+                                 b.path(), {"model.fused_cross_entropy=false"});
   auto full = Trainer::from_text(with_precision(text_job(c.str(), steps), "mode = \"full_bf16\""),
                                  c.path());
   bf16->setup();
@@ -297,7 +300,7 @@ TEST(Precision, UnknownModeIsAnErrorWithAHint) {
   auto build = [&] { return Trainer::from_text(
       with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf61\""), dir.path()); };
   EXPECT_THROW_WITH(build(), ConfigError, "job.toml:", "[precision] mode 'bf61' is unknown",
-                    "did you mean 'bf16'?", "fp32, tf32, bf16, fp16, full_bf16 or full_fp16");
+                    "did you mean 'bf16'?", "fp32, tf32, bf16, fp16, full_bf16, full_fp16 or auto");
 }
 
 TEST(Precision, ScalerKeysWithoutFp16AreAnError) {
@@ -348,6 +351,46 @@ TEST(Precision, Tf32OnCpuWarnsOnce) {
   const size_t first = log.find(warning);
   ASSERT_NE(first, std::string::npos) << log;
   EXPECT_EQ(log.find(warning, first + 1), std::string::npos) << "warned twice: " << log;
+}
+
+// Note [Auto precision]: the choice rule, then a run that says what it chose, runs it (autocast
+// is on in forward exactly when it chose bf16), and ends bitwise where the same job with that
+// mode named ends: the probe leaves the run's random stream alone.
+TEST(Precision, AutoRunsTheModeItChoseAndSaysWhy) {
+  EXPECT_TRUE(precision::auto_prefers_bf16(1.0, 0.6));
+  EXPECT_FALSE(precision::auto_prefers_bf16(1.0, 0.95));  // faster, but not by the margin
+  EXPECT_FALSE(precision::auto_prefers_bf16(1.0, 1.6));
+  EXPECT_FALSE(precision::auto_prefers_bf16(0.0, 0.0));
+
+  TempDir a, b;
+  auto chosen_run = Trainer::from_text(
+      with_precision(test::tiny_gpt_job(a.str()), "mode = \"auto\""), a.path(),
+      {"train.log_level=info"});
+  testing::internal::CaptureStderr();
+  chosen_run->setup();
+  std::optional<bool> autocast_in_forward;
+  chosen_run->engine().on(Event::before_forward, [&](Engine&) {
+    const bool on = at::autocast::is_autocast_enabled(at::kCPU);
+    EXPECT_TRUE(!autocast_in_forward || *autocast_in_forward == on) << "the mode changed mid-run";
+    autocast_in_forward = on;
+  });
+  chosen_run->run();
+  const std::string log = testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(autocast_in_forward.has_value());
+  const bool bf16 = *autocast_in_forward;
+  EXPECT_NE(log.find(std::string("[precision] mode = \"auto\" chose ") +
+                     (bf16 ? "bf16 autocast" : "fp32")),
+            std::string::npos)
+      << log;
+  if (!precision::cpu_half_gap(at::kBFloat16, at::cpu::get_cpu_capabilities()).empty())
+    EXPECT_FALSE(bf16) << "auto chose bf16 on a CPU without bf16 instructions";
+
+  auto named_run = Trainer::from_text(
+      with_precision(test::tiny_gpt_job(b.str()),
+                     std::string("mode = \"") + (bf16 ? "bf16" : "fp32") + "\""),
+      b.path());
+  named_run->run();
+  EXPECT_TRUE(all_bitwise_equal(snapshot(chosen_run->engine()), snapshot(named_run->engine())));
 }
 
 TEST(Precision, CpuWithoutHalfInstructionsIsNamed) {

@@ -1,0 +1,115 @@
+// loom/estimate.h — `loom estimate`: the memory one rank needs for every ZeRO stage, offload
+// choice and precision, by category, from a job's model (and a short probe of its activations)
+// or from a parameter count alone (Note [Memory estimate]).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom::estimate {
+
+// Note [Memory estimate]: model states follow the ZeRO paper's anatomy with loom's byte counts
+// per trainable parameter: fp32 and bf16 (autocast) keep fp32 weights and gradients (4 + 4) and
+// no masters; full_bf16 keeps bf16 weights and gradients (2 + 2) and fp32 masters (4); the update
+// rule adds its state (AdamW 8; the job's own rule is measured from the state it makes). Stage 1
+// divides masters and optimizer state by the world size, stage 2 the gradients too, stage 3 the
+// weights too, plus the units it gathers (one and the one prefetched). Offloading moves masters
+// and optimizer state to host RAM (cpu) or NVMe (nvme; host RAM keeps buffer_count buffers of the
+// largest tensor's share). Activations and the rest of the peak (workspace, data, autocast's half
+// copies, the driver's buffers) are measured: the job runs two steps at per-device batch 1 and 2 (the second step's peaks count)
+// in each precision on one rank, and the peak above the model states is split into a part per
+// sample and a fixed part. With bf16 autocast the half copies are 2 B per parameter of the fixed
+// part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
+enum class Precision { fp32, bf16, full_bf16 };
+enum class Offload { none, cpu, nvme };
+const char* to_string(Precision p);
+const char* to_string(Offload o);
+
+// What the model and its update rule hold, counted once.
+struct ModelCounts {
+  double params = 0, trainable = 0;
+  double optimizer_per_trainable = 8;  // bytes of update-rule state per trainable parameter
+  std::string rule = "adamw";
+  double largest_unit_params = 0;    // stage 3 holds this gathered (twice: with prefetch)
+  double largest_tensor_params = 0;  // NVMe offload's buffers each hold this tensor's share
+};
+
+// Activations of one precision, measured by the probe.
+struct Activations {
+  bool measured = false;
+  double per_sample = 0, fixed = 0;  // bytes
+  double update = 0;                 // the update's peak above the model states
+  double setup_peak = 0;             // building the model (before sharding), bytes
+  std::string note;                  // why not measured
+};
+
+struct Row {
+  int stage = 0;
+  Offload offload = Offload::none;
+  Precision precision = Precision::fp32;
+  // Bytes per rank, wherever they live.
+  double weights = 0, grads = 0, masters = 0, optimizer = 0, activations = 0, buffers = 0;
+  // Where: the compute device's memory (RAM on a CPU run), host RAM besides it, NVMe.
+  double device = 0, host = 0, nvme = 0;
+  // Building the model peaks apart from the step (a half-precision model is built in fp32
+  // first); `peak` is the larger of the two on the device.
+  double setup_peak = 0, update_extra = 0, peak = 0;
+  bool activations_measured = false;
+  bool buildable = true;  // loom runs this combination today
+  double model_states() const { return weights + grads + masters + optimizer; }
+};
+
+struct Options {
+  int world_size = 1;
+  int64_t batch = 0;            // per-device batch of the activations (0: the job's)
+  bool probe = true;            // run the probes (else model states only)
+  double budget_bytes = 0;      // > 0: also the largest batch that fits (auto_find_batch_size)
+  int buffer_count = 4;         // NVMe offload buffers
+};
+
+struct Report {
+  std::string job;  // empty for a parameter count alone
+  std::string model_name, device;
+  ModelCounts model;
+  Options options;
+  int64_t batch = 0;            // per-device batch the activations are for
+  int64_t effective_batch = 0;  // the job's samples per step on one rank (batch x accumulation)
+  Activations activations[3];   // by Precision
+  int job_stage = 0;
+  Offload job_offload = Offload::none;
+  Precision job_precision = Precision::fp32;
+  std::vector<Row> rows;        // stages 0-3 x offload x precision
+};
+
+// One configuration's row (pure arithmetic: the tests hold it to the ZeRO paper's numbers).
+Row row(const ModelCounts& model, int stage, Offload offload, Precision precision,
+        int world_size, const Activations& activations, int64_t batch, bool cpu_device,
+        int buffer_count = 4);
+
+// The rows for `model`, every stage x offload x precision.
+std::vector<Row> rows(const ModelCounts& model, const Activations activations[3], int world_size,
+                      int64_t batch, bool cpu_device, int buffer_count = 4);
+
+// A job: its model set up once on one rank (nothing written beside a temporary folder that is
+// removed), then the probes. Throws ConfigError for a bad job, as `loom check` would.
+Report estimate_job(const std::filesystem::path& job, const std::vector<std::string>& overrides,
+                    const Options& options);
+// A parameter count alone (DeepSpeed's estimate_zero*_model_states_mem_needs): AdamW, model
+// states only, every parameter trainable.
+Report estimate_params(double params, const Options& options);
+
+// The largest per-device batch, a multiple of 8 (or the largest below 8 that fits), whose
+// estimated peak in `r`'s job configuration fits `budget_bytes`; 0 if none does.
+int64_t largest_batch(const Report& r, double budget_bytes);
+
+// The table `loom estimate` prints.
+std::string format(const Report& report);
+
+}  // namespace loom::estimate
+
+#pragma GCC visibility pop

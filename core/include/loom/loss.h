@@ -1,0 +1,45 @@
+// loom/loss.h — a language model's loss without its logits: the fused, chunked linear +
+// cross-entropy a model plugin calls in place of `linear` then `cross_entropy` (Note [Fused
+// linear cross-entropy]).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+// The SDK is the core's exported surface: visible to plugins built with hidden visibility.
+#pragma GCC visibility push(default)
+
+namespace loom::nn {
+
+// Note [Fused linear cross-entropy]: with a 50257-token vocabulary the (tokens, vocab) logits of
+// a batch of 4 × 1024 tokens are 0.8 GB in fp32, and the usual path holds two such tensors
+// (logits and their log-softmax) from forward to backward, plus a third during backward. Here
+// the head runs over `chunk_rows` rows at a time, and each chunk's logits live only inside the
+// forward: they give the chunk's loss and, when a gradient is wanted, at once the chunk's
+// gradient (softmax − one-hot), whose two matmuls give the gradients of x and of the head. Those
+// (tokens × dim and vocab × dim, fp32) are what forward keeps for backward, which only scales
+// them by the incoming gradient: three matmuls, as the unfused path, and no (tokens, vocab)
+// tensor at any time.
+// - Autocast: under autocast the matmuls run in its dtype, as `linear` would; the softmax, the
+//   loss and the accumulated gradient of the head are fp32. fp16 autocast takes the unfused path,
+//   because the gradient computed in forward would meet fp16's range before the loss scale.
+// - Rows whose label is `ignore_index` add nothing to the loss and get a zero gradient.
+// - The head's gradient is accumulated over chunks: each chunk's contribution is rounded to the
+//   compute dtype once (as the unfused path rounds the whole sum once), so results match the
+//   unfused path to rounding, not bitwise.
+//
+// x (..., D), weight (V, D), bias (V) or undefined, labels (...) int64 with x's leading shape.
+// Returns the 0-d fp32 sum over non-ignored rows of cross_entropy(x·weightᵀ + bias, label).
+// chunk_rows <= 0 picks default_chunk_rows(V).
+at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weight,
+                                    const at::Tensor& bias, const at::Tensor& labels,
+                                    int64_t ignore_index, int64_t chunk_rows = 0);
+
+// Rows per chunk for a vocabulary of `vocab`: chunks of about 16 M logits (64 MB in fp32), large
+// enough that each matmul reads the head once per several hundred rows.
+int64_t default_chunk_rows(int64_t vocab);
+
+}  // namespace loom::nn
+
+#pragma GCC visibility pop

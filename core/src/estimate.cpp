@@ -1,0 +1,419 @@
+// `loom estimate`: Note [Memory estimate] in loom/estimate.h.
+#include "loom/estimate.h"
+
+#include <ATen/core/Tensor.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+
+#include "job.h"
+#include "loom/engine.h"
+#include "loom/error.h"
+#include "loom/memory.h"
+#include "loom/model.h"
+#include "loom/nn.h"
+#include "loom/trainer.h"
+
+namespace loom::estimate {
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::fp32: return "fp32";
+    case Precision::bf16: return "bf16";
+    case Precision::full_bf16: return "full_bf16";
+  }
+  return "?";
+}
+const char* to_string(Offload o) {
+  switch (o) {
+    case Offload::none: return "none";
+    case Offload::cpu: return "cpu";
+    case Offload::nvme: return "nvme";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr Precision kPrecisions[] = {Precision::fp32, Precision::bf16, Precision::full_bf16};
+constexpr Offload kOffloads[] = {Offload::none, Offload::cpu, Offload::nvme};
+
+struct PerParam {
+  double weight, grad, master;
+};
+PerParam bytes_of(Precision p) {
+  return p == Precision::full_bf16 ? PerParam{2, 2, 4} : PerParam{4, 4, 0};
+}
+
+// A folder under the system's temporary directory, removed with this object.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "loom-estimate-XXXXXX").string();
+    LOOM_CHECK(mkdtemp(pattern.data()) != nullptr, "cannot create a temporary folder under ",
+               std::filesystem::temp_directory_path().string(), "; set TMPDIR to a writable one");
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+const ConfigValue* key_of(const Job& job, std::string_view table, std::string_view key) {
+  const ConfigValue* t = job.table(table);
+  return t && t->is_table() ? t->find(key) : nullptr;
+}
+
+// What one probe run saw: the model's counts and the peak of device memory above what was
+// live before it.
+struct ProbeResult {
+  ModelCounts counts;
+  // Absolute peaks of device memory: building the model, forward + backward, the update.
+  double setup_peak = 0, backward_peak = 0, update_peak = 0;
+  std::string model_name;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+ProbeResult probe(const std::filesystem::path& job_path, std::vector<std::string> overrides,
+                  int64_t batch, bool has_zero, const std::filesystem::path& out) {
+  overrides.push_back("train.per_device_train_batch_size=" + std::to_string(batch));
+  overrides.push_back("train.gradient_accumulation_steps=1");
+  overrides.push_back("train.max_steps=2");
+  overrides.push_back("train.output_dir=" + quoted(out.string()));
+  overrides.push_back("train.resume=\"\"");
+  overrides.push_back("train.save_steps=0");
+  overrides.push_back("train.save_final=false");
+  overrides.push_back("train.progress_bar=false");
+  overrides.push_back("train.log_level=\"error\"");
+  // Probes measure the unsharded, in-memory layout; stages and offload are arithmetic.
+  if (has_zero) {
+    overrides.push_back("zero.stage=0");
+    overrides.push_back("zero.offload_optimizer={device = \"none\"}");
+  }
+  std::filesystem::remove_all(out);
+  auto trainer = Trainer::from_file(job_path, overrides);
+  trainer->setup();
+  Engine& engine = trainer->engine();
+  ProbeResult r;
+  r.device = engine.device();
+  const memory::ModelState state = engine.model_state();
+  r.counts.params = static_cast<double>(state.param_count);
+  r.counts.trainable = static_cast<double>(state.trainable_count);
+  r.counts.optimizer_per_trainable =
+      state.trainable_count ? static_cast<double>(state.optimizer_bytes) /
+                                  static_cast<double>(state.trainable_count)
+                            : 0.0;
+  for (const auto& p : engine.params())
+    r.counts.largest_tensor_params =
+        std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
+  for (nn::UnitList* list : engine.unit_lists())
+    for (const auto& unit : list->children()) {
+      double n = 0;
+      for (const auto& p : unit->parameters(/*recurse=*/true)) n += static_cast<double>(p.numel());
+      r.counts.largest_unit_params = std::max(r.counts.largest_unit_params, n);
+    }
+  r.setup_peak = static_cast<double>(memory::device_stats(r.device).peak_bytes);
+  // Each phase's own peak: building the model may peak higher than the step (a half-precision
+  // model is built in fp32 first), and the update's peak does not grow with the batch.
+  const c10::Device device = r.device;
+  auto reset = [device] {
+    if (device.is_cpu())
+      memory::reset_cpu_peak();
+    else
+      memory::reset_device_peak(device);
+  };
+  auto peak = [device] { return static_cast<double>(memory::device_stats(device).peak_bytes); };
+  engine.on(Event::before_forward, [&](Engine&) { reset(); });
+  engine.on(Event::after_backward, [&](Engine&) { r.backward_peak = peak(); });
+  engine.on(Event::before_update, [&](Engine&) { reset(); });
+  engine.on(Event::after_update, [&](Engine&) { r.update_peak = peak(); });
+  // Two steps: from the second on, gradients and the update rule's state already exist when
+  // forward starts (the steady state); the handlers keep the second step's peaks.
+  trainer->step();
+  trainer->step();
+  return r;
+}
+
+}  // namespace
+
+Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, int world_size,
+        const Activations& activations, int64_t batch, bool cpu_device, int buffer_count) {
+  const double N = std::max(world_size, 1);
+  const PerParam b = bytes_of(precision);
+  Row r;
+  r.stage = stage;
+  r.offload = offload;
+  r.precision = precision;
+  r.weights = m.params * b.weight;
+  r.grads = m.trainable * b.grad;
+  r.masters = m.trainable * b.master;
+  r.optimizer = m.trainable * m.optimizer_per_trainable;
+  if (stage >= 1) {
+    r.masters /= N;
+    r.optimizer /= N;
+  }
+  if (stage >= 2) r.grads /= N;
+  if (stage >= 3 && N > 1) r.weights = r.weights / N + 2 * m.largest_unit_params * b.weight;
+  r.activations_measured = activations.measured;
+  if (activations.measured) {
+    r.activations = activations.per_sample * static_cast<double>(batch);
+    r.buffers = activations.fixed;
+    r.setup_peak = activations.setup_peak;
+    r.update_extra = activations.update;
+  } else if (precision == Precision::bf16) {
+    r.buffers = 2 * m.params;  // autocast's half copies of the weights
+  }
+  const double offloaded = r.masters + r.optimizer;
+  double staging = 0;
+  if (offload == Offload::nvme) {
+    // Each buffer holds the largest tensor's share: its fp32 master and its state.
+    double share = m.largest_tensor_params * (4 + m.optimizer_per_trainable);
+    if (stage >= 1) share /= N;
+    staging = buffer_count * share;
+  }
+  r.device = r.model_states() + r.activations + r.buffers;
+  if (offload != Offload::none) r.device -= offloaded;
+  if (offload == Offload::cpu) r.host = offloaded;
+  if (offload == Offload::nvme) {
+    r.nvme = offloaded;
+    r.host = staging;
+  }
+  if (cpu_device) {  // one memory: the host column folds into the device's
+    r.device += r.host;
+    r.host = 0;
+  }
+  // The update runs after the activations are freed: its own extra (the rule's temporaries,
+  // half weights written back) over the model states on the device.
+  r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
+  // What loom runs today: offload of an unsharded (stage 0) or one-rank stage 1-2 update.
+  r.buildable = offload == Offload::none || stage == 0 || (stage <= 2 && N == 1);
+  return r;
+}
+
+std::vector<Row> rows(const ModelCounts& model, const Activations activations[3], int world_size,
+                      int64_t batch, bool cpu_device, int buffer_count) {
+  std::vector<Row> out;
+  for (int stage = 0; stage <= 3; ++stage)
+    for (Offload offload : kOffloads)
+      for (Precision precision : kPrecisions)
+        out.push_back(row(model, stage, offload, precision, world_size,
+                          activations[static_cast<int>(precision)], batch, cpu_device,
+                          buffer_count));
+  return out;
+}
+
+Report estimate_job(const std::filesystem::path& job_path,
+                    const std::vector<std::string>& overrides, const Options& options) {
+  LOOM_CHECK_AS(ConfigError, options.world_size >= 1,
+                "--world-size must be >= 1, got ", options.world_size);
+  const Job job = Job::load(job_path, overrides);  // a bad job fails here, as loom check would
+  Report report;
+  report.job = job_path.string();
+  report.options = options;
+  const bool has_zero = job.table("zero") != nullptr;
+  if (const ConfigValue* v = key_of(job, "zero", "stage"))
+    if (auto* stage = std::get_if<int64_t>(&v->value)) report.job_stage = static_cast<int>(*stage);
+  if (const ConfigValue* v = key_of(job, "zero", "offload_optimizer"))
+    if (const ConfigValue* d = v->is_table() ? v->find("device") : nullptr)
+      if (auto* s = std::get_if<std::string>(&d->value))
+        report.job_offload = *s == "nvme" ? Offload::nvme : *s == "cpu" ? Offload::cpu
+                                                                       : Offload::none;
+  std::string job_mode = "fp32";
+  if (const ConfigValue* v = key_of(job, "precision", "mode"))
+    if (auto* s = std::get_if<std::string>(&v->value)) job_mode = *s;
+  report.job_precision = job_mode == "full_bf16" || job_mode == "full_fp16" ? Precision::full_bf16
+                         : job_mode == "bf16" || job_mode == "fp16"        ? Precision::bf16
+                                                                           : Precision::fp32;
+  int64_t job_batch = 8, accumulation = 1;
+  if (const ConfigValue* v = key_of(job, "train", "per_device_train_batch_size"))
+    if (auto* n = std::get_if<int64_t>(&v->value)) job_batch = *n;
+  if (const ConfigValue* v = key_of(job, "train", "gradient_accumulation_steps"))
+    if (auto* n = std::get_if<int64_t>(&v->value)) accumulation = *n;
+  report.batch = options.batch > 0 ? options.batch : job_batch;
+  report.effective_batch = job_batch * accumulation;
+  if (const ConfigValue* v = key_of(job, "train", "model"))
+    if (auto* s = std::get_if<std::string>(&v->value)) report.model_name = *s;
+
+  ScratchDir scratch;
+  memory::install_cpu_tracker();
+  std::optional<c10::Device> device;  // known after the first probe
+  bool counted = false;
+  const int passes = options.probe ? 3 : 1;
+  for (int i = 0; i < passes; ++i) {
+    const Precision precision = kPrecisions[i];
+    Activations& a = report.activations[i];
+    std::vector<std::string> with = overrides;
+    with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
+    try {
+      double peaks[2] = {0, 0}, update_peaks[2] = {0, 0};
+      for (int64_t b : {1, 2}) {
+        const c10::Device on = device.value_or(c10::Device(c10::kCPU));
+        const auto before = memory::device_stats(on).current_bytes;
+        memory::reset_cpu_peak();
+        if (!on.is_cpu()) memory::reset_device_peak(on);
+        ProbeResult r = probe(job_path, with, b, has_zero, scratch.path() / "run");
+        if (r.device == on)
+          for (double* p : {&r.setup_peak, &r.backward_peak, &r.update_peak})
+            *p -= static_cast<double>(before);
+        device = r.device;
+        a.setup_peak = std::max(a.setup_peak, r.setup_peak);
+        update_peaks[b - 1] = r.update_peak;
+        report.device = r.device.is_cpu() ? "cpu" : r.device.str();
+        if (!counted) {
+          report.model = r.counts;
+          counted = true;
+        }
+        peaks[b - 1] = r.backward_peak;
+        if (!options.probe) break;
+      }
+      if (!options.probe) break;
+      const Row states = row(report.model, 0, Offload::none, precision, 1, {}, 0, true);
+      a.measured = true;
+      a.per_sample = std::max(0.0, peaks[1] - peaks[0]);
+      a.fixed = std::max(0.0, peaks[0] - a.per_sample - states.model_states());
+      a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states.model_states());
+    } catch (const ConfigError&) {
+      throw;  // the job itself is wrong: say so, as loom check would
+    } catch (const std::exception& error) {
+      a.note = error.what();
+      if (!counted && i == passes - 1) throw;
+    }
+  }
+  LOOM_CHECK(counted, "no probe of '", job_path.string(), "' ran");
+  report.rows = rows(report.model, report.activations, options.world_size, report.batch,
+                     report.device == "cpu", options.buffer_count);
+  return report;
+}
+
+Report estimate_params(double params, const Options& options) {
+  LOOM_CHECK_AS(ConfigError, params >= 1 && std::isfinite(params),
+                "--params must be a positive parameter count (e.g. 1e12), got ", params);
+  LOOM_CHECK_AS(ConfigError, options.world_size >= 1,
+                "--world-size must be >= 1, got ", options.world_size);
+  Report report;
+  report.options = options;
+  report.device = "accelerator";
+  report.model.params = report.model.trainable = params;
+  report.model.optimizer_per_trainable = 8;
+  report.model_name = "(a parameter count)";
+  report.rows = rows(report.model, report.activations, options.world_size, 0, false,
+                     options.buffer_count);
+  return report;
+}
+
+int64_t largest_batch(const Report& r, double budget_bytes) {
+  const Activations& a = r.activations[static_cast<int>(r.job_precision)];
+  if (!a.measured || a.per_sample <= 0) return 0;
+  const Row base = row(r.model, r.job_stage, r.job_offload, r.job_precision,
+                       r.options.world_size, a, 0, r.device == "cpu", r.options.buffer_count);
+  if (base.setup_peak > budget_bytes) return 0;
+  const double room = budget_bytes - base.device;
+  if (room < a.per_sample) return 0;
+  const auto fits = static_cast<int64_t>(std::floor(room / a.per_sample));
+  return fits >= 8 ? fits / 8 * 8 : fits;
+}
+
+std::string format(const Report& r) {
+  std::ostringstream out;
+  // One unit for the whole table: GiB, or MiB for a model whose every row is below 1 GiB.
+  double largest = 0;
+  for (const Row& row : r.rows) largest = std::max({largest, row.peak, row.host, row.nvme});
+  const bool in_mib = largest < double(int64_t{1} << 30);
+  const char* unit = in_mib ? "MiB" : "GiB";
+  auto gib = [in_mib](double bytes) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.2f", bytes / double(int64_t{1} << (in_mib ? 20 : 30)));
+    return std::string(buffer);
+  };
+  auto millions = [](double n) {
+    char buffer[32];
+    if (n >= 1e9)
+      std::snprintf(buffer, sizeof buffer, "%.2f B", n / 1e9);
+    else
+      std::snprintf(buffer, sizeof buffer, "%.2f M", n / 1e6);
+    return std::string(buffer);
+  };
+  const bool cpu = r.device == "cpu";
+  out << "loom estimate: " << (r.job.empty() ? "" : r.job + ", ") << r.model_name << ", "
+      << millions(r.model.params) << " parameters (" << millions(r.model.trainable)
+      << " trainable), " << r.model.rule << " state ";
+  char per[32];
+  std::snprintf(per, sizeof per, "%.3g", r.model.optimizer_per_trainable);
+  out << per << " B per trainable parameter; " << r.options.world_size << " rank(s), device "
+      << r.device;
+  if (!r.job.empty()) out << ", per-device batch " << r.batch;
+  out << "\n";
+  if (r.job.empty()) {
+    out << "model states only (no activations): AdamW as DeepSpeed's estimators assume; "
+           "fp32/bf16 hold 4+4 B of weights and grads, full_bf16 2+2 B and 4 B of fp32 masters; "
+           "bf16 autocast adds 2 B per parameter of half copies that live from forward to "
+           "backward, at every stage\n";
+  } else {
+    out << "activations (two steps at batch 1 and 2 on one rank; the second step's peaks above the model states):\n";
+    for (Precision p : kPrecisions) {
+      const Activations& a = r.activations[static_cast<int>(p)];
+      out << "  " << to_string(p) << ": ";
+      if (a.measured)
+        out << gib(a.per_sample) << " " << unit << " per sample + " << gib(a.fixed) << " "
+            << unit << " fixed in forward and backward; the update adds " << gib(a.update) << " "
+            << unit << "; building the model peaks at " << gib(a.setup_peak) << " " << unit
+            << "\n";
+      else
+        out << (a.note.empty() ? "not probed (--no-probe)" : "probe failed: " + a.note) << "\n";
+    }
+  }
+  out << unit << " per rank. Columns: weights, grads, fp32 masters, optimizer state, "
+      << "activations, other (workspace, data, autocast copies); then the peak on the device (the "
+      << "larger of the step and building the model), host RAM besides, NVMe\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%-5s %-7s %-9s %9s %9s %9s %9s %9s %9s | %10s %10s %10s\n",
+                "stage", "offload", "precision", "weights", "grads", "masters", "optim",
+                "activ.", "other", cpu ? "RAM" : "device", cpu ? "" : "host RAM", "NVMe");
+  out << line;
+  for (const Row& row : r.rows) {
+    const bool mine = !r.job.empty() && row.stage == r.job_stage && row.offload == r.job_offload &&
+                      row.precision == r.job_precision;
+    std::snprintf(line, sizeof line,
+                  "%-5d %-7s %-9s %9s %9s %9s %9s %9s %9s | %10s %10s %10s%s%s\n", row.stage,
+                  to_string(row.offload), to_string(row.precision), gib(row.weights).c_str(),
+                  gib(row.grads).c_str(), gib(row.masters).c_str(), gib(row.optimizer).c_str(),
+                  gib(row.activations).c_str(), gib(row.buffers).c_str(), gib(row.peak).c_str(),
+                  cpu ? "" : gib(row.host).c_str(), gib(row.nvme).c_str(),
+                  row.buildable ? "" : "  (not in loom yet)", mine ? "  <- this job" : "");
+    out << line;
+  }
+  if (r.options.budget_bytes > 0 && !r.job.empty()) {
+    const int64_t b = largest_batch(r, r.options.budget_bytes);
+    out << "budget " << memory::format_bytes(static_cast<int64_t>(r.options.budget_bytes)) << ": ";
+    if (b == 0) {
+      out << "not even batch 1 of this job's configuration fits\n";
+    } else {
+      const int64_t steps = (r.effective_batch + b - 1) / b;
+      out << "per_device_train_batch_size = " << b << ", gradient_accumulation_steps = " << steps
+          << " (the job's " << r.effective_batch << " samples per step and rank: " << b * steps
+          << ")\n";
+    }
+  }
+  return out.str();
+}
+
+}  // namespace loom::estimate

@@ -1,0 +1,156 @@
+// nn::linear_cross_entropy_sum: Note [Fused linear cross-entropy] in loom/loss.h.
+#include "loom/loss.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "loom/error.h"
+
+namespace loom::nn {
+namespace {
+
+struct Grads {
+  at::Tensor x, weight, bias;  // undefined where not wanted
+};
+
+// The loss of rows x (N, D) in the compute dtype against labels (N), and, for the wanted
+// inputs, its gradient with respect to them (x's in x_dtype, the head's in fp32).
+at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                        const at::Tensor& labels, int64_t ignore_index, int64_t chunk_rows,
+                        at::ScalarType x_dtype, bool want_x, bool want_weight, bool want_bias,
+                        Grads* grads) {
+  const int64_t N = x.size(0), D = x.size(1), V = weight.size(0);
+  const bool any_grad = want_x || want_weight || want_bias;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor loss = at::zeros({}, f32);
+  if (want_x) grads->x = at::empty({N, D}, x.options().dtype(x_dtype));
+  if (want_weight) grads->weight = at::zeros({V, D}, f32);
+  if (want_bias) grads->bias = at::zeros({V}, f32);
+  const at::Tensor weight_t = weight.t();
+  const int64_t chunks = (N + chunk_rows - 1) / std::max<int64_t>(chunk_rows, 1);
+  const int64_t rows = chunks ? (N + chunks - 1) / chunks : 0;  // even chunks
+  for (int64_t start = 0; start < N; start += rows) {
+    const int64_t n = std::min(rows, N - start);
+    const at::Tensor xs = x.narrow(0, start, n), ls = labels.narrow(0, start, n);
+    at::Tensor logits = bias.defined() ? at::addmm(bias, xs, weight_t) : at::mm(xs, weight_t);
+    // In fp32 straight from half logits: no fp32 copy of them.
+    at::Tensor logp = at::log_softmax(logits, 1, at::kFloat);
+    logits = at::Tensor();  // its memory goes back before the chunk's matmuls
+    const at::Tensor valid = ls.ne(ignore_index);
+    const bool all_valid = !x.is_cpu() ? false : valid.all().item<bool>();
+    const at::Tensor index = (all_valid ? ls : at::where(valid, ls, 0)).unsqueeze(1);
+    at::Tensor picked = logp.gather(1, index).squeeze(1);
+    loss.sub_(all_valid ? picked.sum() : at::where(valid, picked, 0).sum());
+    if (!any_grad) continue;
+    // d loss / d logits = softmax − one-hot, zero on ignored rows; built in logp's memory.
+    at::Tensor g = logp.exp_();
+    g.scatter_add_(1, index, all_valid ? at::full({n, 1}, -1.0f, f32)
+                                       : valid.to(at::kFloat).neg().unsqueeze(1));
+    if (!all_valid) g.masked_fill_(valid.logical_not().unsqueeze(1), 0.0f);
+    if (want_bias) grads->bias.add_(g.sum(0));
+    const at::Tensor gc = g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type());
+    if (want_x) grads->x.narrow(0, start, n).copy_(at::mm(gc, weight));
+    if (want_weight) {
+      if (gc.scalar_type() == at::kFloat)
+        grads->weight.addmm_(gc.t(), xs);
+      else
+        grads->weight.add_(at::mm(gc.t(), xs));
+    }
+  }
+  return loss;
+}
+
+struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
+  // x (N, D) and weight/bias already in the compute dtype where autocast asked for one; the
+  // originals' dtypes come as ints so backward returns gradients in them.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt,
+                            const at::Tensor& labels, int64_t ignore_index, int64_t chunk_rows,
+                            at::ScalarType compute_dtype) {
+    const at::Tensor bias = bias_opt.value_or(at::Tensor());
+    // The casts are explicit here; autocast must not cast the fp32 softmax's matmuls again.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor xc = x.to(compute_dtype), wc = weight.to(compute_dtype);
+    const at::Tensor bc = bias.defined() ? bias.to(compute_dtype) : at::Tensor();
+    Grads grads;
+    at::Tensor loss = chunked_pass(xc, wc, bc, labels, ignore_index, chunk_rows, x.scalar_type(),
+                                   x.requires_grad(), weight.requires_grad(),
+                                   bias.defined() && bias.requires_grad(), &grads);
+    ctx->saved_data["gx"] = grads.x;
+    ctx->saved_data["gw"] = grads.weight;
+    ctx->saved_data["gb"] = grads.bias;
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["b_dtype"] =
+        static_cast<int64_t>(bias.defined() ? bias.scalar_type() : at::kFloat);
+    return loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const at::Tensor& g = grad_out[0];
+    auto scaled = [&](const char* key, at::ScalarType dtype) {
+      at::Tensor t = ctx->saved_data[key].toTensor();
+      if (!t.defined()) return at::Tensor();
+      at::Tensor out = t.to(at::kFloat).mul_(g.to(at::kFloat));
+      return out.scalar_type() == dtype ? out : out.to(dtype);
+    };
+    const at::Tensor gx_saved = ctx->saved_data["gx"].toTensor();
+    at::Tensor gx = gx_saved.defined() ? scaled("gx", gx_saved.scalar_type()) : at::Tensor();
+    at::Tensor gw = scaled("gw", static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    at::Tensor gb = scaled("gb", static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
+    ctx->saved_data.clear();  // a second backward through this graph is not supported
+    return {gx, gw, gb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t default_chunk_rows(int64_t vocab) {
+  constexpr int64_t kLogitsPerChunk = int64_t{1} << 24;
+  return std::max<int64_t>(8, kLogitsPerChunk / std::max<int64_t>(vocab, 1));
+}
+
+at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weight,
+                                    const at::Tensor& bias, const at::Tensor& labels,
+                                    int64_t ignore_index, int64_t chunk_rows) {
+  LOOM_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+             "linear_cross_entropy_sum: x ", x.sizes(), " does not match the head ",
+             weight.sizes());
+  LOOM_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
+             "linear_cross_entropy_sum: bias ", bias.sizes(), " does not match the head ",
+             weight.sizes());
+  LOOM_CHECK(labels.numel() * x.size(-1) == x.numel(), "linear_cross_entropy_sum: labels ",
+             labels.sizes(), " do not match x ", x.sizes());
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  const at::Tensor flat_labels = labels.reshape({-1});
+  const auto device_type = x.device().type();
+  at::ScalarType compute = at::promote_types(x.scalar_type(), weight.scalar_type());
+  if (at::autocast::is_autocast_available(device_type) &&
+      at::autocast::is_autocast_enabled(device_type))
+    compute = at::autocast::get_autocast_dtype(device_type);
+  if (compute == at::kHalf) {
+    // fp16: unfused (the Note says why).
+    const at::Tensor logits = at::linear(rows, weight, bias);
+    return at::cross_entropy_loss(logits.to(at::kFloat), flat_labels, {}, at::Reduction::Sum,
+                                  ignore_index);
+  }
+  if (chunk_rows <= 0) chunk_rows = default_chunk_rows(weight.size(0));
+  const bool grad = at::GradMode::is_enabled() &&
+                    (x.requires_grad() || weight.requires_grad() ||
+                     (bias.defined() && bias.requires_grad()));
+  if (grad)
+    return LinearCrossEntropy::apply(
+        rows, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+        flat_labels, ignore_index, chunk_rows, compute);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::Tensor bc = bias.defined() ? bias.to(compute) : at::Tensor();
+  return chunked_pass(rows.to(compute), weight.to(compute), bc, flat_labels, ignore_index,
+                      chunk_rows, x.scalar_type(), false, false, false, nullptr);
+}
+
+}  // namespace loom::nn

@@ -1,0 +1,148 @@
+// `loom estimate` (loom/estimate.h): the model-state arithmetic against the ZeRO paper's
+// published numbers, the job estimate against the peak the same job measures when it trains
+// (every precision), the largest batch for a budget, and bad input.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "loom/error.h"
+#include "loom/estimate.h"
+#include "loom/memory.h"
+#include "loom/trainer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using estimate::Offload;
+using estimate::Precision;
+using test::TempDir;
+
+// Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+// (2020), Figure 1: a 7.5 B model, mixed precision Adam (K = 12: fp32 masters and two moments)
+// over 64 GPUs: 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per GPU for the baseline, P_os, P_os+g and
+// P_os+g+p. loom's full_bf16 with AdamW is that anatomy (2 + 2 + 4 + 8 bytes).
+TEST(Estimate, ModelStatesMatchTheZeroPaper) {
+  estimate::ModelCounts m;
+  m.params = m.trainable = 7.5e9;
+  const estimate::Activations none;
+  const double psi = 7.5e9;
+  const double want[4] = {16 * psi, 4 * psi + 12 * psi / 64, 2 * psi + 14 * psi / 64,
+                          16 * psi / 64};
+  const double paper_gb[4] = {120, 31.4, 16.6, 1.9};
+  for (int stage = 0; stage <= 3; ++stage) {
+    const estimate::Row r =
+        estimate::row(m, stage, Offload::none, Precision::full_bf16, 64, none, 0, false);
+    EXPECT_DOUBLE_EQ(r.model_states(), want[stage]) << "stage " << stage;
+    EXPECT_NEAR(r.model_states() / 1e9, paper_gb[stage], 0.05) << "stage " << stage;
+    EXPECT_DOUBLE_EQ(r.peak, r.model_states());
+  }
+  // Table 1 of the paper: 1 T parameters on 1024 GPUs with all three stages, 15.6 GB per GPU.
+  const estimate::Report trillion = estimate::estimate_params(1e12, {.world_size = 1024});
+  bool found = false;
+  for (const auto& r : trillion.rows)
+    if (r.stage == 3 && r.offload == Offload::none && r.precision == Precision::full_bf16) {
+      EXPECT_NEAR(r.device / 1e9, 15.6, 0.05);
+      found = true;
+    }
+  EXPECT_TRUE(found);
+}
+
+TEST(Estimate, OffloadMovesMastersAndStateOffTheDevice) {
+  estimate::ModelCounts m;
+  m.params = m.trainable = 1e9;
+  m.largest_tensor_params = 5e7;
+  const estimate::Activations none;
+  const auto gpu = [&](Offload o) {
+    return estimate::row(m, 2, o, Precision::full_bf16, 8, none, 0, /*cpu_device=*/false);
+  };
+  const estimate::Row in_memory = gpu(Offload::none), cpu = gpu(Offload::cpu),
+                      nvme = gpu(Offload::nvme);
+  const double moved = (4 + 8) * 1e9 / 8;  // masters and AdamW moments, a rank's share
+  EXPECT_DOUBLE_EQ(in_memory.device - cpu.device, moved);
+  EXPECT_DOUBLE_EQ(cpu.host, moved);
+  EXPECT_DOUBLE_EQ(nvme.nvme, moved);
+  EXPECT_DOUBLE_EQ(nvme.host, 4 * 5e7 * 12 / 8);  // four buffers of the largest tensor's share
+  // On a CPU run the "device" is RAM: offloading to cpu changes nothing.
+  const estimate::Row on_cpu =
+      estimate::row(m, 2, Offload::cpu, Precision::full_bf16, 8, none, 0, true);
+  EXPECT_DOUBLE_EQ(on_cpu.device, in_memory.device);
+  EXPECT_EQ(on_cpu.host, 0);
+}
+
+// test::tiny_gpt_job widened, so activations are most of the peak.
+const std::vector<std::string> kShape = {
+    "train.per_device_train_batch_size=12", "train.max_steps=3", "train.save_final=false",
+    "model.vocab_size=256", "model.n_positions=64", "model.n_embd=96", "model.n_layer=3",
+    "model.n_head=4", "data.seq_len=64", "data.vocab_high=256", "data.num_samples=256"};
+
+std::vector<std::string> with(std::vector<std::string> overrides, const std::string& more) {
+  overrides.push_back(more);
+  return overrides;
+}
+
+// The peak of tensor memory a run of the job measures, above what was live before it.
+double measured_peak(const std::string& text, const TempDir& dir, const std::string& mode) {
+  memory::install_cpu_tracker();
+  const int64_t before = memory::cpu_stats().current_bytes;
+  memory::reset_cpu_peak();
+  {
+    auto trainer =
+        Trainer::from_text(text, dir.path(), with(kShape, "precision.mode=\"" + mode + "\""));
+    trainer->run();
+  }
+  return static_cast<double>(memory::cpu_stats().peak_bytes - before);
+}
+
+// The bar: the estimate of a configuration within 10 % of the peak the configuration
+// measures. The probes run batches 1 and 2; the job trains at 12.
+TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  const std::string run_dir = (dir.path() / "run").string();
+  std::ofstream(job) << test::tiny_gpt_job(run_dir);
+  const estimate::Report report = estimate::estimate_job(job, kShape, {});
+  EXPECT_EQ(report.batch, 12);
+  EXPECT_EQ(report.device, "cpu");
+  EXPECT_FALSE(std::filesystem::exists(run_dir)) << "the estimate wrote into the job's output_dir";
+  EXPECT_NEAR(report.model.optimizer_per_trainable, 8.0, 1e-9);  // AdamW's two fp32 moments
+  for (Precision p : {Precision::fp32, Precision::bf16, Precision::full_bf16}) {
+    SCOPED_TRACE(estimate::to_string(p));
+    const auto& a = report.activations[static_cast<int>(p)];
+    ASSERT_TRUE(a.measured) << a.note;
+    EXPECT_GT(a.per_sample, 0);
+    const estimate::Row* mine = nullptr;
+    for (const auto& r : report.rows)
+      if (r.stage == 0 && r.offload == Offload::none && r.precision == p) mine = &r;
+    ASSERT_NE(mine, nullptr);
+    TempDir run;
+    const double measured =
+        measured_peak(test::tiny_gpt_job(run.str()), run, estimate::to_string(p));
+    std::printf("%s: estimated %.2f MiB, measured %.2f MiB\n", estimate::to_string(p), mine->peak / 1048576.0, measured / 1048576.0);
+    EXPECT_NEAR(mine->peak / measured, 1.0, 0.10)
+        << "estimated " << mine->peak << " B, measured " << measured << " B";
+  }
+  // A budget: the largest batch, a multiple of 8, whose estimate fits.
+  const estimate::Row& fp32 = report.rows.front();
+  const auto& a = report.activations[0];
+  const double budget = fp32.peak - a.per_sample * 12 + a.per_sample * 40.5;
+  EXPECT_EQ(estimate::largest_batch(report, budget), 40);
+  EXPECT_EQ(estimate::largest_batch(report, fp32.model_states() * 0.5), 0);
+}
+
+TEST(Estimate, BadInputIsNamed) {
+  EXPECT_THROW_WITH(estimate::estimate_params(0, {}), ConfigError, "--params must be a positive");
+  EXPECT_THROW_WITH(estimate::estimate_params(1e9, {.world_size = 0}), ConfigError,
+                    "--world-size must be >= 1");
+  EXPECT_THROW_WITH(estimate::estimate_job("/nonexistent/job.toml", {}, {}), ConfigError,
+                    "/nonexistent/job.toml");
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string());
+  EXPECT_THROW_WITH(estimate::estimate_job(job, with(kShape, "model.n_embd=97"), {}),
+                    ConfigError, "n_embd 97 must be divisible by n_head 4");
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,166 @@
+// nn::linear_cross_entropy_sum against LibTorch's unfused linear + cross_entropy: the loss and
+// the gradients of x, the head and its bias, across chunk sizes, ignored rows, autocast, a frozen
+// head and no-grad mode.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+
+#include "loom/loss.h"
+
+namespace {
+
+constexpr int64_t kIgnore = -100;
+
+struct Case {
+  at::Tensor x, weight, bias, labels;
+};
+
+Case make_case(int64_t B, int64_t T, int64_t D, int64_t V, bool with_bias, bool ignore_some) {
+  at::manual_seed(7);
+  Case c;
+  c.x = at::randn({B, T, D}).requires_grad_();
+  c.weight = (at::randn({V, D}) * 0.3).requires_grad_();
+  if (with_bias) c.bias = (at::randn({V}) * 0.1).requires_grad_();
+  c.labels = at::randint(0, V, {B, T}, at::kLong);
+  if (ignore_some) {
+    c.labels.index_put_({0, 0}, kIgnore);
+    c.labels.index_put_({B - 1, T - 1}, kIgnore);
+    c.labels.index_put_({0, T / 2}, kIgnore);
+  }
+  return c;
+}
+
+struct Result {
+  at::Tensor loss, gx, gw, gb;
+};
+
+Result grads_of(const Case& c, const at::Tensor& loss) {
+  for (const auto* t : {&c.x, &c.weight, &c.bias})
+    if (t->defined() && t->grad().defined()) t->mutable_grad().zero_();
+  (loss * 0.37).backward();  // a non-unit incoming gradient, as the engine's 1/targets gives
+  Result r;
+  r.loss = loss.detach();
+  r.gx = c.x.grad().clone();
+  if (c.weight.requires_grad()) r.gw = c.weight.grad().clone();
+  if (c.bias.defined()) r.gb = c.bias.grad().clone();
+  return r;
+}
+
+Result reference(const Case& c) {
+  const at::Tensor logits = at::linear(c.x, c.weight, c.bias);
+  const at::Tensor loss =
+      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                             c.labels.reshape({-1}), {}, at::Reduction::Sum, kIgnore);
+  return grads_of(c, loss);
+}
+
+Result fused(const Case& c, int64_t chunk_rows) {
+  return grads_of(c, loom::nn::linear_cross_entropy_sum(c.x, c.weight, c.bias, c.labels, kIgnore,
+                                                        chunk_rows));
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol, double atol,
+                  const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what;
+  ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
+  EXPECT_TRUE(at::allclose(got.to(at::kDouble), want.to(at::kDouble), rtol, atol))
+      << what << ": max |diff| " << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+}
+
+void expect_same(const Result& got, const Result& want, double rtol, double atol) {
+  expect_close(got.loss, want.loss, rtol, atol, "loss");
+  expect_close(got.gx, want.gx, rtol, atol, "grad x");
+  if (want.gw.defined()) expect_close(got.gw, want.gw, rtol, atol, "grad weight");
+  if (want.gb.defined()) expect_close(got.gb, want.gb, rtol, atol, "grad bias");
+}
+
+TEST(LinearCrossEntropy, MatchesUnfusedAcrossChunkSizes) {
+  const Case c = make_case(2, 13, 16, 37, /*with_bias=*/true, /*ignore_some=*/true);
+  const Result want = reference(c);
+  for (int64_t chunk : {1, 3, 7, 26, 100, 0}) {
+    SCOPED_TRACE("chunk_rows " + std::to_string(chunk));
+    expect_same(fused(c, chunk), want, 1e-5, 1e-6);
+  }
+}
+
+TEST(LinearCrossEntropy, NoBiasNoIgnoredRows) {
+  const Case c = make_case(3, 5, 8, 50, /*with_bias=*/false, /*ignore_some=*/false);
+  expect_same(fused(c, 4), reference(c), 1e-5, 1e-6);
+}
+
+TEST(LinearCrossEntropy, FrozenHeadGetsNoGradient) {
+  Case c = make_case(2, 6, 8, 20, /*with_bias=*/false, /*ignore_some=*/true);
+  c.weight.requires_grad_(false);
+  const Result got = fused(c, 5);
+  EXPECT_FALSE(c.weight.grad().defined());
+  expect_same(got, reference(c), 1e-5, 1e-6);
+}
+
+TEST(LinearCrossEntropy, AllRowsIgnoredIsZero) {
+  Case c = make_case(1, 4, 8, 10, /*with_bias=*/true, /*ignore_some=*/false);
+  c.labels.fill_(kIgnore);
+  const Result got = fused(c, 3);
+  EXPECT_EQ(got.loss.item<float>(), 0.0f);
+  EXPECT_EQ(got.gx.abs().max().item<float>(), 0.0f);
+  EXPECT_EQ(got.gw.abs().max().item<float>(), 0.0f);
+}
+
+TEST(LinearCrossEntropy, NoGradModeGivesTheLossOnly) {
+  const Case c = make_case(2, 9, 8, 30, /*with_bias=*/true, /*ignore_some=*/true);
+  const at::Tensor want = reference(c).loss;
+  at::NoGradGuard no_grad;
+  const at::Tensor got =
+      loom::nn::linear_cross_entropy_sum(c.x, c.weight, c.bias, c.labels, kIgnore, 4);
+  EXPECT_FALSE(got.requires_grad());
+  expect_close(got, want, 1e-5, 1e-6, "loss");
+}
+
+// Under bf16 autocast both paths run the matmuls in bf16 and the softmax in fp32; they round
+// differently (the fused head gradient is a sum of per-chunk bf16 products), so the comparison
+// is at bf16's resolution, and the gradients come back in the inputs' fp32.
+TEST(LinearCrossEntropy, Bf16AutocastMatchesUnfusedAutocast) {
+  const Case c = make_case(2, 16, 32, 64, /*with_bias=*/true, /*ignore_some=*/true);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  const Result want = reference(c);
+  const Result got = fused(c, 8);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  expect_same(got, want, 2e-2, 2e-2);
+  // Not the fp32 result: the matmuls did run in bf16.
+  const Result exact = reference(c);
+  EXPECT_GT((got.loss - exact.loss).abs().item<double>(), 0.0);
+}
+
+TEST(LinearCrossEntropy, Fp16AutocastTakesTheUnfusedPath) {
+  const Case c = make_case(2, 8, 16, 24, /*with_bias=*/false, /*ignore_some=*/true);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kHalf);
+  const Result want = reference(c);
+  const Result got = fused(c, 4);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  EXPECT_TRUE(at::equal(got.loss, want.loss));
+  EXPECT_TRUE(at::equal(got.gx, want.gx));
+}
+
+TEST(LinearCrossEntropy, Bf16WeightsGiveBf16Gradients) {
+  Case c = make_case(2, 8, 16, 40, /*with_bias=*/false, /*ignore_some=*/false);
+  c.x = c.x.detach().to(at::kBFloat16).requires_grad_();
+  c.weight = c.weight.detach().to(at::kBFloat16).requires_grad_();
+  const Result want = reference(c);
+  const Result got = fused(c, 5);
+  expect_same(got, want, 2e-2, 2e-2);
+}
+
+TEST(LinearCrossEntropy, MismatchedShapesAreNamed) {
+  const Case c = make_case(1, 4, 8, 10, /*with_bias=*/false, /*ignore_some=*/false);
+  try {
+    loom::nn::linear_cross_entropy_sum(c.x, at::randn({10, 9}), {}, c.labels, kIgnore);
+    FAIL() << "no error for a head of the wrong width";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not match the head"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
