@@ -30,7 +30,8 @@ usage:
       --world-size N         ranks to shard over (1)
       --batch B              per-device batch of the activations (the job's)
       --budget SIZE          also the largest batch that fits SIZE (e.g. 20GiB) per rank
-      --no-probe             model states only: no probe runs
+      --no-probe             model states only: no probe runs (the model is still built
+                             once, on one rank, to count it)
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint

@@ -32,6 +32,11 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   if (want_weight) grads->weight = at::zeros({V, D}, f32);
   if (want_bias) grads->bias = at::zeros({V}, f32);
   const at::Tensor weight_t = weight.t();
+  constexpr int kChunksPerSum = 4;
+  at::Tensor partial = want_weight && x.scalar_type() != at::kFloat
+                           ? at::empty({V, D}, x.options())
+                           : at::Tensor();  // the head's gradient over a few chunks, half
+  int in_sum = 0;
   const int64_t chunks = (N + chunk_rows - 1) / std::max<int64_t>(chunk_rows, 1);
   const int64_t rows = chunks ? (N + chunks - 1) / chunks : 0;  // even chunks
   for (int64_t start = 0; start < N; start += rows) {
@@ -56,12 +61,23 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
     const at::Tensor gc = g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type());
     if (want_x) grads->x.narrow(0, start, n).copy_(at::mm(gc, weight));
     if (want_weight) {
-      if (gc.scalar_type() == at::kFloat)
+      if (gc.scalar_type() == at::kFloat) {
         grads->weight.addmm_(gc.t(), xs);
-      else
-        grads->weight.add_(at::mm(gc.t(), xs));
+      } else {
+        // Half: the matmul accumulates up to kChunksPerSum chunks itself (beta = 1), then the
+        // partial sum joins the fp32 gradient (Note [Fused linear cross-entropy]).
+        if (in_sum == 0)
+          at::mm_out(partial, gc.t(), xs);
+        else
+          partial.addmm_(gc.t(), xs);
+        if (++in_sum == kChunksPerSum) {
+          grads->weight.add_(partial);
+          in_sum = 0;
+        }
+      }
     }
   }
+  if (in_sum > 0) grads->weight.add_(partial);
   return loss;
 }
 

@@ -166,7 +166,7 @@ class Adafactor final : public UpdateRule {
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
     double* a = acc.data_ptr<double>();
-    std::vector<double> p2(geo.rows);  // one sum per row, then folded in row order
+    std::vector<double> p2(geo.rows, 0.0);  // one sum per row, then folded in row order
     if (!geo.factored) {
       const float* v = s.state("exp_avg_sq");
       double u2 = 0;
@@ -190,7 +190,9 @@ class Adafactor final : public UpdateRule {
       at::parallel_for(b0, b1, 1, [&](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k) {
           new_row[k] = new_row_factor(s.g + k * geo.C, geo.C, row[k], b2t);
-          p2[k] = sum_of_squares(s.p + k * geo.C, geo.C);
+          // The parameter's RMS only scales the step (scale_parameter): without it, no pass
+          // over the parameter here.
+          if (scale_parameter_) p2[k] = sum_of_squares(s.p + k * geo.C, geo.C);
         }
       });
       // Threads split the columns; each folds the block's rows in order.
