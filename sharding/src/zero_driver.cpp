@@ -326,15 +326,8 @@ at::Tensor ZeroDriver::grad_norm_squared() {
   at::Tensor total;
   if (grads.empty()) {
     total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
-  } else if (device_.is_cuda()) {
-    total = at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum();
   } else {
-    // fp32 squares summed in fp64: the total hardly depends on where a sharded driver cuts a
-    // tensor, so the clipping factor (applied in fp32) comes out the same for every cut.
-    std::vector<at::Tensor> squares;
-    for (const at::Tensor& grad : grads)
-      squares.push_back(at::sum(grad.to(at::kFloat).pow(2), at::kDouble));
-    total = at::stack(squares).sum();
+    total = squared_norm(grads);  // the default driver's sum, so every cut sums alike
   }
   if (world_ > 1) {
     total = total.reshape({1}).to(comm_.device());
