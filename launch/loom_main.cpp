@@ -75,37 +75,6 @@ int64_t integer_of(const std::string& flag, const std::string& text) {
   throw loom::ConfigError(flag + " takes an integer, got '" + text + "'");
 }
 
-double number_of(const std::string& flag, const std::string& text);
-
-// "20GiB", "512MB", "1e9": bytes (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal).
-double bytes_of(const std::string& flag, const std::string& text) {
-  const std::string error = flag + " takes a positive size such as 20GiB, got '" + text + "'";
-  static const std::pair<const char*, double> units[] = {
-      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
-      {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1.0}};
-  for (const auto& [suffix, scale] : units) {
-    const std::string s(suffix);
-    if (text.size() > s.size() && text.compare(text.size() - s.size(), s.size(), s) == 0) {
-      double value = 0;
-      try {
-        value = number_of(flag, text.substr(0, text.size() - s.size()));
-      } catch (const loom::ConfigError&) {
-        throw loom::ConfigError(error);
-      }
-      if (value > 0) return value * scale;
-      throw loom::ConfigError(error);
-    }
-  }
-  double value = 0;
-  try {
-    value = number_of(flag, text);
-  } catch (const loom::ConfigError&) {
-    throw loom::ConfigError(error);
-  }
-  if (value > 0) return value;
-  throw loom::ConfigError(error);
-}
-
 double number_of(const std::string& flag, const std::string& text) {
   try {
     size_t used = 0;
@@ -114,6 +83,30 @@ double number_of(const std::string& flag, const std::string& text) {
   } catch (const std::exception&) {
   }
   throw loom::ConfigError(flag + " takes a number, got '" + text + "'");
+}
+
+// "20GiB", "512MB", "1e9": bytes (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal).
+double bytes_of(const std::string& flag, const std::string& text) {
+  static const std::pair<const char*, double> units[] = {
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
+      {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1.0}};
+  std::string number = text;
+  double scale = 1.0;
+  for (const auto& [suffix, factor] : units) {
+    const std::string s(suffix);
+    if (text.size() > s.size() && text.compare(text.size() - s.size(), s.size(), s) == 0) {
+      number = text.substr(0, text.size() - s.size());
+      scale = factor;
+      break;
+    }
+  }
+  double value = 0;
+  try {
+    value = number_of(flag, number);
+  } catch (const loom::ConfigError&) {
+  }
+  if (value > 0) return value * scale;
+  throw loom::ConfigError(flag + " takes a positive size such as 20GiB, got '" + text + "'");
 }
 
 std::vector<int64_t> ids_of(const std::string& text) {

@@ -89,7 +89,6 @@ struct ProbeResult {
   ModelCounts counts;
   // Absolute peaks of device memory: building the model, forward + backward, the update.
   double setup_peak = 0, backward_peak = 0, update_peak = 0;
-  std::string model_name;
   c10::Device device = c10::Device(c10::kCPU);
 };
 
@@ -135,16 +134,10 @@ ProbeResult probe(const std::filesystem::path& job_path, std::vector<std::string
   // Each phase's own peak: building the model may peak higher than the step (a half-precision
   // model is built in fp32 first), and the update's peak does not grow with the batch.
   const c10::Device device = r.device;
-  auto reset = [device] {
-    if (device.is_cpu())
-      memory::reset_cpu_peak();
-    else
-      memory::reset_device_peak(device);
-  };
   auto peak = [device] { return static_cast<double>(memory::device_stats(device).peak_bytes); };
-  engine.on(Event::before_forward, [&](Engine&) { reset(); });
+  engine.on(Event::before_forward, [device](Engine&) { memory::reset_device_peak(device); });
   engine.on(Event::after_backward, [&](Engine&) { r.backward_peak = peak(); });
-  engine.on(Event::before_update, [&](Engine&) { reset(); });
+  engine.on(Event::before_update, [device](Engine&) { memory::reset_device_peak(device); });
   engine.on(Event::after_update, [&](Engine&) { r.update_peak = peak(); });
   // Two steps: from the second on, gradients and the update rule's state already exist when
   // forward starts (the steady state); the handlers keep the second step's peaks.
@@ -257,7 +250,10 @@ Report estimate_job(const std::filesystem::path& job_path,
   memory::install_cpu_tracker();
   std::optional<c10::Device> device;  // known after the first probe
   bool counted = false;
+  // Without probes one setup counts the model; with them, batches 1 and 2 in every precision.
   const int passes = options.probe ? 3 : 1;
+  const std::vector<int64_t> batches = options.probe ? std::vector<int64_t>{1, 2}
+                                                     : std::vector<int64_t>{1};
   for (int i = 0; i < passes; ++i) {
     const Precision precision = kPrecisions[i];
     Activations& a = report.activations[i];
@@ -265,11 +261,11 @@ Report estimate_job(const std::filesystem::path& job_path,
     with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
     try {
       double peaks[2] = {0, 0}, update_peaks[2] = {0, 0};
-      for (int64_t b : {1, 2}) {
+      for (int64_t b : batches) {
         const c10::Device on = device.value_or(c10::Device(c10::kCPU));
         const auto before = memory::device_stats(on).current_bytes;
-        memory::reset_cpu_peak();
-        if (!on.is_cpu()) memory::reset_device_peak(on);
+        memory::reset_cpu_peak();  // the setup's peak: on the CPU until the device is known
+        memory::reset_device_peak(on);
         ProbeResult r = probe(job_path, with, b, has_zero, scratch.path() / "run");
         if (r.device == on)
           for (double* p : {&r.setup_peak, &r.backward_peak, &r.update_peak})
@@ -283,7 +279,6 @@ Report estimate_job(const std::filesystem::path& job_path,
           counted = true;
         }
         peaks[b - 1] = r.backward_peak;
-        if (!options.probe) break;
       }
       if (!options.probe) break;
       const Row states = row(report.model, 0, Offload::none, precision, 1, {}, 0, true);

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "loom/error.h"
+#include "loom/nn.h"
 
 namespace loom::nn {
 namespace {
@@ -47,7 +48,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
     at::Tensor logp = at::log_softmax(logits, 1, at::kFloat);
     logits = at::Tensor();  // its memory goes back before the chunk's matmuls
     const at::Tensor valid = ls.ne(ignore_index);
-    const bool all_valid = !x.is_cpu() ? false : valid.all().item<bool>();
+    const bool all_valid = x.is_cpu() && valid.all().item<bool>();  // no GPU sync
     const at::Tensor index = (all_valid ? ls : at::where(valid, ls, 0)).unsqueeze(1);
     at::Tensor picked = logp.gather(1, index).squeeze(1);
     loss.sub_(all_valid ? picked.sum() : at::where(valid, picked, 0).sum());
@@ -81,6 +82,18 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   return loss;
 }
 
+// chunked_pass on x, weight and bias cast to the compute dtype, with autocast off: the casts
+// are explicit here, and autocast must not cast the fp32 softmax's matmuls again.
+at::Tensor cast_and_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                         const at::Tensor& labels, int64_t ignore_index, int64_t chunk_rows,
+                         at::ScalarType compute, bool want_x, bool want_weight, bool want_bias,
+                         Grads* grads) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::Tensor bc = bias.defined() ? bias.to(compute) : at::Tensor();
+  return chunked_pass(x.to(compute), weight.to(compute), bc, labels, ignore_index, chunk_rows,
+                      x.scalar_type(), want_x, want_weight, want_bias, grads);
+}
+
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   // x (N, D) and weight/bias already in the compute dtype where autocast asked for one; the
   // originals' dtypes come as ints so backward returns gradients in them.
@@ -89,14 +102,10 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
                             const at::Tensor& labels, int64_t ignore_index, int64_t chunk_rows,
                             at::ScalarType compute_dtype) {
     const at::Tensor bias = bias_opt.value_or(at::Tensor());
-    // The casts are explicit here; autocast must not cast the fp32 softmax's matmuls again.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor xc = x.to(compute_dtype), wc = weight.to(compute_dtype);
-    const at::Tensor bc = bias.defined() ? bias.to(compute_dtype) : at::Tensor();
     Grads grads;
-    at::Tensor loss = chunked_pass(xc, wc, bc, labels, ignore_index, chunk_rows, x.scalar_type(),
-                                   x.requires_grad(), weight.requires_grad(),
-                                   bias.defined() && bias.requires_grad(), &grads);
+    at::Tensor loss = cast_and_pass(x, weight, bias, labels, ignore_index, chunk_rows,
+                                    compute_dtype, x.requires_grad(), weight.requires_grad(),
+                                    bias.defined() && bias.requires_grad(), &grads);
     ctx->saved_data["gx"] = grads.x;
     ctx->saved_data["gw"] = grads.weight;
     ctx->saved_data["gb"] = grads.bias;
@@ -108,15 +117,14 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
-    const at::Tensor& g = grad_out[0];
-    auto scaled = [&](const char* key, at::ScalarType dtype) {
-      at::Tensor t = ctx->saved_data[key].toTensor();
+    const at::Tensor g = grad_out[0].to(at::kFloat);
+    // Each saved gradient times the incoming one, back in its input's dtype (x's is saved in it).
+    auto scaled = [&](const char* key, std::optional<at::ScalarType> dtype) {
+      const at::Tensor t = ctx->saved_data[key].toTensor();
       if (!t.defined()) return at::Tensor();
-      at::Tensor out = t.to(at::kFloat).mul_(g.to(at::kFloat));
-      return out.scalar_type() == dtype ? out : out.to(dtype);
+      return t.to(at::kFloat).mul_(g).to(dtype.value_or(t.scalar_type()));
     };
-    const at::Tensor gx_saved = ctx->saved_data["gx"].toTensor();
-    at::Tensor gx = gx_saved.defined() ? scaled("gx", gx_saved.scalar_type()) : at::Tensor();
+    at::Tensor gx = scaled("gx", std::nullopt);
     at::Tensor gw = scaled("gw", static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
     at::Tensor gb = scaled("gb", static_cast<at::ScalarType>(ctx->saved_data["b_dtype"].toInt()));
     ctx->saved_data.clear();  // a second backward through this graph is not supported
@@ -163,10 +171,29 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weigh
     return LinearCrossEntropy::apply(
         rows, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
         flat_labels, ignore_index, chunk_rows, compute);
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const at::Tensor bc = bias.defined() ? bias.to(compute) : at::Tensor();
-  return chunked_pass(rows.to(compute), weight.to(compute), bc, flat_labels, ignore_index,
-                      chunk_rows, x.scalar_type(), false, false, false, nullptr);
+  return cast_and_pass(rows, weight, bias, flat_labels, ignore_index, chunk_rows, compute, false,
+                       false, false, nullptr);
+}
+
+Output causal_lm_output(const at::Tensor& x, Linear* head, const at::Tensor& tied_weight,
+                        const Batch& batch, bool fused, int64_t chunk_rows) {
+  Output out;
+  if (batch.labels.defined()) {
+    out.num_targets = batch.num_loss_targets();
+    // An adapted head (LoRA on lm_head) is more than a matmul: it takes the unfused path.
+    if (fused && !(head && head->adapter())) {
+      out.loss_sum = linear_cross_entropy_sum(x, head ? head->weight : tied_weight,
+                                              head ? head->bias : at::Tensor(), batch.labels,
+                                              kIgnoreIndex, chunk_rows);
+      return out;  // no logits: Note [Fused linear cross-entropy]
+    }
+  }
+  out.logits = head ? head->forward(x) : at::linear(x, tied_weight);
+  if (batch.labels.defined())
+    out.loss_sum = at::cross_entropy_loss(out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat),
+                                          batch.labels.reshape({-1}), {}, at::Reduction::Sum,
+                                          kIgnoreIndex);
+  return out;
 }
 
 }  // namespace loom::nn

@@ -175,27 +175,12 @@ class Gpt final : public loom::Model, public loom::CausalLM {
     at::Tensor x = at::dropout(wte->forward(ids) + wpe->forward(positions), config_.dropout,
                                is_training());
     x = ln_f->forward(units->forward(x));
-    loom::Output out;
-    if (batch.labels.defined()) {
+    if (batch.labels.defined())
       LOOM_CHECK(batch.labels.sizes() == ids.sizes(), "gpt needs next-token labels of shape ",
                  ids.sizes(), ", got ", batch.labels.sizes(),
                  "; with random_tokens set [data] task = \"lm\"");
-      out.num_targets = batch.num_loss_targets();
-      // An adapted head (LoRA on lm_head) is more than a matmul: it takes the unfused path.
-      if (config_.fused_cross_entropy && !(lm_head && lm_head->adapter())) {
-        const at::Tensor& head = lm_head ? lm_head->weight : wte->weight;
-        out.loss_sum = loom::nn::linear_cross_entropy_sum(
-            x, head, lm_head ? lm_head->bias : at::Tensor(), batch.labels, loom::kIgnoreIndex,
-            config_.cross_entropy_chunk);
-        return out;  // no logits: Note [Fused linear cross-entropy]
-      }
-    }
-    out.logits = lm_head ? lm_head->forward(x) : at::linear(x, wte->weight);
-    if (batch.labels.defined())
-      out.loss_sum = at::cross_entropy_loss(
-          out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat), batch.labels.reshape({-1}),
-          {}, at::Reduction::Sum, loom::kIgnoreIndex);
-    return out;
+    return loom::nn::causal_lm_output(x, lm_head.get(), wte->weight, batch,
+                                      config_.fused_cross_entropy, config_.cross_entropy_chunk);
   }
 
   at::Tensor decode(const at::Tensor& ids, loom::nn::KVCache& cache) override {

@@ -218,27 +218,12 @@ class Llama final : public loom::Model, public loom::CausalLM {
                config_.vocab_size, "; raise vocab_size to cover the data's ids");
     at::Tensor x =
         model->norm->forward(model->layers->forward(model->embed_tokens->forward(ids)));
-    loom::Output out;
-    if (batch.labels.defined()) {
+    if (batch.labels.defined())
       LOOM_CHECK(batch.labels.sizes() == ids.sizes(), "llama needs next-token labels of shape ",
                  ids.sizes(), ", got ", batch.labels.sizes(),
                  "; with random_tokens set [data] task = \"lm\"");
-      out.num_targets = batch.num_loss_targets();
-      // An adapted head (LoRA on lm_head) is more than a matmul: it takes the unfused path.
-      if (config_.fused_cross_entropy && !(lm_head && lm_head->adapter())) {
-        out.loss_sum = loom::nn::linear_cross_entropy_sum(
-            x, lm_head ? lm_head->weight : model->embed_tokens->weight,
-            lm_head ? lm_head->bias : at::Tensor(), batch.labels, loom::kIgnoreIndex,
-            config_.cross_entropy_chunk);
-        return out;  // no logits: Note [Fused linear cross-entropy]
-      }
-    }
-    out.logits = project(x);
-    if (batch.labels.defined())
-      out.loss_sum = at::cross_entropy_loss(
-          out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat), batch.labels.reshape({-1}),
-          {}, at::Reduction::Sum, loom::kIgnoreIndex);
-    return out;
+    return loom::nn::causal_lm_output(x, lm_head.get(), model->embed_tokens->weight, batch,
+                                      config_.fused_cross_entropy, config_.cross_entropy_chunk);
   }
 
   at::Tensor decode(const at::Tensor& ids, loom::nn::KVCache& cache) override {
@@ -259,8 +244,8 @@ class Llama final : public loom::Model, public loom::CausalLM {
   std::shared_ptr<loom::nn::Linear> lm_head;
 
  private:
-  at::Tensor head(const at::Tensor& hidden) { return project(model->norm->forward(hidden)); }
-  at::Tensor project(const at::Tensor& x) {
+  at::Tensor head(const at::Tensor& hidden) {
+    at::Tensor x = model->norm->forward(hidden);
     return lm_head ? lm_head->forward(x) : at::linear(x, model->embed_tokens->weight);
   }
   LlamaConfig config_;

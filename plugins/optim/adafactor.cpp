@@ -173,7 +173,7 @@ class Adafactor final : public UpdateRule {
       for (int64_t i = 0; i < geo.rows; ++i) {
         const float vi = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
         u2 += static_cast<double>(s.g[i]) * s.g[i] / vi;
-        p2[i] = static_cast<double>(s.p[i]) * s.p[i];
+        if (scale_parameter_) p2[i] = static_cast<double>(s.p[i]) * s.p[i];
       }
       a[0] += u2;
       for (double x : p2) a[1] += x;

@@ -155,7 +155,7 @@ class Precision final : public loom::Plugin {
     // auto may still change its mind on resume (load), so it always listens.
     if (uses_autocast(mode_) || auto_) {
       engine.on(loom::Event::before_forward, [this](loom::Engine&) {
-        if (uses_autocast(mode_)) enter_autocast();
+        if (uses_autocast(mode_)) enter_autocast(dtype_);
       });
       engine.on(loom::Event::after_forward, [this](loom::Engine&) { leave_autocast(); });
     }
@@ -228,10 +228,7 @@ class Precision final : public loom::Plugin {
     const at::Tensor ln_w = at::ones({768}).requires_grad_(), ln_b = at::zeros({768});
     auto pass = [&](bool bf16) {
       const auto start = std::chrono::steady_clock::now();
-      if (bf16) {
-        dtype_ = at::kBFloat16;
-        enter_autocast();
-      }
+      if (bf16) enter_autocast(at::kBFloat16);
       at::Tensor h = at::layer_norm(x, {768}, ln_w, ln_b);
       at::Tensor y = at::linear(at::gelu(at::linear(h, w1), "tanh"), w2);
       leave_autocast();
@@ -248,7 +245,6 @@ class Precision final : public loom::Plugin {
           if (round > 0) times[bf16].push_back(t);
         }
     }
-    dtype_ = compute_dtype(mode_);
     at::Tensor out = at::empty({2}, at::kDouble);
     for (int i : {0, 1}) {
       std::sort(times[i].begin(), times[i].end());
@@ -363,13 +359,13 @@ class Precision final : public loom::Plugin {
   }
 
   // ---- forward ----
-  void enter_autocast() {
+  void enter_autocast(at::ScalarType dtype) {
     leave_autocast();
     const auto type = device_.type();
     saved_enabled_ = at::autocast::is_autocast_enabled(type);
     saved_dtype_ = at::autocast::get_autocast_dtype(type);
     at::autocast::set_autocast_enabled(type, true);
-    at::autocast::set_autocast_dtype(type, dtype_);
+    at::autocast::set_autocast_dtype(type, dtype);
     at::autocast::increment_nesting();
     autocast_on_ = true;
   }

@@ -54,6 +54,18 @@ Result reference(const Case& c) {
   return grads_of(c, loss);
 }
 
+// CPU autocast in `dtype` for this object's life.
+struct CpuAutocast {
+  explicit CpuAutocast(at::ScalarType dtype) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  }
+  ~CpuAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+};
+
 Result fused(const Case& c, int64_t chunk_rows) {
   return grads_of(c, loom::nn::linear_cross_entropy_sum(c.x, c.weight, c.bias, c.labels, kIgnore,
                                                         chunk_rows));
@@ -120,13 +132,13 @@ TEST(LinearCrossEntropy, NoGradModeGivesTheLossOnly) {
 // is at bf16's resolution, and the gradients come back in the inputs' fp32.
 TEST(LinearCrossEntropy, Bf16AutocastMatchesUnfusedAutocast) {
   const Case c = make_case(2, 16, 32, 64, /*with_bias=*/true, /*ignore_some=*/true);
-  at::autocast::set_autocast_enabled(at::kCPU, true);
-  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-  const Result want = reference(c);
-  const Result got = fused(c, 8);
-  const Result many_chunks = fused(c, 3);  // 11 chunks: partial sums of 4, 4 and 3
-  at::autocast::set_autocast_enabled(at::kCPU, false);
-  at::autocast::clear_cache();
+  Result want, got, many_chunks;
+  {
+    CpuAutocast bf16(at::kBFloat16);
+    want = reference(c);
+    got = fused(c, 8);
+    many_chunks = fused(c, 3);  // 11 chunks: partial sums of 4, 4 and 3
+  }
   expect_same(got, want, 2e-2, 2e-2);
   expect_same(many_chunks, want, 2e-2, 2e-2);
   // Not the fp32 result: the matmuls did run in bf16.
@@ -136,12 +148,12 @@ TEST(LinearCrossEntropy, Bf16AutocastMatchesUnfusedAutocast) {
 
 TEST(LinearCrossEntropy, Fp16AutocastTakesTheUnfusedPath) {
   const Case c = make_case(2, 8, 16, 24, /*with_bias=*/false, /*ignore_some=*/true);
-  at::autocast::set_autocast_enabled(at::kCPU, true);
-  at::autocast::set_autocast_dtype(at::kCPU, at::kHalf);
-  const Result want = reference(c);
-  const Result got = fused(c, 4);
-  at::autocast::set_autocast_enabled(at::kCPU, false);
-  at::autocast::clear_cache();
+  Result want, got;
+  {
+    CpuAutocast fp16(at::kHalf);
+    want = reference(c);
+    got = fused(c, 4);
+  }
   EXPECT_TRUE(at::equal(got.loss, want.loss));
   EXPECT_TRUE(at::equal(got.gx, want.gx));
 }

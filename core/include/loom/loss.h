@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "loom/batch.h"
+
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
 #pragma GCC visibility push(default)
 
@@ -38,6 +40,15 @@ namespace loom::nn {
 at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& labels,
                                     int64_t ignore_index, int64_t chunk_rows = 0);
+
+// A language model's output from its final hidden states x (B, T, D) and its linear head
+// (`head`, or the tied embedding `tied_weight` where head is null): with labels, num_targets and
+// the loss — fused (linear_cross_entropy_sum, no logits) when `fused` and the head is a plain
+// matmul, else over the logits; without labels, the logits. What gpt and llama share; each
+// checks its labels' shape first.
+class Linear;
+Output causal_lm_output(const at::Tensor& x, Linear* head, const at::Tensor& tied_weight,
+                        const Batch& batch, bool fused, int64_t chunk_rows);
 
 // Rows per chunk for a vocabulary of `vocab`: chunks of about 16 M logits (64 MB in fp32), large
 // enough that each matmul reads the head once per several hundred rows.
