@@ -85,30 +85,6 @@ double number_of(const std::string& flag, const std::string& text) {
   throw loom::ConfigError(flag + " takes a number, got '" + text + "'");
 }
 
-// "20GiB", "512MB", "1e9": bytes (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal).
-double bytes_of(const std::string& flag, const std::string& text) {
-  static const std::pair<const char*, double> units[] = {
-      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
-      {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1.0}};
-  std::string number = text;
-  double scale = 1.0;
-  for (const auto& [suffix, factor] : units) {
-    const std::string s(suffix);
-    if (text.size() > s.size() && text.compare(text.size() - s.size(), s.size(), s) == 0) {
-      number = text.substr(0, text.size() - s.size());
-      scale = factor;
-      break;
-    }
-  }
-  double value = 0;
-  try {
-    value = number_of(flag, number);
-  } catch (const loom::ConfigError&) {
-  }
-  if (value > 0) return value * scale;
-  throw loom::ConfigError(flag + " takes a positive size such as 20GiB, got '" + text + "'");
-}
-
 std::vector<int64_t> ids_of(const std::string& text) {
   std::vector<int64_t> ids;
   size_t start = 0;
@@ -167,7 +143,7 @@ Args parse(int argc, char** argv) {
         throw loom::ConfigError("--batch takes a batch size >= 1, got " +
                                 std::to_string(args.estimate.batch));
     } else if (args.command == "estimate" && a == "--budget") {
-      args.estimate.budget_bytes = bytes_of(a, value("--budget"));
+      args.estimate.budget_bytes = loom::estimate::parse_size(a, value("--budget"));
     } else if (args.command == "estimate" && a == "--no-probe") {
       args.estimate.probe = false;
     } else if (args.command == "estimate" && a == "--params") {
@@ -281,6 +257,9 @@ int main(int argc, char** argv) {
         throw loom::ConfigError(
             "loom estimate needs a job file (loom estimate JOB.toml) or a parameter count "
             "(loom estimate --params 1e12 --world-size 1024)");
+      if (!args.estimate.probe && args.estimate.budget_bytes > 0)
+        throw loom::ConfigError("--budget needs the probe (the batch that fits depends on the "
+                                "activations it measures); drop --no-probe");
       if (args.params > 0 && args.estimate.budget_bytes > 0)
         throw loom::ConfigError("--budget needs a job file: the batch that fits depends on the "
                                 "model's activations, which --params does not know");

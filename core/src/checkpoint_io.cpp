@@ -228,6 +228,11 @@ std::filesystem::path temp_folder(const std::string& output_dir, int64_t step) {
   return std::filesystem::path(output_dir) / (".checkpoint-" + std::to_string(step) + ".tmp");
 }
 
+std::string non_finite_state(const std::string& name, int64_t step) {
+  return detail::cat("optimizer state '", name, "' holds non-finite values at step ", step,
+                     ": training diverged (lower [train] learning_rate)");
+}
+
 // "" if every floating tensor to be written is finite, else what is not.
 std::string non_finite_problem(const CheckpointContents& c) {
   auto bad = [](const at::Tensor& t) {
@@ -239,9 +244,8 @@ std::string non_finite_problem(const CheckpointContents& c) {
       return detail::cat("the model's '", name, "' holds non-finite values at step ", c.step,
                          ": training diverged (lower [train] learning_rate)");
   for (const auto& piece : c.optimizer)
-    if (bad(piece.tensor))
-      return detail::cat("optimizer state '", piece.name, "' holds non-finite values at step ",
-                         c.step, ": training diverged (lower [train] learning_rate)");
+    if (!piece.load && bad(piece.tensor))  // streamed pieces are checked as they are written
+      return non_finite_state(piece.name, c.step);
   return "";
 }
 
@@ -284,16 +288,29 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
   if (rank < writers) {
     try {
       nlohmann::ordered_json layout = nlohmann::ordered_json::object();
-      NamedTensors tensors;
+      std::vector<safetensors::StreamedTensor> tensors;
       for (const auto& piece : c.optimizer) {
         layout[piece.name] = {{"shape", piece.global_shape}, {"offset", piece.offset}};
         if (!piece.tensor_shape.empty()) layout[piece.name]["tensor_shape"] = piece.tensor_shape;
-        tensors.emplace_back(piece.name, piece.tensor);
+        // A streamed piece (offloaded state) is read when its turn comes, and checked then: a
+        // non-finite value fails this rank's write, and the agreement below keeps the
+        // previous checkpoints.
+        std::function<at::Tensor()> produce =
+            piece.load ? std::function<at::Tensor()>([&piece, step = c.step] {
+              at::Tensor values = piece.load();
+              if (values.is_floating_point() && values.numel() > 0 &&
+                  !at::isfinite(values).all().item<bool>())
+                throw CheckpointError(non_finite_state(piece.name, step));
+              return values;
+            })
+                       : std::function<at::Tensor()>([&piece] { return piece.tensor; });
+        tensors.push_back({piece.name, piece.tensor.scalar_type(), piece.tensor.sizes().vec(),
+                           std::move(produce)});
       }
       const fs::path file = temp_dir / optimizer_file_name(rank, writers);
-      safetensors::save(file, tensors,
-                        {{"format", "pt"}, {"layout", layout.dump()},
-                         {"step", std::to_string(c.step)}});
+      safetensors::save_streamed(file, tensors,
+                                 {{"format", "pt"}, {"layout", layout.dump()},
+                                  {"step", std::to_string(c.step)}});
       const auto d = fsutil::digest(file);
       bytes = static_cast<int64_t>(d.bytes);
       crc = static_cast<int64_t>(d.crc32);

@@ -22,10 +22,12 @@ class DoneWork final : public Work {
 
 class LocalComm final : public Comm {
  public:
+  // A solo probe's process keeps its launcher's local rank: its GPU (Note [Solo probes]).
+  explicit LocalComm(int local_rank = 0) : local_rank_(local_rank) {}
   std::string backend() const override { return "local"; }
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
-  int local_rank() const override { return 0; }
+  int local_rank() const override { return local_rank_; }
   int local_world_size() const override { return 1; }
 
   std::shared_ptr<Work> all_reduce(at::Tensor&, ReduceOp) override { return done(); }
@@ -57,9 +59,12 @@ class LocalComm final : public Comm {
     return done();
   }
   void barrier() override {}
-  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<LocalComm>(); }
+  std::unique_ptr<Comm> split(int, int) override {
+    return std::make_unique<LocalComm>(local_rank_);
+  }
 
  private:
+  int local_rank_;
   static std::shared_ptr<Work> done() { return std::make_shared<DoneWork>(); }
   static void check_same(const at::Tensor& output, const at::Tensor& input, const char* op) {
     LOOM_CHECK(output.numel() == input.numel(), op, ": output has ", output.numel(),
@@ -153,7 +158,7 @@ std::unique_ptr<Comm> make_comm(const CommOptions& options) {
     LOOM_CHECK_AS(ConfigError, env.world_size == 1, "[distributed] backend = \"local\" is one "
                   "process, but the launcher (", env.launcher, ") started ", env.world_size,
                   " ranks; use backend = \"auto\", \"mpi\" or \"gloo\"");
-    comm = std::make_unique<LocalComm>();
+    comm = std::make_unique<LocalComm>(env.local_rank);
   } else if (name == "mpi") {
     comm = make_mpi_comm(options);
     LOOM_CHECK_AS(ConfigError, comm->world_size() == env.world_size, "[distributed] backend = "

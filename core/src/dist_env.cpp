@@ -1,6 +1,8 @@
 // Rank and world detection from launcher environments.
 #include "dist_env.h"
 
+#include <atomic>
+
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -22,6 +24,10 @@ int int_env(const char* name, int fallback) {
   return static_cast<int>(value);
 }
 
+}  // namespace
+
+namespace {
+std::atomic<int> solo_scopes{0};
 }  // namespace
 
 DistEnv detect_dist_env() {
@@ -62,8 +68,16 @@ DistEnv detect_dist_env() {
                 env.local_rank, " >= local world size ", env.local_world_size);
   LOOM_CHECK_AS(ConfigError, env.master_port > 0 && env.master_port < 65536, "MASTER_PORT=",
                 env.master_port, " is not a TCP port");
+  if (solo_scopes.load() > 0) {  // Note [Solo probes]
+    env.rank = 0;
+    env.world_size = env.local_world_size = 1;
+    env.launcher = "none";
+  }
   return env;
 }
+
+SoloScope::SoloScope() { ++solo_scopes; }
+SoloScope::~SoloScope() { --solo_scopes; }
 
 void check_rendezvous_address(const DistEnv& env) {
   const bool spans_hosts = env.world_size > std::max(1, env.local_world_size);

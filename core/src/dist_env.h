@@ -23,6 +23,17 @@ struct DistEnv {
 // (RANK >= WORLD_SIZE...).
 DistEnv detect_dist_env();
 
+// Note [Solo probes]: while a SoloScope lives, detect_dist_env() says this process is a world of
+// one (rank 0, no launcher) whatever the launcher set; the local rank is kept, so a GPU probe
+// runs on this rank's own device. auto_find_batch_size probes the job this way on every rank.
+class SoloScope {
+ public:
+  SoloScope();
+  ~SoloScope();
+  SoloScope(const SoloScope&) = delete;
+  SoloScope& operator=(const SoloScope&) = delete;
+};
+
 // Checks that a TCP rendezvous (gloo, nccl) can find rank 0: a job whose ranks span hosts
 // (world size above the ranks of this node) needs MASTER_ADDR, since mpirun and srun set none
 // and the loopback default would leave every other host's ranks waiting for a store that is not

@@ -253,6 +253,21 @@ class EngineImpl final : public Engine, public Trainer {
     state_.max_steps = train.get_int("max_steps");
     state_.accumulation_steps = train.get_int("gradient_accumulation_steps");
     output_dir_ = resolve_path(train.get_string("output_dir"));
+    if (train.get_bool("auto_find_batch_size") && comm_->world_size() > 1) {
+      // Note [Auto batch size]: each rank chose alone; a rank that chose otherwise (another
+      // machine, another budget) would train with another batch than its peers.
+      const int64_t mine[2] = {train.get_int("per_device_train_batch_size"),
+                               state_.accumulation_steps};
+      at::Tensor both = at::tensor({mine[0], mine[1], -mine[0], -mine[1]}, at::kLong).to(comm_->device());
+      comm_->all_reduce(both, ReduceOp::max)->wait();
+      both = both.cpu();
+      const int64_t most = both[0].item<int64_t>(), least = -both[2].item<int64_t>();
+      LOOM_CHECK_AS(ConfigError, most == least && both[1].item<int64_t>() == -both[3].item<int64_t>(),
+                    train.where("auto_find_batch_size"), ": auto_find_batch_size chose "
+                    "per-device batches from ", least, " to ", most, " on different ranks (this "
+                    "rank ", mine[0], "); set [train] memory_budget to the same size for every "
+                    "rank, or set per_device_train_batch_size yourself");
+    }
 
     log::info("loom ", LOOM_VERSION, " | torch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
               ".", TORCH_VERSION_PATCH, " (", LOOM_BUILD_CUDA, " build) | device ", device_.str(),
@@ -815,15 +830,19 @@ void GradReadyHook::operator()(const torch::autograd::Variable&) {
 
 Trainer::~Trainer() = default;
 
+std::unique_ptr<Trainer> make_trainer(Job job) {
+  return std::make_unique<EngineImpl>(std::move(job));
+}
+
 std::unique_ptr<Trainer> Trainer::from_file(const std::filesystem::path& job,
                                             const std::vector<std::string>& overrides) {
-  return std::make_unique<EngineImpl>(Job::load(job, overrides));
+  return make_trainer(with_auto_batch(Job::load(job, overrides)));
 }
 
 std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
                                             const std::filesystem::path& dir,
                                             const std::vector<std::string>& overrides) {
-  return std::make_unique<EngineImpl>(Job::parse(toml, dir / "job.toml", overrides));
+  return make_trainer(with_auto_batch(Job::parse(toml, dir / "job.toml", overrides)));
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // `loom estimate`: Note [Memory estimate] in loom/estimate.h.
 #include "loom/estimate.h"
 
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
 #include <unistd.h>
 
@@ -8,12 +9,15 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <optional>
 #include <sstream>
 
+#include "dist_env.h"
 #include "job.h"
 #include "loom/engine.h"
 #include "loom/error.h"
+#include "loom/log.h"
 #include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/nn.h"
@@ -92,8 +96,14 @@ struct ProbeResult {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-ProbeResult probe(const std::filesystem::path& job_path, std::vector<std::string> overrides,
-                  int64_t batch, bool has_zero, const std::filesystem::path& out) {
+ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t batch,
+                  bool has_zero, const std::filesystem::path& out) {
+  overrides.insert(overrides.begin(), job.overrides.begin(), job.overrides.end());
+  // One process of its own, whatever launched this one (Note [Solo probes]); and no auto batch
+  // inside a probe.
+  const SoloScope solo;
+  overrides.push_back("distributed.backend=\"local\"");
+  overrides.push_back("train.auto_find_batch_size=false");
   overrides.push_back("train.per_device_train_batch_size=" + std::to_string(batch));
   overrides.push_back("train.gradient_accumulation_steps=1");
   overrides.push_back("train.max_steps=2");
@@ -109,7 +119,7 @@ ProbeResult probe(const std::filesystem::path& job_path, std::vector<std::string
     overrides.push_back("zero.offload_optimizer={device = \"none\"}");
   }
   std::filesystem::remove_all(out);
-  auto trainer = Trainer::from_file(job_path, overrides);
+  auto trainer = make_trainer(Job::parse(job.text, job.file, overrides));
   trainer->setup();
   Engine& engine = trainer->engine();
   ProbeResult r;
@@ -146,6 +156,10 @@ ProbeResult probe(const std::filesystem::path& job_path, std::vector<std::string
   return r;
 }
 
+}  // namespace
+
+namespace {
+Report estimate_loaded(const Job& job, const Options& options);
 }  // namespace
 
 Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, int world_size,
@@ -197,8 +211,9 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   // The update runs after the activations are freed: its own extra (the rule's temporaries,
   // half weights written back) over the model states on the device.
   r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
-  // What loom runs today: offload of an unsharded (stage 0) or one-rank stage 1-2 update.
-  r.buildable = offload == Offload::none || stage == 0 || (stage <= 2 && N == 1);
+  // What loom runs today: NVMe offload at every stage; CPU offload only where the compute is
+  // on the CPU already (pinned host state for a GPU is still to come).
+  r.buildable = offload != Offload::cpu || cpu_device;
   return r;
 }
 
@@ -216,11 +231,17 @@ std::vector<Row> rows(const ModelCounts& model, const Activations activations[3]
 
 Report estimate_job(const std::filesystem::path& job_path,
                     const std::vector<std::string>& overrides, const Options& options) {
+  // A bad job fails here, as loom check would.
+  return estimate_loaded(Job::load(job_path, overrides), options);
+}
+
+namespace {
+
+Report estimate_loaded(const Job& job, const Options& options) {
   LOOM_CHECK_AS(ConfigError, options.world_size >= 1,
                 "--world-size must be >= 1, got ", options.world_size);
-  const Job job = Job::load(job_path, overrides);  // a bad job fails here, as loom check would
   Report report;
-  report.job = job_path.string();
+  report.job = job.file.string();
   report.options = options;
   const bool has_zero = job.table("zero") != nullptr;
   if (const ConfigValue* v = key_of(job, "zero", "stage"))
@@ -251,14 +272,18 @@ Report estimate_job(const std::filesystem::path& job_path,
   std::optional<c10::Device> device;  // known after the first probe
   bool counted = false;
   // Without probes one setup counts the model; with them, batches 1 and 2 in every precision.
-  const int passes = options.probe ? 3 : 1;
+  const int passes = options.probe && !options.job_precision_only ? 3 : 1;
   const std::vector<int64_t> batches = options.probe ? std::vector<int64_t>{1, 2}
                                                      : std::vector<int64_t>{1};
-  for (int i = 0; i < passes; ++i) {
+  for (int pass = 0; pass < passes; ++pass) {
+    // auto_find_batch_size probes the job's own precision only (mode "auto" included: the
+    // probe chooses as the run will), kept in its precision's slot.
+    const int i = options.job_precision_only ? static_cast<int>(report.job_precision) : pass;
     const Precision precision = kPrecisions[i];
     Activations& a = report.activations[i];
-    std::vector<std::string> with = overrides;
-    with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
+    std::vector<std::string> with;
+    if (!options.job_precision_only)
+      with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
     try {
       double peaks[2] = {0, 0}, update_peaks[2] = {0, 0};
       for (int64_t b : batches) {
@@ -266,7 +291,7 @@ Report estimate_job(const std::filesystem::path& job_path,
         const auto before = memory::device_stats(on).current_bytes;
         memory::reset_cpu_peak();  // the setup's peak: on the CPU until the device is known
         memory::reset_device_peak(on);
-        ProbeResult r = probe(job_path, with, b, has_zero, scratch.path() / "run");
+        ProbeResult r = probe(job, with, b, has_zero, scratch.path() / "run");
         if (r.device == on)
           for (double* p : {&r.setup_peak, &r.backward_peak, &r.update_peak})
             *p -= static_cast<double>(before);
@@ -290,14 +315,16 @@ Report estimate_job(const std::filesystem::path& job_path,
       throw;  // the job itself is wrong: say so, as loom check would
     } catch (const std::exception& error) {
       a.note = error.what();
-      if (!counted && i == passes - 1) throw;
+      if ((!counted && pass == passes - 1) || options.job_precision_only) throw;
     }
   }
-  LOOM_CHECK(counted, "no probe of '", job_path.string(), "' ran");
+  LOOM_CHECK(counted, "no probe of '", job.file.string(), "' ran");
   report.rows = rows(report.model, report.activations, options.world_size, report.batch,
                      report.device == "cpu", options.buffer_count);
   return report;
 }
+
+}  // namespace
 
 Report estimate_params(double params, const Options& options) {
   LOOM_CHECK_AS(ConfigError, params >= 1 && std::isfinite(params),
@@ -323,8 +350,43 @@ int64_t largest_batch(const Report& r, double budget_bytes) {
   if (base.setup_peak > budget_bytes) return 0;
   const double room = budget_bytes - base.device;
   if (room < a.per_sample) return 0;
-  const auto fits = static_cast<int64_t>(std::floor(room / a.per_sample));
-  return fits >= 8 ? fits / 8 * 8 : fits;
+  return static_cast<int64_t>(std::floor(room / a.per_sample));
+}
+
+BatchPlan plan_batch(int64_t effective, int64_t fits) {
+  if (fits < 1 || effective < 1) return {};
+  const int64_t most = std::min(fits, effective);
+  for (int64_t b = most / 8 * 8; b >= 8; b -= 8)
+    if (effective % b == 0) return {b, effective / b};
+  for (int64_t b = most; b >= 1; --b)
+    if (effective % b == 0) return {b, effective / b};
+  return {};
+}
+
+double parse_size(const std::string& what, const std::string& text) {
+  static const std::pair<const char*, double> units[] = {
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0},
+      {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1.0}};
+  std::string number = text;
+  double scale = 1.0;
+  for (const auto& [suffix, factor] : units) {
+    const std::string s(suffix);
+    if (text.size() > s.size() && text.compare(text.size() - s.size(), s.size(), s) == 0) {
+      number = text.substr(0, text.size() - s.size());
+      scale = factor;
+      break;
+    }
+  }
+  double value = 0;
+  try {
+    size_t used = 0;
+    value = std::stod(number, &used);
+    if (used != number.size()) value = 0;
+  } catch (const std::exception&) {
+  }
+  LOOM_CHECK_AS(ConfigError, value > 0 && std::isfinite(value), what,
+                " takes a positive size such as 20GiB, got '", text, "'");
+  return value * scale;
 }
 
 std::string format(const Report& r) {
@@ -397,18 +459,122 @@ std::string format(const Report& r) {
     out << line;
   }
   if (r.options.budget_bytes > 0 && !r.job.empty()) {
-    const int64_t b = largest_batch(r, r.options.budget_bytes);
+    const int64_t fits = largest_batch(r, r.options.budget_bytes);
+    const BatchPlan plan = plan_batch(r.effective_batch, fits);
     out << "budget " << memory::format_bytes(static_cast<int64_t>(r.options.budget_bytes)) << ": ";
-    if (b == 0) {
+    if (plan.batch == 0) {
       out << "not even batch 1 of this job's configuration fits\n";
     } else {
-      const int64_t steps = (r.effective_batch + b - 1) / b;
-      out << "per_device_train_batch_size = " << b << ", gradient_accumulation_steps = " << steps
-          << " (the job's " << r.effective_batch << " samples per step and rank: " << b * steps
-          << ")\n";
+      out << "per_device_train_batch_size = " << plan.batch << ", gradient_accumulation_steps = "
+          << plan.accumulation << " (the job's " << r.effective_batch
+          << " samples per step and rank; up to " << fits << " fit per micro-batch)\n";
     }
   }
   return out.str();
 }
 
 }  // namespace loom::estimate
+
+namespace loom {
+namespace {
+
+// Bytes of RAM this process may use: MemTotal, or the cgroup's limit where it is lower.
+double ram_limit() {
+  double total = 0;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemTotal:") {
+      total = kib * 1024.0;
+      break;
+    }
+    meminfo.ignore(256, '\n');
+  }
+  for (const char* file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(file);
+    double limit = 0;
+    if (in >> limit && limit > 0 && (total == 0 || limit < total)) total = limit;
+  }
+  return total;
+}
+
+}  // namespace
+
+// Note [Auto batch size]: HF's auto_find_batch_size halves the batch after each out-of-memory
+// error; on a CPU an out-of-memory is the kernel's OOM killer, not an exception, so loom measures
+// instead. The job runs twice as `loom estimate` probes it (batch 1 and 2, two steps each, one
+// process, zero stage 0 in memory: nothing written beside a temporary folder), in its own
+// precision; the estimate for its stage, offload and world size then gives the largest batch
+// within the budget, and plan_batch keeps its samples per step exact. The budget is per rank:
+// "auto" is 90 % of the GPU's memory, or on the CPU 90 % of RAM (or of the cgroup's limit)
+// shared by the ranks of the node. Every rank decides alone, from the same measurements and the
+// same budget, so ranks on like machines agree; the engine checks that they do.
+Job with_auto_batch(Job job) {
+  const ConfigValue* on = estimate::key_of(job, "train", "auto_find_batch_size");
+  const bool* enabled = on ? std::get_if<bool>(&on->value) : nullptr;
+  if (!enabled || !*enabled) return job;  // a non-bool is the schema's error, later
+  const DistEnv env = detect_dist_env();
+  std::string backend = "auto";
+  if (const ConfigValue* v = estimate::key_of(job, "distributed", "backend"))
+    if (auto* s = std::get_if<std::string>(&v->value)) backend = *s;
+  estimate::Options options;
+  options.world_size = backend == "local" ? 1 : env.world_size;
+  options.job_precision_only = true;
+  if (const ConfigValue* v = estimate::key_of(job, "zero", "offload_optimizer"))
+    if (const ConfigValue* n = v->is_table() ? v->find("buffer_count") : nullptr)
+      if (auto* count = std::get_if<int64_t>(&n->value)) options.buffer_count = static_cast<int>(*count);
+  std::string budget_text = "auto";
+  const ConfigValue* budget_value = estimate::key_of(job, "train", "memory_budget");
+  if (budget_value) {
+    const auto* text = std::get_if<std::string>(&budget_value->value);
+    LOOM_CHECK_AS(ConfigError, text, budget_value->where,
+                  ": [train] memory_budget must be a size in quotes such as \"20GiB\", or \"auto\"");
+    budget_text = *text;
+  }
+  const std::string where = budget_value ? budget_value->where : "[train] memory_budget";
+  double budget = 0;
+  if (budget_text != "auto") budget = estimate::parse_size(where + ": [train] memory_budget", budget_text);
+  log::info("auto_find_batch_size: probing ", job.file.string(), " at batch 1 and 2");
+  const log::Level level = log::level();  // the probes' runs set their own
+  estimate::Report report;
+  try {
+    report = estimate::estimate_loaded(job, options);
+  } catch (...) {
+    log::set_level(level);
+    throw;
+  }
+  log::set_level(level);
+  if (budget_text == "auto") {
+    if (report.device == "cpu") {
+      const int sharing = backend == "local" ? 1 : std::max(1, env.local_world_size);
+      budget = 0.9 * ram_limit() / sharing;
+    } else {
+      const c10::Device device(report.device);
+      budget = 0.9 * static_cast<double>(
+                         at::accelerator::getMemoryInfo(device.has_index() ? device.index() : 0).second);
+    }
+    LOOM_CHECK(budget > 0, "auto_find_batch_size: cannot tell how much memory ", report.device,
+               " has; set [train] memory_budget");
+  }
+  const int64_t fits = estimate::largest_batch(report, budget);
+  const estimate::BatchPlan plan = estimate::plan_batch(report.effective_batch, fits);
+  const estimate::Row mine = estimate::row(
+      report.model, report.job_stage, report.job_offload, report.job_precision,
+      options.world_size, report.activations[static_cast<int>(report.job_precision)], 1,
+      report.device == "cpu", options.buffer_count);
+  LOOM_CHECK_AS(ConfigError, plan.batch > 0, where, ": auto_find_batch_size: not even one sample "
+                "per micro-batch fits the memory budget of ", memory::format_bytes(static_cast<int64_t>(budget)),
+                " per rank (batch 1 needs about ", memory::format_bytes(static_cast<int64_t>(mine.peak)),
+                "); raise memory_budget, or shard or offload more ([zero] stage, offload_optimizer)");
+  log::info("auto_find_batch_size: per_device_train_batch_size = ", plan.batch,
+            ", gradient_accumulation_steps = ", plan.accumulation, " (", report.effective_batch,
+            " samples per step and rank; up to ", fits, " fit ",
+            memory::format_bytes(static_cast<int64_t>(budget)), " per rank)");
+  std::vector<std::string> overrides = job.overrides;
+  overrides.push_back("train.per_device_train_batch_size=" + std::to_string(plan.batch));
+  overrides.push_back("train.gradient_accumulation_steps=" + std::to_string(plan.accumulation));
+  return Job::parse(job.text, job.file, overrides);
+}
+
+}  // namespace loom

@@ -168,7 +168,9 @@ Job Job::parse(const std::string& text, const std::filesystem::path& name,
   check_nesting(text, name);
   try {
     auto parsed = toml::parse(text, name.string());
-    return from_toml(parsed, name, overrides);
+    Job job = from_toml(parsed, name, overrides);
+    job.text = text;
+    return job;
   } catch (const toml::parse_error& error) {
     const auto& source = error.source();
     throw ConfigError(detail::cat(name.string(), ":", source.begin.line, ":",

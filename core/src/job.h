@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@ struct Job {
   std::filesystem::path dir;            // the job file's folder (relative paths start here)
   ConfigValue root;                     // a table of tables
   std::vector<std::string> overrides;   // --set key=value, in order
+  std::string text;                     // the TOML as read, before the overrides
 
   // Throws ConfigError naming file:line for a syntax error, an unreadable file, or a top-level
   // key outside a table; and for a malformed --set.
@@ -30,5 +32,13 @@ struct Job {
   std::string canonical_text() const;
   std::string hash() const;  // 16 hex digits
 };
+
+class Trainer;
+// A Trainer for a parsed job, as Trainer::from_file makes one (engine.cpp).
+std::unique_ptr<Trainer> make_trainer(Job job);
+// [train] auto_find_batch_size (Note [Auto batch size] in estimate.cpp): the job with the
+// per-device batch and accumulation that fit its memory budget set by overrides; the job itself
+// when the key is off.
+Job with_auto_batch(Job job);
 
 }  // namespace loom

@@ -114,6 +114,15 @@ std::vector<Schema> core_schemas() {
       .key_int("max_steps", 100, "optimizer steps to run")
       .key_int("per_device_train_batch_size", 8, "samples per micro-batch on each rank")
       .key_int("gradient_accumulation_steps", 1, "micro-batches per optimizer step")
+      .key_bool("auto_find_batch_size", false,
+                "before training, measure the job's activations (two short probe runs) and take "
+                "the largest per-device batch (a multiple of 8 where it can) that fits "
+                "memory_budget, with gradient_accumulation_steps raised so the samples per step "
+                "stay per_device_train_batch_size x gradient_accumulation_steps")
+      .key_string("memory_budget", "auto",
+                  "auto_find_batch_size's budget per rank: a size such as \"20GiB\", or auto "
+                  "(90 % of the GPU's memory; on the CPU 90 % of RAM, or of the cgroup's limit, "
+                  "shared by the node's ranks)")
       .key_float("learning_rate", 5e-5, "peak learning rate")
       .key_string("lr_scheduler_type", "constant",
                   "Hugging Face's schedules: constant (no warm-up) | constant_with_warmup | "

@@ -44,21 +44,30 @@ const char* dtype_name(at::ScalarType type) {
 
 void save(const std::filesystem::path& file, const NamedTensors& tensors,
           const Metadata& metadata) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> contiguous;
-  uint64_t offset = 0;
+  std::vector<StreamedTensor> streamed;
   for (const auto& [name, tensor] : tensors) {
     LOOM_CHECK_AS(CheckpointError, tensor.defined(), "tensor '", name, "' is undefined");
-    LOOM_CHECK_AS(CheckpointError, !header.contains(name) && name != "__metadata__",
-                  "tensor name '", name, "' appears twice in ", file.string());
-    at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
-    const uint64_t bytes = cpu.numel() * cpu.element_size();
-    header[name] = {{"dtype", dtype_name(cpu.scalar_type())},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+    streamed.push_back({name, tensor.scalar_type(), tensor.sizes().vec(),
+                        [tensor = tensor] { return tensor; }});
+  }
+  save_streamed(file, streamed, metadata);
+}
+
+void save_streamed(const std::filesystem::path& file, const std::vector<StreamedTensor>& tensors,
+                   const Metadata& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    LOOM_CHECK_AS(CheckpointError, !header.contains(t.name) && t.name != "__metadata__",
+                  "tensor name '", t.name, "' appears twice in ", file.string());
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(t.dtype);
+    header[t.name] = {{"dtype", dtype_name(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    contiguous.push_back(cpu);
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
@@ -68,7 +77,13 @@ void save(const std::filesystem::path& file, const NamedTensors& tensors,
   for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(length >> (8 * i));
   out.write(le, 8);
   out.write(text.data(), text.size());
-  for (const auto& t : contiguous) out.write(t.data_ptr(), t.numel() * t.element_size());
+  for (const auto& t : tensors) {
+    const at::Tensor values = t.produce().detach().to(at::kCPU).contiguous();
+    LOOM_INTERNAL_ASSERT(values.scalar_type() == t.dtype && values.sizes().vec() == t.shape,
+                         "tensor '", t.name, "' was produced as ", c10::toString(values.scalar_type()),
+                         " ", values.sizes(), " but declared ", c10::toString(t.dtype));
+    out.write(values.data_ptr(), values.numel() * values.element_size());
+  }
   out.commit();
 }
 

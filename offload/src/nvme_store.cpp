@@ -20,6 +20,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "loom/error.h"
 #include "loom/log.h"
@@ -75,11 +76,13 @@ struct SwapFile::Impl {
   };
   struct Request {
     int64_t region = 0;
+    Region* place = nullptr;  // regions[region], for the I/O thread's checksum
     bool write = false;
     char* buffer = nullptr;
     int64_t pending = 0;  // pieces not completed
     int error = 0;        // first errno (negative res), or EIO for a short transfer
     int64_t short_piece_at = -1;
+    bool mismatch = false;  // a read whose bytes are not what was written
     bool done = false;
   };
   struct Piece {
@@ -94,7 +97,7 @@ struct SwapFile::Impl {
   int fd = -1;
   bool direct = true;
   int64_t capacity = 0, used = 0;
-  std::vector<Region> regions;
+  std::deque<Region> regions;  // a deque: the I/O thread holds pointers to them
 
   io_uring ring{};
   std::thread thread;
@@ -157,12 +160,31 @@ struct SwapFile::Impl {
         } else {
           moved += length;
         }
-        if (--request.pending == 0) request.done = true;
+        if (--request.pending == 0) landed.push_back(&request);
       }
       io_uring_cq_advance(&ring, seen);
-      if (seen) finished.notify_all();
+      if (!landed.empty()) {
+        // Note [Checksums off the caller]: a landed request's checksum is this thread's work,
+        // outside the lock (the caller may queue more meanwhile; a request is only erased
+        // after it is done, so the pointers stay valid): a write's sum of what it wrote, a
+        // read's check against the region's sum. The caller's thread, which runs the update
+        // rule, never hashes the gigabytes a step moves.
+        lock.unlock();
+        for (Request* request : landed) {
+          if (request->error) continue;
+          Region& r = *request->place;
+          const uint64_t sum = checksum(request->buffer, r.bytes);
+          if (request->write) r.sum = sum;
+          else request->mismatch = sum != r.sum;
+        }
+        lock.lock();
+        for (Request* request : landed) request->done = true;
+        landed.clear();
+        finished.notify_all();
+      }
     }
   }
+  std::vector<Request*> landed;  // the I/O thread's: requests whose last piece completed
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(detail::cat(options.what, " swap file ", file, ": ", what));
@@ -270,6 +292,7 @@ SwapFile::~SwapFile() {
 int64_t SwapFile::allocate(int64_t bytes) {
   Impl& s = *impl_;
   LOOM_CHECK(bytes >= 0, "a swap region cannot have ", bytes, " bytes");
+
   const int64_t size = align_up(std::max<int64_t>(bytes, 1));
   LOOM_CHECK(s.used + size <= s.capacity, s.options.what, " swap file ", s.file, ": a region of ",
              bytes, " bytes does not fit the ", s.capacity, " reserved (", s.used, " used)");
@@ -294,6 +317,7 @@ SwapFile::Ticket start(SwapFile::Impl& s, int64_t region, bool write, char* buff
   const SwapFile::Ticket ticket = s.next_ticket++;
   auto& request = s.requests[ticket];
   request.region = region;
+  request.place = &s.regions[region];
   request.write = write;
   request.buffer = buffer;
   for (int64_t at = 0; at < length; at += s.options.block_size) {
@@ -316,9 +340,7 @@ void check_region(const SwapFile::Impl& s, int64_t region) {
 SwapFile::Ticket SwapFile::write(int64_t region, const void* buffer) {
   Impl& s = *impl_;
   check_region(s, region);
-  auto& r = s.regions[region];
-  r.sum = checksum(buffer, r.bytes);
-  r.written = true;
+  s.regions[region].written = true;  // its sum comes when the write lands
   return start(s, region, true, static_cast<char*>(const_cast<void*>(buffer)));
 }
 
@@ -350,7 +372,7 @@ void SwapFile::wait(Ticket ticket) {
                            : std::string(std::strerror(request.error)),
                        request.error == ENOSPC ? "; the disk is full: free space there"
                                                : "; check the disk (dmesg) and the file"));
-  if (!request.write && checksum(request.buffer, r.bytes) != r.sum)
+  if (request.mismatch)
     s.fail(detail::cat("region ", request.region, " (", r.bytes, " bytes at offset ", r.offset,
                        ") does not hold what was written (checksum mismatch): the file was "
                        "changed under the run, or the disk returned bad data"));

@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "quantize.h"
@@ -22,6 +24,115 @@ inline void adamw_element(float& p, float g, float& m, float& v, const Coefficie
   m = m + c.w1 * (g - m);
   v = c.b2 * v + c.w2 * g * g;
   p = p * c.decay - c.step_size * (m / (std::sqrt(v) / c.bc2_sqrt + c.eps));
+}
+
+// One block of update_fused: dequantize m and v, update p, m, v, keep the new m, v in a
+// block-sized buffer (L1-resident), take their absmax, requantize.
+struct Block {
+  float* p;
+  const float* g;
+  uint8_t *qm, *qv;
+  float *am, *av;  // the block's absmax of m and of v
+  int64_t len;
+};
+
+// Elements [from, to) of a block, one at a time: dequantize, update, keep m and v, fold them
+// into the running absmax (new_am, new_av).
+inline void update_range(const Block& b, const Coefficients& c, float* mbuf, float* vbuf,
+                         int64_t from, int64_t to, float& new_am, float& new_av) {
+  const QuantMap& ms = signed_map();
+  const QuantMap& vs = unsigned_map();
+  for (int64_t i = from; i < to; ++i) {
+    float m = ms.code[b.qm[i]] * *b.am, v = vs.code[b.qv[i]] * *b.av;
+    adamw_element(b.p[i], b.g[i], m, v, c);
+    mbuf[i] = m;
+    vbuf[i] = v;
+    new_am = std::max(new_am, std::fabs(m));
+    new_av = std::max(new_av, v);
+  }
+}
+inline void requantize_range(const Block& b, const float* mbuf, const float* vbuf, int64_t from,
+                             int64_t to, float inv_m, float inv_v) {
+  for (int64_t i = from; i < to; ++i) {
+    b.qm[i] = signed_map().quantize_fast(mbuf[i] * inv_m);
+    b.qv[i] = unsigned_map().quantize_fast(vbuf[i] * inv_v);
+  }
+}
+inline float inverse(float absmax) { return absmax > 0 ? 1.0f / absmax : 0.0f; }
+
+void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
+  float new_am = 0.0f, new_av = 0.0f;
+  update_range(b, c, mbuf, vbuf, 0, b.len, new_am, new_av);
+  requantize_range(b, mbuf, vbuf, 0, b.len, inverse(new_am), inverse(new_av));
+  *b.am = new_am;
+  *b.av = new_av;
+}
+
+#if defined(__x86_64__)
+// Note [adam8bit in vectors]: block_scalar 16 elements per instruction. The codes come back by
+// gathers; AdamW's arithmetic runs in the scalar kernel's order (the build has
+// -ffp-contract=off, and sqrt and division round alike); the absmax is kept as std::max keeps it
+// (a NaN never enters); QuantMap::quantize16 is quantize_fast. So every byte and float equals the
+// scalar kernel's (the optimizer tests compare the two bit for bit). A tail of fewer than 16
+// runs scalar.
+__attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coefficients& c,
+                                                     float* mbuf, float* vbuf) {
+  const QuantMap& ms = signed_map();
+  const QuantMap& vs = unsigned_map();
+  const float old_am = *b.am, old_av = *b.av;
+  const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
+               decay = _mm512_set1_ps(c.decay), bc2 = _mm512_set1_ps(c.bc2_sqrt),
+               eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size),
+               scale_m = _mm512_set1_ps(old_am), scale_v = _mm512_set1_ps(old_av);
+  __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
+  const int64_t whole = b.len / 16 * 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512i im =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qm + i)));
+    const __m512i iv =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qv + i)));
+    __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(im, ms.code.data(), 4), scale_m);
+    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(iv, vs.code.data(), 4), scale_v);
+    const __m512 g = _mm512_loadu_ps(b.g + i);
+    m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(g, m)));
+    v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
+    const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    const __m512 p = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(b.p + i), decay),
+                                   _mm512_mul_ps(step, _mm512_div_ps(m, denominator)));
+    _mm512_storeu_ps(b.p + i, p);
+    _mm512_storeu_ps(mbuf + i, m);
+    _mm512_storeu_ps(vbuf + i, v);
+    const __m512 abs_m = _mm512_abs_ps(m);
+    most_m = _mm512_mask_mov_ps(most_m, _mm512_cmp_ps_mask(most_m, abs_m, _CMP_LT_OQ), abs_m);
+    most_v = _mm512_mask_mov_ps(most_v, _mm512_cmp_ps_mask(most_v, v, _CMP_LT_OQ), v);
+  }
+  float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
+  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
+  const float inv_m = inverse(new_am), inv_v = inverse(new_av);
+  const __m512 inv_mv = _mm512_set1_ps(inv_m), inv_vv = _mm512_set1_ps(inv_v);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512i qm = ms.quantize16(_mm512_mul_ps(_mm512_loadu_ps(mbuf + i), inv_mv));
+    const __m512i qv = vs.quantize16(_mm512_mul_ps(_mm512_loadu_ps(vbuf + i), inv_vv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qm + i), _mm512_cvtepi32_epi8(qm));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qv + i), _mm512_cvtepi32_epi8(qv));
+  }
+  requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
+  *b.am = new_am;
+  *b.av = new_av;
+}
+#endif
+
+// The block kernel this CPU runs (LOOM_ADAM8BIT_SCALAR=1 forces the scalar one: the tests
+// compare the two).
+using BlockKernel = void (*)(const Block&, const Coefficients&, float*, float*);
+BlockKernel block_kernel() {
+#if defined(__x86_64__)
+  static const bool vector = __builtin_cpu_supports("avx512f") &&
+                             signed_map().vector_ready() && unsigned_map().vector_ready();
+  const char* scalar = std::getenv("LOOM_ADAM8BIT_SCALAR");
+  if (vector && !(scalar && std::string(scalar) == "1")) return block_avx512;
+#endif
+  return block_scalar;
 }
 
 class Adam8bit final : public UpdateRule {
@@ -96,11 +207,8 @@ class Adam8bit final : public UpdateRule {
     s.param.addcdiv_(m, v.sqrt().div_(c.bc2_sqrt).add_(c.eps), -c.step_size);
   }
 
-  // Per block: dequantize m and v, update p, m, v, keep the new m, v in a block-sized buffer
-  // (L1-resident), take their absmax, requantize. Blocks are independent: threads take ranges.
+  // Per block (block_scalar, or its vector twin): blocks are independent, threads take ranges.
   void update_fused(Segment& s, const Coefficients& c) const {
-    const QuantMap& ms = signed_map();
-    const QuantMap& vs = unsigned_map();
     float* p = s.param.data_ptr<float>();
     const float* g = s.grad.data_ptr<float>();
     uint8_t* qm = s.state_at("exp_avg_q").data_ptr<uint8_t>();
@@ -109,29 +217,14 @@ class Adam8bit final : public UpdateRule {
     float* av = s.state_at("exp_avg_sq_absmax").data_ptr<float>();
     const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / block);
+    const BlockKernel kernel = block_kernel();
     at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
       std::vector<float> mbuf(block), vbuf(block);
       for (int64_t b = first; b < last; ++b) {
-        const int64_t start = b * block, len = std::min(block, n - start);
-        const float old_am = am[b], old_av = av[b];
-        float new_am = 0.0f, new_av = 0.0f;
-        for (int64_t i = 0; i < len; ++i) {
-          const int64_t k = start + i;
-          float m = ms.code[qm[k]] * old_am, v = vs.code[qv[k]] * old_av;
-          adamw_element(p[k], g[k], m, v, c);
-          mbuf[i] = m;
-          vbuf[i] = v;
-          new_am = std::max(new_am, std::fabs(m));
-          new_av = std::max(new_av, v);
-        }
-        const float inv_m = new_am > 0 ? 1.0f / new_am : 0.0f;
-        const float inv_v = new_av > 0 ? 1.0f / new_av : 0.0f;
-        for (int64_t i = 0; i < len; ++i) {
-          qm[start + i] = ms.quantize_fast(mbuf[i] * inv_m);
-          qv[start + i] = vs.quantize_fast(vbuf[i] * inv_v);
-        }
-        am[b] = new_am;
-        av[b] = new_av;
+        const int64_t start = b * block;
+        kernel({p + start, g + start, qm + start, qv + start, am + b, av + b,
+                std::min(block, n - start)},
+               c, mbuf.data(), vbuf.data());
       }
     });
   }

@@ -219,24 +219,26 @@ class Zero final : public loom::Plugin {
           where_offload_, ": [zero] offload_optimizer.device = \"cpu\" on a GPU is not "
           "implemented yet; use device = \"nvme\" (the update runs on the CPU either way)"));
     } else if (offload_.device == "nvme") {
-      // Note [Offload on one rank]: the offloaded driver keeps the state unsharded; on one rank
-      // stages 1-2 shard nothing, so they are that driver too.
-      LOOM_CHECK_AS(ConfigError, stage_ == 0 || (stage_ <= 2 && comm.world_size() == 1),
-                    where_offload_, ": [zero] offload_optimizer with stage ", stage_, " on ",
-                    comm.world_size(), " ranks is not implemented yet: NVMe offload runs "
-                    "unsharded (stage 0, or stages 1-2 on one rank)");
       offload_.nvme.path = engine.resolve_path(offload_.nvme.path);
-      if (comm.world_size() > 1) {
-        // Stage 0 over several ranks: data parallelism on the buckets; each rank's own swap
-        // file (the process id in its name keeps them apart in one folder).
-        buckets_ = std::make_unique<loom::sharding::GradBuckets>(
-            options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
-      }
       loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
                       offload_.nvme.path, ")");
-      auto offloaded = loom::offload::make_offloaded_step_driver(options, offload_);
-      offloaded_ = offloaded.get();
-      return offloaded;
+      if (stage_ == 0) {
+        // Data parallelism on the buckets, and every rank its own swap file holding all the
+        // state (the process id in its name keeps them apart in one folder).
+        if (comm.world_size() > 1)
+          buckets_ = std::make_unique<loom::sharding::GradBuckets>(
+              options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+        auto offloaded = loom::offload::make_offloaded_step_driver(options, offload_);
+        offloaded_ = offloaded.get();
+        return offloaded;
+      }
+      // Stages 1-3: the ZeRO driver with its rank's pieces in a swap file (Note [Offloaded
+      // ZeRO]).
+      for (const auto& p : options.params)
+        LOOM_CHECK_AS(ConfigError, !p.placed(), where_offload_, ": [zero] offload_optimizer "
+                      "does not take parameters placed on some ranks only ('", p.name,
+                      "': expert parallelism); offload without [moe] expert_parallel_size > 1");
+      options_.offload = offload_;
     }
     if (stage_ == 0) {
       buckets_ = std::make_unique<loom::sharding::GradBuckets>(
@@ -314,7 +316,8 @@ class Zero final : public loom::Plugin {
       baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
-      if (measured_ || (!driver_ && !buckets_)) return;
+      // Offloaded state is on NVMe, outside the formula's memory.
+      if (measured_ || (!driver_ && !buckets_) || offload_.device == "nvme") return;
       measured_ = true;
       const int64_t measured =
           loom::memory::device_stats(e.device()).current_bytes - baseline_bytes_;
@@ -335,9 +338,11 @@ class Zero final : public loom::Plugin {
         driver_->gather_all_weights();
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
-      if (offloaded_ && !e.state().skip_update) {
+      const loom::offload::OffloadStats* stats =
+          offloaded_ ? &offloaded_->last_stats() : driver_ ? driver_->offload_stats() : nullptr;
+      if (stats && !e.state().skip_update) {
         // Note [Pipelined update]: how much of the swap file's I/O the rule's compute hid.
-        const auto s = offloaded_->last_stats();
+        const auto& s = *stats;
         e.state().metrics.emplace_back("offload_update_s", s.update_seconds);
         e.state().metrics.emplace_back("offload_compute_s", s.compute_seconds);
         e.state().metrics.emplace_back("offload_io_wait_s", s.io_wait_seconds);

@@ -74,6 +74,8 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
   group_of_.resize(params_.size());
   ready_.assign(params_.size(), false);
   at::NoGradGuard no_grad;
+  const bool offloaded = options_.offload.device == "nvme";
+  std::vector<offload::SwapSegment> swap_segments;
   for (size_t m = 0; m < members.size(); ++m) {
     const auto& list = members[m];
     Group group;
@@ -88,7 +90,11 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       for (const Piece& piece : group.plan.ranks[r]) placements_[piece.tensor].push_back({g, r, piece});
     for (size_t index : list) group_of_[index] = g;
     group.pending = list.size();
-    if (separate_master_) group.master = at::zeros({group.plan.chunk}, fp32);
+    if (separate_master_ && offloaded) {
+      if (!group.sharded) group.values = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
+    } else if (separate_master_) {
+      group.master = at::zeros({group.plan.chunk}, fp32);
+    }
     if (options_.stage >= 2)
       group.grad = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
     // Stage 3: the chunk, then one element that travels with every gather: the unit's position,
@@ -109,6 +115,23 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       segment.offset = piece.offset;
       segment.group = p.group;
       if (group.sharded) group.shard.narrow(0, piece.chunk_offset, piece.numel).copy_(flat);
+      if (offloaded) {  // Note [Offloaded ZeRO]: the swap file holds its master and state
+        if (group.values.defined())
+          group.values.narrow(0, piece.chunk_offset, piece.numel).copy_(flat);
+        offload::SwapSegment swapped;
+        swapped.name = segment.name;
+        swapped.shape = segment.shape;
+        swapped.offset = segment.offset;
+        swapped.numel = piece.numel;
+        swapped.group = segment.group;
+        if (!separate_master_ && device_.is_cpu())
+          swapped.in_place = group.sharded ? group.shard.narrow(0, piece.chunk_offset, piece.numel)
+                                           : flat;
+        swap_segments.push_back(std::move(swapped));
+        swapped_.emplace_back(groups_.size(), group.segments.size());
+        group.segments.push_back(std::move(segment));
+        continue;
+      }
       if (separate_master_) {
         segment.param = group.master.narrow(0, piece.chunk_offset, piece.numel);
         segment.param.copy_(flat);
@@ -140,6 +163,12 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       release(g);
     }
   }
+  if (offloaded) {
+    // Every piece's first master from the values kept in memory (the shard, the values chunk,
+    // or the weights themselves), written one at a time.
+    swap_ = std::make_unique<offload::SegmentSwap>(rule_, std::move(swap_segments), options_.offload);
+    for (size_t i = 0; i < swapped_.size(); ++i) swap_->initialise(i, values_of(i));
+  }
   unit_position_.assign(groups_.size(), 0);
   for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -166,6 +195,7 @@ std::string ZeroDriver::describe() const {
       << " trainable elements, " << padded / world_ << " per rank (padding "
       << 100.0 * static_cast<double>(padded - numel) / static_cast<double>(std::max<int64_t>(1, numel))
       << " %)" << (separate_master_ ? ", fp32 masters sharded" : "");
+  if (swap_) out << "; masters and state on NVMe: " << swap_->describe();
   if (options_.stage == 3)
     out << "; weights sharded in " << unit_order_.size() << " unit(s), "
         << groups_.size() - unit_order_.size() << " group(s) kept whole";
@@ -532,17 +562,7 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
         if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
         accumulators.push_back(accumulator);
       }
-      if (world_ > 1) {
-        std::vector<at::Tensor> flat;
-        for (const auto& a : accumulators) flat.push_back(a.reshape(-1).to(comm_.device()));
-        at::Tensor all = at::cat(flat);
-        comm_.all_reduce(all, ReduceOp::sum)->wait();
-        int64_t at = 0;
-        for (auto& a : accumulators) {
-          a.copy_(all.narrow(0, at, a.numel()).view(a.sizes()));
-          at += a.numel();
-        }
-      }
+      reduce_accumulators(accumulators);
       for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
     }
     for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
@@ -550,11 +570,97 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
   for (const Held& h : held) h.segment->grad = at::Tensor();
 }
 
+void ZeroDriver::reduce_accumulators(std::vector<at::Tensor>& accumulators) {
+  if (world_ == 1) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& a : accumulators) flat.push_back(a.reshape(-1).to(comm_.device()));
+  at::Tensor all = at::cat(flat);
+  comm_.all_reduce(all, ReduceOp::sum)->wait();
+  int64_t at = 0;
+  for (auto& a : accumulators) {
+    a.copy_(all.narrow(0, at, a.numel()).view(a.sizes()));
+    at += a.numel();
+  }
+}
+
+at::Tensor ZeroDriver::values_of(size_t i) const {
+  const auto [g, k] = swapped_[i];
+  const Group& group = groups_[g];
+  const Piece& piece = group.plan.ranks[rank_][k];
+  if (group.sharded) return group.shard.narrow(0, piece.chunk_offset, piece.numel);
+  if (group.values.defined()) return group.values.narrow(0, piece.chunk_offset, piece.numel);
+  return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+}
+
+// Note [Offloaded ZeRO]: the same rule calls as run_rule, one segment at a time as the walk
+// brings them in (the rules are elementwise or blockwise within a segment, so the result does
+// not depend on how segments are batched).
+void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
+  std::vector<at::Tensor> grads(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::Tensor& grad = groups_[g].grad;
+    LOOM_INTERNAL_ASSERT(grad.defined(), "ZeRO update without a reduced gradient");
+    grads[g] = grad.scalar_type() == at::kFloat && grad.is_cpu() ? grad : grad.to(at::kCPU, at::kFloat);
+  }
+  auto piece_of = [&](size_t i) -> const Piece& {
+    return groups_[swapped_[i].first].plan.ranks[rank_][swapped_[i].second];
+  };
+  auto with_grad = [&](size_t i, Segment& segment) {
+    const Piece& piece = piece_of(i);
+    segment.grad = grads[swapped_[i].first].narrow(0, piece.chunk_offset, piece.numel);
+  };
+  auto store = [&](size_t i, const Segment& segment) {
+    if (swap_->separate_master(i)) values_of(i).copy_(segment.param);
+  };
+  std::vector<UpdateContext> contexts;
+  for (size_t i = 0; i < params_.size(); ++i)
+    contexts.push_back(update_context(params_[i], step, lr, weight_decay_));
+  if (rule_.reduction_rounds() == 0) {
+    swap_->walk([&](size_t i, Segment& segment) {
+      with_grad(i, segment);
+      const UpdateContext& context = contexts[piece_of(i).tensor];
+      rule_.update_many({&segment}, context);
+      store(i, segment);
+      return true;
+    });
+    return;
+  }
+  const auto empty = at::TensorOptions().dtype(at::kFloat);
+  for (int round = 0; round < rule_.reduction_rounds(); ++round) {
+    std::vector<at::Tensor> accumulators(params_.size());
+    swap_->walk([&](size_t i, Segment& segment) {  // reading only
+      with_grad(i, segment);
+      const size_t index = piece_of(i).tensor;
+      accumulators[index] = rule_.make_accumulator(segment, round);
+      rule_.accumulate(segment, contexts[index], round, accumulators[index]);
+      return false;
+    });
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (accumulators[i].defined()) continue;
+      Segment stand_in;  // no piece here: the shape of the accumulator, nothing to add
+      stand_in.name = params_[i].name;
+      stand_in.shape = tensors_[i].shape;
+      stand_in.group = params_[i].group;
+      stand_in.param = at::empty({0}, empty);
+      stand_in.grad = at::empty({0}, empty);
+      accumulators[i] = rule_.make_accumulator(stand_in, round);
+    }
+    reduce_accumulators(accumulators);
+    for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
+  }
+  swap_->walk([&](size_t i, Segment& segment) {
+    with_grad(i, segment);
+    rule_.update(segment, contexts[piece_of(i).tensor]);
+    store(i, segment);
+    return true;
+  });
+}
+
 at::Tensor ZeroDriver::chunk_values(const Group& group) const {
+  if (group.values.defined()) return group.values;
   if (separate_master_) return group.master.to(weight_dtype_);
-  at::Tensor out = at::zeros({group.plan.chunk}, group.segments.empty()
-                                                     ? at::TensorOptions().dtype(weight_dtype_).device(device_)
-                                                     : group.segments.front().param.options());
+  at::Tensor out =
+      at::zeros({group.plan.chunk}, at::TensorOptions().dtype(weight_dtype_).device(device_));
   for (const Piece& piece : group.plan.ranks[rank_])
     out.narrow(0, piece.chunk_offset, piece.numel)
         .copy_(params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel));
@@ -587,7 +693,7 @@ void ZeroDriver::all_gather_params() {
   };
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
-      if (separate_master_)
+      if (groups_[g].master.defined())  // offloaded masters wrote their shard already
         groups_[g].shard.narrow(0, 0, groups_[g].plan.chunk).copy_(groups_[g].master);
       continue;
     }
@@ -617,7 +723,8 @@ void ZeroDriver::update(int64_t step, double lr) {
       group.gather_work.reset();
       group.gathering = at::Tensor();
     }
-  run_rule(step, lr);
+  if (swap_) run_rule_offloaded(step, lr);
+  else run_rule(step, lr);
   all_gather_params();
   if (options_.stage == 1)
     for (auto& group : groups_) group.grad = at::Tensor();
@@ -625,25 +732,44 @@ void ZeroDriver::update(int64_t step, double lr) {
 
 // ---- checkpoints and bytes ----
 
+void ZeroDriver::add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const {
+  const size_t index = groups_[g].plan.ranks[rank_][k].tensor;
+  const int64_t n = segment.param.numel(), numel = tensors_[index].numel();
+  for (const auto& [key, tensor] : segment.state) {
+    const at::Tensor* whole = nullptr;
+    for (const auto& [wkey, wtensor] : whole_state_[index])
+      if (wkey == key) whole = &wtensor;
+    LOOM_INTERNAL_ASSERT(whole, "rule ", rule_.name(), " made state '", key,
+                         "' for a piece but not for the whole tensor");
+    out.push_back(state_piece("state/" + segment.name + "/" + key, tensor, *whole, segment.offset,
+                              n, numel));
+  }
+  if (separate_master_)
+    out.push_back({"master/" + segment.name, segment.param, {numel}, segment.offset});
+}
+
 StatePieces ZeroDriver::state_pieces() const {
   StatePieces out;
-  for (const auto& group : groups_)
-    for (size_t k = 0; k < group.segments.size(); ++k) {
-      const Segment& segment = group.segments[k];
-      const size_t index = group.plan.ranks[rank_][k].tensor;
-      const int64_t n = segment.param.numel(), numel = tensors_[index].numel();
-      for (const auto& [key, tensor] : segment.state) {
-        const at::Tensor* whole = nullptr;
-        for (const auto& [wkey, wtensor] : whole_state_[index])
-          if (wkey == key) whole = &wtensor;
-        LOOM_INTERNAL_ASSERT(whole, "rule ", rule_.name(), " made state '", key,
-                             "' for a piece but not for the whole tensor");
-        out.push_back(state_piece("state/" + segment.name + "/" + key, tensor, *whole,
-                                  segment.offset, n, numel));
-      }
-      if (separate_master_)
-        out.push_back({"master/" + segment.name, segment.param, {numel}, segment.offset});
+  if (swap_) {
+    // Note [Offloaded ZeRO]: streamed, each piece read from the file when the checkpoint writer
+    // reaches it (add_pieces makes the state pieces in the segment's order, then the master).
+    const offload::SegmentSwap* swap = swap_.get();
+    for (size_t i = 0; i < swapped_.size(); ++i) {
+      const Segment meta = swap->meta_segment(i);
+      StatePieces pieces;
+      add_pieces(swapped_[i].first, swapped_[i].second, meta, pieces);
+      size_t at = 0;
+      for (const auto& [key, tensor] : meta.state)
+        pieces.at(at++).load = [swap, i, key = key] { return swap->read(i, key); };
+      if (separate_master_) pieces.at(at++).load = [swap, i] { return swap->read(i, ""); };
+      LOOM_INTERNAL_ASSERT(at == pieces.size(), "offloaded pieces out of step");
+      for (auto& piece : pieces) out.push_back(std::move(piece));
     }
+  } else {
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t k = 0; k < groups_[g].segments.size(); ++k)
+        add_pieces(g, k, groups_[g].segments[k], out);
+  }
   // Stage 3: the weights exist only as chunks.
   for (const auto& group : groups_) {
     if (!group.sharded) continue;
@@ -657,9 +783,29 @@ StatePieces ZeroDriver::state_pieces() const {
 
 void ZeroDriver::load_state(StateReader& reader) {
   at::NoGradGuard no_grad;
-  for (const auto& piece : state_pieces()) {
+  auto read = [&](const StatePiece& piece) {
     at::Tensor into = piece.tensor;
     reader.read(piece.name, piece.global_shape, piece.offset, into);
+  };
+  if (swap_) {
+    // Stage 3's weight pieces first: an offloaded master then overwrites its shard with its
+    // own values, as all_gather_params does in memory.
+    for (const auto& group : groups_)
+      if (group.sharded)
+        for (const Piece& piece : group.plan.ranks[rank_])
+          read({"weight/" + params_[piece.tensor].name,
+                group.shard.narrow(0, piece.chunk_offset, piece.numel),
+                {tensors_[piece.tensor].numel()}, piece.offset});
+    // Streams: each segment read into a buffer, filled from the checkpoint, written back.
+    swap_->each([&](size_t i, Segment& segment) {
+      StatePieces pieces;
+      add_pieces(swapped_[i].first, swapped_[i].second, segment, pieces);
+      for (const auto& piece : pieces) read(piece);
+      if (swap_->separate_master(i)) values_of(i).copy_(segment.param);
+      return true;
+    });
+  } else {
+    for (const auto& piece : state_pieces()) read(piece);
   }
   // Pieces other ranks hold are theirs to read; anything no rank of this job has a place for
   // is an error on every rank.
@@ -679,6 +825,7 @@ void ZeroDriver::load_state(StateReader& reader) {
 }
 
 int64_t ZeroDriver::state_bytes() const {
+  if (swap_) return swap_->buffer_bytes();  // what stays in memory; the state is on NVMe
   int64_t bytes = 0;
   for (const auto& group : groups_)
     for (const auto& segment : group.segments)
@@ -690,6 +837,7 @@ int64_t ZeroDriver::master_bytes() const {
   int64_t bytes = 0;
   for (const auto& group : groups_)
     if (group.master.defined()) bytes += group.master.numel() * 4;
+    else if (group.values.defined()) bytes += group.values.nbytes();  // offloaded masters' values
   return bytes;
 }
 

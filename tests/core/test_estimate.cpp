@@ -1,6 +1,7 @@
 // `loom estimate` (loom/estimate.h): the model-state arithmetic against the ZeRO paper's
 // published numbers, the job estimate against the peak the same job measures when it trains
-// (every precision), the largest batch for a budget, and bad input.
+// (every precision), the largest batch for a budget, [train] auto_find_batch_size, and bad
+// input.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -129,6 +130,66 @@ TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
   const double budget = fp32.peak - a.per_sample * 12 + a.per_sample * 40.5;
   EXPECT_EQ(estimate::largest_batch(report, budget), 40);
   EXPECT_EQ(estimate::largest_batch(report, fp32.model_states() * 0.5), 0);
+}
+
+TEST(Estimate, BatchPlansKeepTheSamplesPerStep) {
+  auto plan = [](int64_t effective, int64_t fits) {
+    const auto p = estimate::plan_batch(effective, fits);
+    return std::pair{p.batch, p.accumulation};
+  };
+  EXPECT_EQ(plan(16, 112), (std::pair<int64_t, int64_t>{16, 1}));  // never past the job's
+  EXPECT_EQ(plan(64, 40), (std::pair<int64_t, int64_t>{32, 2}));   // a multiple of 8
+  EXPECT_EQ(plan(96, 40), (std::pair<int64_t, int64_t>{32, 3}));
+  EXPECT_EQ(plan(24, 7), (std::pair<int64_t, int64_t>{6, 4}));     // below 8: a divisor
+  EXPECT_EQ(plan(100, 30), (std::pair<int64_t, int64_t>{25, 4}));  // no multiple of 8 divides
+  EXPECT_EQ(plan(7, 3), (std::pair<int64_t, int64_t>{1, 7}));
+  EXPECT_EQ(plan(16, 0), (std::pair<int64_t, int64_t>{0, 0}));
+  EXPECT_DOUBLE_EQ(estimate::parse_size("x", "20GiB"), 20.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(estimate::parse_size("x", "1.5e9"), 1.5e9);
+  EXPECT_DOUBLE_EQ(estimate::parse_size("x", "512MB"), 512e6);
+  EXPECT_THROW_WITH(estimate::parse_size("--budget", "lots"), ConfigError, "--budget",
+                    "positive size", "'lots'");
+  EXPECT_THROW_WITH(estimate::parse_size("--budget", "-1GiB"), ConfigError, "'-1GiB'");
+}
+
+// [train] auto_find_batch_size: the batch the estimate says fits the budget, the samples per
+// step kept; what the engine then trains with.
+TEST(Estimate, AutoFindBatchSizeTakesTheLargestBatchThatFits) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  const std::string text = test::tiny_gpt_job((dir.path() / "run").string());
+  std::ofstream(job) << text;
+  // 4 x 8 = 32 samples per step.
+  auto shape = with(with(kShape, "train.per_device_train_batch_size=4"),
+                    "train.gradient_accumulation_steps=8");
+  estimate::Options options;
+  options.job_precision_only = true;
+  const estimate::Report report = estimate::estimate_job(job, shape, options);
+  const auto& a = report.activations[0];
+  ASSERT_TRUE(a.measured) << a.note;
+  EXPECT_FALSE(report.activations[1].measured);  // the job's precision only
+  const estimate::Row one = estimate::row(report.model, 0, Offload::none, Precision::fp32, 1, a,
+                                          0, true);
+  auto chosen = [&](double budget) {
+    auto trainer = Trainer::from_text(
+        text, dir.path(),
+        with(with(shape, "train.auto_find_batch_size=true"),
+             "train.memory_budget=\"" + std::to_string(static_cast<int64_t>(budget)) + "B\""));
+    trainer->setup();
+    const auto& train = trainer->engine().section("train");
+    return std::pair{train.get_int("per_device_train_batch_size"),
+                     train.get_int("gradient_accumulation_steps")};
+  };
+  // Room for 13.5 samples: 13 fit, so 8 x 4; for 40: all 32 in one micro-batch.
+  ASSERT_LT(one.setup_peak, one.device + a.per_sample * 13.5);
+  EXPECT_EQ(chosen(one.device + a.per_sample * 13.5), (std::pair<int64_t, int64_t>{8, 4}));
+  EXPECT_EQ(chosen(one.device + a.per_sample * 40), (std::pair<int64_t, int64_t>{32, 1}));
+  EXPECT_THROW_WITH(chosen(one.model_states() * 0.5), ConfigError, "memory_budget",
+                    "not even one sample");
+  EXPECT_THROW_WITH(Trainer::from_text(text, dir.path(),
+                                       with(with(shape, "train.auto_find_batch_size=true"),
+                                            "train.memory_budget=\"lots\"")),
+                    ConfigError, "memory_budget", "'lots'");
 }
 
 TEST(Estimate, BadInputIsNamed) {

@@ -7,8 +7,10 @@
 # per step; a 4-rank stage-3 checkpoint resumes on 2 and 3 ranks (weights and optimizer state
 # resharded) to the uninterrupted run's parameters, and `loom consolidate` of it is the
 # single-process model in a file Python reads; a missing or foreign shard, bad [zero] keys and
-# stage 3 without units are clear errors. Parameters are compared through `loom consolidate`
-# (stage 3 checkpoints hold no whole weights; bf16 runs compare their fp32 masters).
+# stage 3 without units are clear errors; optimizer state offloaded to NVMe at stages 0-3 is
+# bitwise the in-memory runs; auto_find_batch_size agrees over ranks. Parameters are compared
+# through `loom consolidate` (stage 3 checkpoints hold no whole weights; bf16 runs compare their
+# fp32 masters).
 # usage: zero_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 build=$1 src=$2 python=$3
@@ -247,21 +249,53 @@ expect_error "another rule" "holds optimizer state of 'adamw' but the job uses '
   "$loom" run "$job" --set "train.output_dir=$work/other" --set zero.stage=2 --set optimizer.name=lion \
   --set train.max_steps=22 --set train.resume=latest
 
-# NVMe offload of the optimizer state at stage 0 over 2 ranks: each rank its own swap file in
-# one folder; bitwise the in-memory run; the files gone after. Sharded offload is refused.
+# NVMe offload of the optimizer state (Note [Offloaded ZeRO]): stage 0 over 2 ranks (each rank
+# its own swap file holding all), and stages 1-3 (each rank its pieces) for adamw, adafactor and
+# adam8bit, and bf16 weights (fp32 masters in the file) at stage 3: bitwise the in-memory runs
+# above; the swap files gone after.
 mkdir -p "$work/swap"
-offload=(--set optimizer.eps=1e-5 --set zero.stage=0)
-if ranks mpi 2 "$work/off-memory" "${offload[@]}" &&
-   ranks mpi 2 "$work/off-nvme" "${offload[@]}" \
-     --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$work/swap\", queue_depth=4}" &&
-   d=$(same_params "$work/off-memory" "$work/off-nvme" 0) && [[ $d == *bitwise* ]] &&
-   [ -z "$(ls -A "$work/swap")" ]; then
-  ok "NVMe-offloaded optimizer state, stage 0 on 2 ranks == in memory ($d)"
-else fail "offload on 2 ranks: ${d:-} $(tail -3 "$work/off-nvme.log")"; fi
-expect_error "sharded offload" "offload_optimizer with stage 2 on 2 ranks is not implemented yet" \
-  timeout 120 mpirun --oversubscribe --bind-to none -np 2 "$loom" run "$job" \
-  --set "train.output_dir=$work/off-bad" --set zero.stage=2 \
-  --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$work/swap\"}"
+nvme=(--set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$work/swap\", queue_depth=4, buffer_count=3}")
+offload_case() {  # NAME BACKEND IN-MEMORY-RUN ARGS...
+  local name=$1 backend=$2 memory=$3 out="$work/off-${1// /-}" d=""; shift 3
+  if ranks "$backend" 2 "$out" "$@" "${nvme[@]}" &&
+     d=$(same_params "$memory" "$out" 0) && [[ $d == *bitwise* ]] && [ -z "$(ls -A "$work/swap")" ]; then
+    ok "NVMe-offloaded optimizer state, $name on 2 ranks ($backend) == in memory ($d)"
+  else fail "offload $name: ${d:-} $(grep -v '^\s*$' "$out.log" | tail -3)"; fi
+}
+ranks mpi 2 "$work/off-memory" --set optimizer.eps=1e-5 --set zero.stage=0 ||
+  fail "stage 0 in memory: $(tail -3 "$work/off-memory.log")"
+offload_case "stage 0" mpi "$work/off-memory" --set optimizer.eps=1e-5 --set zero.stage=0
+for rule in adamw adafactor adam8bit; do
+  # shellcheck disable=SC2086
+  sets=(${rule_sets[$rule]})
+  for stage in 1 2 3; do
+    backend=mpi; [ $stage -eq 2 ] && backend=gloo  # as check_rule ran them
+    offload_case "$rule stage $stage" $backend "$work/$rule-s$stage-n2" "${sets[@]}" --set zero.stage=$stage
+  done
+done
+offload_case "bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
+  --set train.gradient_accumulation_steps=1
+
+# [train] auto_find_batch_size on 2 ranks: each rank probes alone (Note [Solo probes]) and both
+# take the job's 2 x 4 samples per step in one micro-batch; ranks that choose differently (here
+# from different jobs' samples per step) are an error naming the key, not a silent mismatch.
+auto=(--set train.auto_find_batch_size=true --set 'train.memory_budget="4GiB"' --set train.log_level='"info"')
+if ranks mpi 2 "$work/auto" --set optimizer.eps=1e-5 --set train.gradient_accumulation_steps=4 "${auto[@]}" &&
+   [ "$(grep -c "auto_find_batch_size: per_device_train_batch_size = 8, gradient_accumulation_steps = 1" "$work/auto.log")" -eq 2 ] &&
+   [ -d "$work/auto/checkpoint-20" ]; then ok "auto_find_batch_size on 2 ranks: 8 x 1 on both"
+else fail "auto_find_batch_size on 2 ranks: $(tail -3 "$work/auto.log")"; fi
+port=$((port + 1))
+for r in 0 1; do
+  env -u RANK -u WORLD_SIZE SLURM_PROCID=$r SLURM_LOCALID=$r SLURM_NTASKS=2 SLURM_NTASKS_PER_NODE=2 \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 120 "$loom" run "$job" --set "train.output_dir=$work/auto-split" \
+    --set 'distributed.backend="gloo"' --set train.gradient_accumulation_steps=4 \
+    --set "train.per_device_train_batch_size=$((r + 1))" "${auto[@]}" >"$work/auto-split$r.log" 2>&1 &
+  eval "apid$r=$!"
+done
+wait $apid0; a0=$?; wait $apid1; a1=$?
+if [ $a0 -ne 0 ] && [ $a1 -ne 0 ] && grep -q "auto_find_batch_size chose per-device batches from 4 to 8" "$work/auto-split0.log"; then
+  ok "auto_find_batch_size: ranks that chose differently are an error"
+else fail "auto_find_batch_size disagreement (exit $a0, $a1): $(tail -3 "$work/auto-split0.log")"; fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -149,6 +149,18 @@ if grep -q "<- this job" <<<"$est" && grep -q "per_device_train_batch_size = [0-
    && [ ! -e "$est_out" ]; then ok "estimate: the demo job, a budget"
 else fail "estimate of the demo: $est"; fi
 expect_error "estimate needs a job or --params" "loom estimate needs a job file" "$loom" estimate
+expect_error "estimate: --budget needs the probe" "--budget needs the probe" \
+  "$loom" estimate "$src/examples/demo.toml" --no-probe --budget 1GiB
+# [train] auto_find_batch_size: the demo's 16 samples per step fit 2 GiB in one micro-batch; a
+# budget below its model states is an error before anything trains.
+auto=$("$loom" run "$src/examples/demo.toml" --set "train.output_dir=$work/auto" --set train.max_steps=2 \
+  --set train.auto_find_batch_size=true --set 'train.memory_budget="2GiB"' --set train.log_level='"info"' 2>&1)
+if grep -q "auto_find_batch_size: per_device_train_batch_size = 16, gradient_accumulation_steps = 1" <<<"$auto" &&
+   [ -d "$work/auto/checkpoint-2" ]; then ok "run: auto_find_batch_size"
+else fail "auto_find_batch_size: $auto"; fi
+expect_error "run: auto_find_batch_size under budget" "not even one sample per micro-batch fits" \
+  "$loom" run "$src/examples/demo.toml" --set "train.output_dir=$work/auto-small" \
+  --set train.auto_find_batch_size=true --set 'train.memory_budget="1MiB"'
 expect_error "estimate: --budget needs a job" "--budget needs a job file" \
   "$loom" estimate --params 1e9 --budget 10GiB
 expect_error "estimate: a bad world size" "--world-size takes a rank count >= 1" \

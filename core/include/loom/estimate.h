@@ -70,6 +70,7 @@ struct Options {
   bool probe = true;            // run the probes (else model states only)
   double budget_bytes = 0;      // > 0: also the largest batch that fits (auto_find_batch_size)
   int buffer_count = 4;         // NVMe offload buffers
+  bool job_precision_only = false;  // probe the job's own precision only (auto_find_batch_size)
 };
 
 struct Report {
@@ -103,9 +104,21 @@ Report estimate_job(const std::filesystem::path& job, const std::vector<std::str
 // states only, every parameter trainable.
 Report estimate_params(double params, const Options& options);
 
-// The largest per-device batch, a multiple of 8 (or the largest below 8 that fits), whose
-// estimated peak in `r`'s job configuration fits `budget_bytes`; 0 if none does.
+// The largest per-device batch whose estimated peak in `r`'s job configuration fits
+// `budget_bytes`; 0 if none does.
 int64_t largest_batch(const Report& r, double budget_bytes);
+
+// A per-device batch and accumulation that keep a job's samples per step and rank
+// (`effective`) exact with at most `fits` samples per micro-batch: the largest multiple of 8
+// (the seed guide's advice) dividing `effective`, else its largest divisor; {0, 0} if fits < 1.
+struct BatchPlan {
+  int64_t batch = 0, accumulation = 0;
+};
+BatchPlan plan_batch(int64_t effective, int64_t fits);
+
+// "20GiB", "512MB", "1e9": bytes (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal); a
+// ConfigError naming `what` for anything else, or a size that is not positive.
+double parse_size(const std::string& what, const std::string& text);
 
 // The table `loom estimate` prints.
 std::string format(const Report& report);

@@ -21,7 +21,7 @@
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 8u
+#define LOOM_PLUGIN_API_VERSION 9u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)

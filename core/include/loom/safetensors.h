@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -24,6 +25,20 @@ using Metadata = std::map<std::string, std::string>;
 // Tensors are written contiguous, on the CPU, in their dtype. Names must be unique.
 void save(const std::filesystem::path& file, const NamedTensors& tensors,
           const Metadata& metadata = {});
+
+// A tensor whose values are produced when the writer reaches it: the header needs only its
+// dtype and shape, so a file larger than memory is written one tensor at a time (an offloaded
+// optimizer state read back from its swap file piece by piece). `produce` is called once, in
+// file order, and must return a tensor of that dtype and shape (any device).
+struct StreamedTensor {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> produce;
+};
+// As save (atomic, the same format), holding one tensor at a time.
+void save_streamed(const std::filesystem::path& file, const std::vector<StreamedTensor>& tensors,
+                   const Metadata& metadata = {});
 
 struct Contents {
   NamedTensors tensors;  // in file order (sorted by offset)

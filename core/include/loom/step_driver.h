@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,10 @@ struct StatePiece {
   // For a flattened tensor (global_shape {numel}): its own shape, which `loom consolidate`
   // restores ("weight/<param>" pieces of sharded weights). Empty: global_shape is the shape.
   std::vector<int64_t> tensor_shape = {};
+  // Set for a piece that is not in memory (state offloaded to NVMe): `tensor` then only
+  // describes it (dtype and shape, on the meta device), and load() reads its values; the
+  // checkpoint writer calls it once, when it writes the piece (safetensors::save_streamed).
+  std::function<at::Tensor()> load = {};
 };
 using StatePieces = std::vector<StatePiece>;
 

@@ -457,6 +457,72 @@ TEST(OptimQuantization, TableQuantizeEqualsTheSearchForEveryFloatTried) {
   }
 }
 
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void quantize16(const optim::QuantMap& map, const float* y,
+                                                   uint8_t* out) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm512_cvtepi32_epi8(map.quantize16(_mm512_loadu_ps(y))));
+}
+#endif
+
+// Note [Quantize in vectors]: 16 lanes at a time, quantize16 gives quantize_fast's byte for every
+// float tried (the stride through all bit patterns, and every threshold and code with its
+// neighbours, in every lane position).
+TEST(OptimQuantization, VectorQuantizeEqualsTheTableForEveryFloatTried) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx512f")) GTEST_SKIP() << "no AVX-512 on this CPU";
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
+    ASSERT_TRUE(map.vector_ready());
+    std::vector<float> values;
+    for (uint64_t bits = 0; bits < (1ull << 32); bits += 997) {
+      float y;
+      const auto b = static_cast<uint32_t>(bits);
+      std::memcpy(&y, &b, sizeof y);
+      values.push_back(y);
+    }
+    for (int i = 0; i < 256; ++i)
+      for (float x : {map.threshold[i], map.code[i]})
+        for (float sign : {1.0f, -1.0f})
+          for (float v : {sign * x, std::nextafter(sign * x, -INFINITY),
+                          std::nextafter(sign * x, INFINITY)})
+            values.push_back(v);
+    for (float y : {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, 2.0f, INFINITY, -INFINITY, NAN})
+      values.push_back(y);
+    for (int shift = 0; shift < 16; shift += 5) {  // each value in several lanes
+      for (size_t at = shift; at + 16 <= values.size(); at += 16) {
+        uint8_t got[16];
+        quantize16(map, values.data() + at, got);
+        for (int lane = 0; lane < 16; ++lane)
+          ASSERT_EQ(got[lane], map.quantize_fast(values[at + lane])) << "y = " << values[at + lane];
+      }
+    }
+  }
+#else
+  GTEST_SKIP() << "not x86-64";
+#endif
+}
+
+// Note [adam8bit in vectors]: the vector kernel and the scalar one (LOOM_ADAM8BIT_SCALAR=1) give
+// the same parameters after every step (each step reads back every state byte the last one
+// wrote), bit for bit, over blocks with tails of every kind.
+TEST(OptimQuantization, Adam8bitVectorKernelEqualsTheScalarOne) {
+  // 64-element blocks; 23 and 9 leave tails shorter than a vector in the last block.
+  const Problem problem = make_problem({{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}}, 6, 11);
+  auto rule = make_rule("adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{8}}});
+  auto run = [&](bool scalar) {
+    if (scalar) setenv("LOOM_ADAM8BIT_SCALAR", "1", 1);
+    auto out = run_rule(*rule, problem, 1e-3, 0.01);
+    unsetenv("LOOM_ADAM8BIT_SCALAR");
+    return out;
+  };
+  const Trajectory vector = run(false), scalar = run(true);
+  ASSERT_EQ(vector.size(), scalar.size());
+  for (size_t step = 0; step < vector.size(); ++step)
+    for (size_t i = 0; i < vector[step].size(); ++i)
+      ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i])) << "step " << step << " tensor " << i;
+}
+
 // Each value comes back within half the gap between the two codes around it (nearest
 // rounding), scaled by its block's absmax; the absmax element comes back exactly.
 TEST(OptimQuantization, RoundTripErrorIsWithinTheMapsBound) {

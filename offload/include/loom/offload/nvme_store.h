@@ -16,8 +16,8 @@
 // Note [I/O thread]: one thread per store drives the ring: it keeps up to queue_depth block
 // requests submitted and reaps their completions, so I/O proceeds while the caller computes
 // (read chunk i+1 and write chunk i-1 while updating chunk i). The kernel does the transfers;
-// the thread only submits and reaps. Tickets are waited for on the caller's thread, which also
-// computes and checks the checksums.
+// the thread submits, reaps, and computes and checks the checksums of what landed (Note
+// [Checksums off the caller] in nvme_store.cpp). Tickets are waited for on the caller's thread.
 #pragma once
 
 #include <cstdint>
@@ -76,7 +76,7 @@ class SwapFile {
   SwapFile& operator=(const SwapFile&) = delete;
 
   // A region of `bytes` (its file range rounded up to kAlignment); regions are laid out in
-  // order. More than the capacity reserved: an error.
+  // order. More than the capacity reserved: an error. All regions come before any I/O.
   int64_t allocate(int64_t bytes);
   int64_t region_bytes(int64_t region) const;
 

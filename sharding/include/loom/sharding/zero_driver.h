@@ -19,6 +19,15 @@
 // Then each rank updates its chunk (rules with whole-tensor statistics — Adafactor — add their
 // partial sums over ranks), and every whole-kept group's updated values are all-gathered into
 // the parameters, at most allgather_bucket_size bytes in flight.
+//
+// Note [Offloaded ZeRO]: with offload_optimizer on NVMe the rank's pieces are the segments of a
+// SegmentSwap (loom/offload/segment_swap.h): their fp32 masters and state live in the rank's
+// swap file and the update walks them through a few buffers (Note [Pipelined update]), the rule
+// running on the same bytes as in memory, so the weights are bitwise the in-memory run's. What
+// the all-gather sends stays in memory in the weights' dtype: the chunk's new values are written
+// into the stage-3 shard, or (other groups with non-fp32 weights) a values chunk; fp32 CPU
+// weights are updated in place as without offload. Rules with whole-tensor statistics walk the
+// file once per reduction round, reading only, before the updating walk.
 #pragma once
 
 #include <chrono>
@@ -30,6 +39,7 @@
 
 #include "loom/comm.h"
 #include "loom/engine.h"
+#include "loom/offload/segment_swap.h"
 #include "loom/sharding/flat_layout.h"
 #include "loom/step_driver.h"
 
@@ -38,7 +48,7 @@
 namespace loom::sharding {
 
 struct ZeroOptions {
-  int stage = 1;                                // 1 or 2
+  int stage = 1;                                // 1, 2 or 3
   int64_t reduce_bucket_bytes = 25 << 20;       // of gradients per reduce-scatter (fp32)
   int64_t allgather_bucket_bytes = 50 << 20;    // of parameters in flight in the all-gather
   bool overlap = true;                          // reduce buckets during backward
@@ -47,6 +57,8 @@ struct ZeroOptions {
   std::vector<std::pair<const void*, std::vector<size_t>>> units;
   int64_t prefetch_elements = 50'000'000;       // prefetch a unit up to this size (0: never)
   int64_t max_live_elements = 1'000'000'000;    // gathered elements beyond which no prefetch
+  // device = "nvme": masters and state in a swap file (Note [Offloaded ZeRO]).
+  offload::OffloadOptions offload;
 };
 
 struct ZeroStats {
@@ -66,6 +78,10 @@ class ZeroDriver final : public StepDriver {
   void grad_ready(const Param& param);
   void finish_backward();
   const ZeroStats& stats() const { return stats_; }
+  // The last update's walk over the swap file; null without offload.
+  const offload::OffloadStats* offload_stats() const {
+    return swap_ ? &swap_->last_stats() : nullptr;
+  }
   // "2 ranks, 3 groups, chunk padding 0.1 %" for the log.
   std::string describe() const;
 
@@ -103,6 +119,7 @@ class ZeroDriver final : public StepDriver {
     FlatGroup plan;
     std::vector<Segment> segments;           // plan.ranks[rank], as the rule sees them
     at::Tensor master;                       // (chunk) fp32, when the weights are not fp32
+    at::Tensor values;                       // (chunk) offloaded masters' values, weights' dtype
     at::Tensor grad;                         // (chunk): stage 2 shard / stage 1 reduced chunk
     // This backward's bucket:
     at::Tensor send;                         // (world * chunk) fp32
@@ -131,6 +148,13 @@ class ZeroDriver final : public StepDriver {
   void gather(size_t g);
   void release(size_t g);
   void run_rule(int64_t step, double lr);
+  void run_rule_offloaded(int64_t step, double lr);
+  // Sums every tensor's accumulators over the ranks (one all-reduce).
+  void reduce_accumulators(std::vector<at::Tensor>& accumulators);
+  // A rank's piece k of group g: its state and master as checkpoint pieces (views of segment).
+  void add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const;
+  // Offload: where segment i's updated values go in the weights' dtype (Note [Offloaded ZeRO]).
+  at::Tensor values_of(size_t i) const;
 
   std::vector<Param> params_;
   std::vector<TensorInfo> tensors_;
@@ -148,6 +172,8 @@ class ZeroDriver final : public StepDriver {
   std::vector<bool> ready_;                         // per parameter, this backward
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> parameter index
   std::vector<NamedTensors> whole_state_;             // per parameter: the rule's state, meta
+  std::unique_ptr<offload::SegmentSwap> swap_;        // Note [Offloaded ZeRO]
+  std::vector<std::pair<size_t, size_t>> swapped_;    // per swap segment: (group, piece k)
   ZeroStats stats_;
   std::unordered_map<const void*, size_t> unit_group_;  // stage 3: unit -> its group
   std::vector<size_t> unit_order_;                      // groups of units, forward order
