@@ -173,7 +173,10 @@ class Zero final : public loom::Plugin {
                       "pin_memory = true, block_size = 1048576, queue_depth = 8 }; device = "
                       "\"cpu\" on a CPU run changes nothing")
         .key_optional("offload_param", loom::ValueType::Table,
-                      "stage 3 parameter offload (DeepSpeed's key): not implemented yet")
+                      "stage 3: where the weights' shards live between uses (DeepSpeed's key): "
+                      "{ device = \"nvme\", nvme_path = \"/local_nvme\" } needs half-precision "
+                      "weights ([precision] mode = \"full_bf16\"); device = \"cpu\" on a CPU "
+                      "run changes nothing")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
@@ -211,6 +214,20 @@ class Zero final : public loom::Plugin {
     // Every replica starts from rank 0's weights, before the driver copies its chunks.
     loom::sharding::start_from_rank0(engine, broadcast_buffers_);
     auto& comm = *options.comm;
+    if (offload_param_.device == "cpu") {
+      LOOM_CHECK_AS(ConfigError, engine.device().is_cpu(), where_offload_param_, ": [zero] "
+                    "offload_param.device = \"cpu\" on a GPU is not implemented yet; use "
+                    "device = \"nvme\" on a CPU run, or leave offload_param out");
+      loom::log::info("zero: offload_param.device = \"cpu\" on a CPU run: the weights are in "
+                      "CPU memory already; nothing changes");
+    } else if (offload_param_.device == "nvme") {
+      LOOM_CHECK_AS(ConfigError, stage_ == 3, where_offload_param_, ": [zero] offload_param "
+                    "offloads stage 3's weight shards, but stage = ", stage_, "; set stage = 3");
+      offload_param_.nvme.path = engine.resolve_path(offload_param_.nvme.path);
+      options_.offload_param = offload_param_;
+      loom::log::info("zero: stage 3 weight shards offloaded to NVMe (", offload_param_.nvme.path,
+                      ")");
+    }
     if (offload_.device == "cpu" && engine.device().is_cpu()) {
       loom::log::info("zero: offload_optimizer.device = \"cpu\" on a CPU run: the state is in "
                       "CPU memory already; nothing changes");
@@ -317,7 +334,9 @@ class Zero final : public loom::Plugin {
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
       // Offloaded state is on NVMe, outside the formula's memory.
-      if (measured_ || (!driver_ && !buckets_) || offload_.device == "nvme") return;
+      if (measured_ || (!driver_ && !buckets_) || offload_.device == "nvme" ||
+          offload_param_.device == "nvme")
+        return;
       measured_ = true;
       const int64_t measured =
           loom::memory::device_stats(e.device()).current_bytes - baseline_bytes_;
@@ -449,66 +468,67 @@ class Zero final : public loom::Plugin {
     return {static_cast<int64_t>(bytes + frozen), text.str()};
   }
 
-  // [zero] offload_optimizer = { device, nvme_path, buffer_count, pin_memory, block_size,
-  // queue_depth }: every key checked here, before anything runs.
+  // [zero] offload_optimizer and offload_param = { device, nvme_path, buffer_count, pin_memory,
+  // block_size, queue_depth }: every key checked here, before anything runs.
   void parse_offload(const loom::ConfigSection& t) {
     where_offload_ = t.where("offload_optimizer");
-    if (t.get("offload_param"))
-      throw loom::ConfigError(loom::detail::cat(t.where("offload_param"), ": [zero] offload_param "
-                                          "(stage-3 parameter offload) is not implemented yet; "
-                                          "remove it (offload_optimizer works)"));
-    const auto* table = t.get("offload_optimizer");
+    where_offload_param_ = t.where("offload_param");
+    parse_offload_table(t, "offload_optimizer", "optimizer state", offload_);
+    parse_offload_table(t, "offload_param", "weight shards", offload_param_);
+  }
+  static void parse_offload_table(const loom::ConfigSection& t, const std::string& name,
+                                  const char* what, loom::offload::OffloadOptions& into) {
+    const auto* table = t.get(name);
     if (!table) return;
-    LOOM_CHECK_AS(ConfigError, table->is_table(), where_offload_,
-                  ": [zero] offload_optimizer must be a table, e.g. { device = \"nvme\", "
-                  "nvme_path = \"/local_nvme\" }");
-    offload_.nvme.what = "optimizer state";
+    LOOM_CHECK_AS(ConfigError, table->is_table(), t.where(name), ": [zero] ", name,
+                  " must be a table, e.g. { device = \"nvme\", nvme_path = \"/local_nvme\" }");
+    into.nvme.what = what;
     for (const auto& [key, value] : std::get<loom::ConfigTable>(table->value)) {
       auto integer = [&, &key = key, &value = value]() -> int64_t {
         const auto* i = std::get_if<int64_t>(&value.value);
-        LOOM_CHECK_AS(ConfigError, i, value.where, ": [zero] offload_optimizer.", key,
+        LOOM_CHECK_AS(ConfigError, i, value.where, ": [zero] ", name, ".", key,
                       " must be an integer, not ", value.to_text());
         return *i;
       };
       if (key == "device") {
         const auto* text = std::get_if<std::string>(&value.value);
         LOOM_CHECK_AS(ConfigError, text && (*text == "none" || *text == "cpu" || *text == "nvme"),
-                      value.where, ": [zero] offload_optimizer.device must be \"none\", "
+                      value.where, ": [zero] ", name, ".device must be \"none\", "
                       "\"cpu\" or \"nvme\", not ", value.to_text());
-        offload_.device = *text;
+        into.device = *text;
       } else if (key == "nvme_path") {
         const auto* text = std::get_if<std::string>(&value.value);
-        LOOM_CHECK_AS(ConfigError, text, value.where,
-                      ": [zero] offload_optimizer.nvme_path must be a folder path (a string)");
-        offload_.nvme.path = *text;
+        LOOM_CHECK_AS(ConfigError, text, value.where, ": [zero] ", name,
+                      ".nvme_path must be a folder path (a string)");
+        into.nvme.path = *text;
       } else if (key == "buffer_count") {
-        offload_.buffer_count = static_cast<int>(integer());
-        LOOM_CHECK_AS(ConfigError, offload_.buffer_count >= 3 && offload_.buffer_count <= 64,
-                      value.where, ": [zero] offload_optimizer.buffer_count must be 3 to 64 "
-                      "(one segment read, one updated, one written), got ", offload_.buffer_count);
+        into.buffer_count = static_cast<int>(integer());
+        LOOM_CHECK_AS(ConfigError, into.buffer_count >= 3 && into.buffer_count <= 64,
+                      value.where, ": [zero] ", name, ".buffer_count must be 3 to 64 "
+                      "(one segment read, one updated, one written), got ", into.buffer_count);
       } else if (key == "pin_memory") {
         const auto* flag = std::get_if<bool>(&value.value);
-        LOOM_CHECK_AS(ConfigError, flag, value.where,
-                      ": [zero] offload_optimizer.pin_memory must be true or false");
-        offload_.pin_memory = *flag;
+        LOOM_CHECK_AS(ConfigError, flag, value.where, ": [zero] ", name,
+                      ".pin_memory must be true or false");
+        into.pin_memory = *flag;
       } else if (key == "block_size") {
-        offload_.nvme.block_size = integer();
+        into.nvme.block_size = integer();
       } else if (key == "queue_depth") {
-        offload_.nvme.queue_depth = static_cast<int>(integer());
+        into.nvme.queue_depth = static_cast<int>(integer());
       } else {
         throw loom::ConfigError(loom::detail::cat(
-            value.where, ": [zero] offload_optimizer has no key '", key, "'; it takes device, "
+            value.where, ": [zero] ", name, " has no key '", key, "'; it takes device, "
             "nvme_path, buffer_count, pin_memory, block_size, queue_depth"));
       }
     }
-    LOOM_CHECK_AS(ConfigError, offload_.device != "nvme" || !offload_.nvme.path.empty(),
-                  where_offload_, ": [zero] offload_optimizer.device = \"nvme\" needs "
-                  "nvme_path, a folder on a fast local disk");
+    LOOM_CHECK_AS(ConfigError, into.device != "nvme" || !into.nvme.path.empty(), t.where(name),
+                  ": [zero] ", name, ".device = \"nvme\" needs nvme_path, a folder on a fast "
+                  "local disk");
   }
 
-  loom::offload::OffloadOptions offload_;
+  loom::offload::OffloadOptions offload_, offload_param_;
   loom::offload::OffloadedStepDriver* offloaded_ = nullptr;  // owned by the engine
-  std::string where_offload_;
+  std::string where_offload_, where_offload_param_;
   int64_t baseline_bytes_ = 0;
   bool measured_ = false;
   int stage_ = 2;

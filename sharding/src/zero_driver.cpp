@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <sstream>
@@ -15,6 +16,27 @@
 namespace loom::sharding {
 
 using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Note [Diverged ranks]: the element after a stage-3 chunk carries its unit's position (half
+// types: the element's bits as int16, exact to 32767 units).
+void set_tag(at::Tensor& shard, int64_t chunk, int64_t position) {
+  if (shard.element_size() == 2) shard.view(at::kShort)[chunk] = position;
+  else shard[chunk] = position;
+}
+
+// A CPU tensor on memory aligned for O_DIRECT (the parameter swap file reads and writes it).
+at::Tensor aligned_tensor(int64_t numel, at::ScalarType dtype) {
+  const int64_t bytes = offload::align_up(std::max<int64_t>(1, numel) * c10::elementSize(dtype));
+  void* memory = nullptr;
+  LOOM_CHECK(posix_memalign(&memory, offload::kAlignment, static_cast<size_t>(bytes)) == 0,
+             "cannot allocate ", bytes, " bytes for a weight shard read from NVMe");
+  return at::from_blob(memory, {numel}, [](void* p) { std::free(p); },
+                       at::TensorOptions().dtype(dtype));
+}
+
+}  // namespace
 
 ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero)
     : params_(options.params),
@@ -43,6 +65,17 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
     tensors_.push_back({p.name, p.tensor.sizes().vec()});
   }
   separate_master_ = weight_dtype_ != at::kFloat;
+  if (options_.offload_param.device == "nvme") {  // Note [Offloaded parameters]
+    LOOM_CHECK_AS(ConfigError, options_.stage == 3, "[zero] offload_param offloads stage 3's "
+                  "weight shards; set [zero] stage = 3");
+    LOOM_CHECK_AS(ConfigError, separate_master_, "[zero] offload_param keeps half-precision "
+                  "weight shards on NVMe and rebuilds them from the fp32 masters, but these "
+                  "weights are ", c10::toString(weight_dtype_), "; use [precision] mode = "
+                  "\"full_bf16\" (or \"full_fp16\")");
+    LOOM_CHECK_AS(ConfigError, device_.is_cpu(), "[zero] offload_param on ", device_.str(),
+                  " is not implemented yet (the shards would travel through pinned host "
+                  "buffers); train on the CPU, or leave offload_param out");
+  }
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device_);
   // Stage 3: one group per unit, weights sharded; every other parameter in gradient buckets.
   std::vector<std::vector<size_t>> members;
@@ -101,10 +134,8 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
     // so a rank that gathered another unit is caught (Note [Diverged ranks]).
     if (group.sharded) {
       group.shard = at::zeros({group.plan.chunk + 1}, fp32.dtype(weight_dtype_));
-      // Half types: the tag is the element's bits as int16, exact to 32767 units.
-      const auto position = static_cast<int64_t>(unit_order_.size() - 1);
-      if (group.shard.element_size() == 2) group.shard.view(at::kShort)[group.plan.chunk] = position;
-      else group.shard[group.plan.chunk] = position;
+      group.position = static_cast<int64_t>(unit_order_.size() - 1);
+      set_tag(group.shard, group.plan.chunk, group.position);
     }
     for (const Piece& piece : group.plan.ranks[rank_]) {
       const Param& p = params_[piece.tensor];
@@ -169,6 +200,24 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
     swap_ = std::make_unique<offload::SegmentSwap>(rule_, std::move(swap_segments), options_.offload);
     for (size_t i = 0; i < swapped_.size(); ++i) swap_->initialise(i, values_of(i));
   }
+  if (options_.offload_param.device == "nvme") {
+    // Note [Offloaded parameters]: every shard to the file, one at a time, and out of memory.
+    const int64_t element = static_cast<int64_t>(c10::elementSize(weight_dtype_));
+    int64_t capacity = 0;
+    for (const auto& group : groups_)
+      if (group.sharded) capacity += offload::align_up((group.plan.chunk + 1) * element);
+    if (capacity > 0) {
+      param_file_ = std::make_unique<offload::SwapFile>(options_.offload_param.nvme, capacity);
+      for (auto& group : groups_) {
+        if (!group.sharded) continue;
+        group.shard_region = param_file_->allocate((group.plan.chunk + 1) * element);
+        at::Tensor aligned = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
+        aligned.copy_(group.shard);
+        group.shard = aligned;
+        flush(group);
+      }
+    }
+  }
   unit_position_.assign(groups_.size(), 0);
   for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -199,6 +248,8 @@ std::string ZeroDriver::describe() const {
   if (options_.stage == 3)
     out << "; weights sharded in " << unit_order_.size() << " unit(s), "
         << groups_.size() - unit_order_.size() << " group(s) kept whole";
+  if (param_file_)
+    out << "; the units' weight shards on NVMe (" << param_file_->file() << ")";
   return out.str();
 }
 
@@ -403,6 +454,7 @@ void restore_storage(const at::Tensor& tensor) {
 }  // namespace
 
 void ZeroDriver::start_gather(Group& group) {
+  make_resident(group, /*read=*/true);  // Note [Offloaded parameters]
   // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
   const at::Tensor values = group.shard.element_size() == 2 ? group.shard.view(at::kByte)
                                                              : group.shard;
@@ -456,6 +508,7 @@ void ZeroDriver::gather(size_t g) {
   }
   group.gathering = at::Tensor();
   group.gather_work.reset();
+  if (param_file_) group.shard = at::Tensor();  // unchanged: nothing to write back
   group.live = true;
   live_elements_ += group.plan.numel();
 }
@@ -592,6 +645,28 @@ at::Tensor ZeroDriver::values_of(size_t i) const {
   return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
 }
 
+void ZeroDriver::make_resident(Group& group, bool read) {
+  if (!param_file_ || group.shard.defined()) return;
+  group.shard = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
+  if (read) {
+    param_file_->wait(param_file_->read(group.shard_region, group.shard.data_ptr()));
+  } else {
+    group.shard.zero_();
+    set_tag(group.shard, group.plan.chunk, group.position);
+  }
+}
+
+void ZeroDriver::flush(Group& group) {
+  if (!param_file_ || !group.shard.defined()) return;
+  param_file_->wait(param_file_->write(group.shard_region, group.shard.data_ptr()));
+  group.shard = at::Tensor();
+}
+
+void ZeroDriver::flush_resident() {
+  for (auto& group : groups_)
+    if (group.sharded && !group.gather_work) flush(group);
+}
+
 // Note [Offloaded ZeRO]: the same rule calls as run_rule, one segment at a time as the walk
 // brings them in (the rules are elementwise or blockwise within a segment, so the result does
 // not depend on how segments are batched).
@@ -609,8 +684,18 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     const Piece& piece = piece_of(i);
     segment.grad = grads[swapped_[i].first].narrow(0, piece.chunk_offset, piece.numel);
   };
+  size_t open_group = groups_.size();  // offload_param: the group whose shard is being filled
   auto store = [&](size_t i, const Segment& segment) {
-    if (swap_->separate_master(i)) values_of(i).copy_(segment.param);
+    if (!swap_->separate_master(i)) return;
+    const size_t g = swapped_[i].first;
+    if (param_file_ && groups_[g].sharded) {
+      // Note [Offloaded parameters]: the shard is rebuilt whole from the masters; the last
+      // unit's goes to the file as soon as the walk leaves it.
+      if (open_group != g && open_group < groups_.size()) flush(groups_[open_group]);
+      open_group = g;
+      make_resident(groups_[g], /*read=*/false);
+    }
+    values_of(i).copy_(segment.param);
   };
   std::vector<UpdateContext> contexts;
   for (size_t i = 0; i < params_.size(); ++i)
@@ -693,8 +778,11 @@ void ZeroDriver::all_gather_params() {
   };
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
-      if (groups_[g].master.defined())  // offloaded masters wrote their shard already
+      if (groups_[g].master.defined()) {  // offloaded masters wrote their shard already
+        make_resident(groups_[g], /*read=*/false);
         groups_[g].shard.narrow(0, 0, groups_[g].plan.chunk).copy_(groups_[g].master);
+        flush(groups_[g]);
+      }
       continue;
     }
     at::Tensor values = chunk_values(groups_[g]);
@@ -722,10 +810,12 @@ void ZeroDriver::update(int64_t step, double lr) {
       group.gather_work->wait();
       group.gather_work.reset();
       group.gathering = at::Tensor();
+      if (param_file_) group.shard = at::Tensor();
     }
   if (swap_) run_rule_offloaded(step, lr);
   else run_rule(step, lr);
   all_gather_params();
+  flush_resident();
   if (options_.stage == 1)
     for (auto& group : groups_) group.grad = at::Tensor();
 }
@@ -770,13 +860,28 @@ StatePieces ZeroDriver::state_pieces() const {
       for (size_t k = 0; k < groups_[g].segments.size(); ++k)
         add_pieces(g, k, groups_[g].segments[k], out);
   }
-  // Stage 3: the weights exist only as chunks.
+  // Stage 3: the weights exist only as chunks (with offload_param, in the file: streamed).
   for (const auto& group : groups_) {
     if (!group.sharded) continue;
-    for (const Piece& piece : group.plan.ranks[rank_])
-      out.push_back({"weight/" + params_[piece.tensor].name,
-                     group.shard.narrow(0, piece.chunk_offset, piece.numel),
-                     {tensors_[piece.tensor].numel()}, piece.offset, tensors_[piece.tensor].shape});
+    for (const Piece& piece : group.plan.ranks[rank_]) {
+      StatePiece out_piece{"weight/" + params_[piece.tensor].name, at::Tensor(),
+                           {tensors_[piece.tensor].numel()}, piece.offset,
+                           tensors_[piece.tensor].shape};
+      if (param_file_ && !group.shard.defined()) {
+        out_piece.tensor = at::empty({piece.numel}, at::TensorOptions().dtype(weight_dtype_).device(c10::kMeta));
+        const Group* from = &group;
+        offload::SwapFile* file = param_file_.get();
+        const at::ScalarType dtype = weight_dtype_;
+        out_piece.load = [from, file, dtype, piece] {
+          at::Tensor shard = aligned_tensor(from->plan.chunk + 1, dtype);
+          file->wait(file->read(from->shard_region, shard.data_ptr()));
+          return shard.narrow(0, piece.chunk_offset, piece.numel).clone();
+        };
+      } else {
+        out_piece.tensor = group.shard.narrow(0, piece.chunk_offset, piece.numel);
+      }
+      out.push_back(std::move(out_piece));
+    }
   }
   return out;
 }
@@ -787,15 +892,18 @@ void ZeroDriver::load_state(StateReader& reader) {
     at::Tensor into = piece.tensor;
     reader.read(piece.name, piece.global_shape, piece.offset, into);
   };
+  // Stage 3's weight pieces first (into shards read back from the file with offload_param):
+  // the masters, where the weights have them, then overwrite the shards with their own values,
+  // as all_gather_params does.
+  for (auto& group : groups_)
+    if (group.sharded) {
+      make_resident(group, /*read=*/true);
+      for (const Piece& piece : group.plan.ranks[rank_])
+        read({"weight/" + params_[piece.tensor].name,
+              group.shard.narrow(0, piece.chunk_offset, piece.numel),
+              {tensors_[piece.tensor].numel()}, piece.offset});
+    }
   if (swap_) {
-    // Stage 3's weight pieces first: an offloaded master then overwrites its shard with its
-    // own values, as all_gather_params does in memory.
-    for (const auto& group : groups_)
-      if (group.sharded)
-        for (const Piece& piece : group.plan.ranks[rank_])
-          read({"weight/" + params_[piece.tensor].name,
-                group.shard.narrow(0, piece.chunk_offset, piece.numel),
-                {tensors_[piece.tensor].numel()}, piece.offset});
     // Streams: each segment read into a buffer, filled from the checkpoint, written back.
     swap_->each([&](size_t i, Segment& segment) {
       StatePieces pieces;
@@ -805,7 +913,11 @@ void ZeroDriver::load_state(StateReader& reader) {
       return true;
     });
   } else {
-    for (const auto& piece : state_pieces()) read(piece);
+    StatePieces pieces;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t k = 0; k < groups_[g].segments.size(); ++k)
+        add_pieces(g, k, groups_[g].segments[k], pieces);
+    for (const auto& piece : pieces) read(piece);
   }
   // Pieces other ranks hold are theirs to read; anything no rank of this job has a place for
   // is an error on every rank.
@@ -822,6 +934,7 @@ void ZeroDriver::load_state(StateReader& reader) {
   // The masters are the weights' truth: every rank's weights from the loaded chunks (stage 3's
   // chunks from the masters).
   if (separate_master_) all_gather_params();
+  flush_resident();
 }
 
 int64_t ZeroDriver::state_bytes() const {
@@ -852,7 +965,8 @@ std::vector<std::string> ZeroDriver::sharded_weights() const {
 int64_t ZeroDriver::sharded_weight_bytes() const {
   int64_t bytes = 0;
   for (const auto& group : groups_)
-    if (group.sharded) bytes += group.shard.numel() * group.shard.element_size();
+    // offload_param: only the shards in memory now (between steps, none).
+    if (group.sharded && group.shard.defined()) bytes += group.shard.nbytes();
   return bytes;
 }
 

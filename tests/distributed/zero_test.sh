@@ -7,10 +7,10 @@
 # per step; a 4-rank stage-3 checkpoint resumes on 2 and 3 ranks (weights and optimizer state
 # resharded) to the uninterrupted run's parameters, and `loom consolidate` of it is the
 # single-process model in a file Python reads; a missing or foreign shard, bad [zero] keys and
-# stage 3 without units are clear errors; optimizer state offloaded to NVMe at stages 0-3 is
-# bitwise the in-memory runs; auto_find_batch_size agrees over ranks. Parameters are compared
-# through `loom consolidate` (stage 3 checkpoints hold no whole weights; bf16 runs compare their
-# fp32 masters).
+# stage 3 without units are clear errors; optimizer state offloaded to NVMe at stages 0-3, and
+# stage 3's weight shards too, are bitwise the in-memory runs; auto_find_batch_size agrees over
+# ranks. Parameters are compared through `loom consolidate` (stage 3 checkpoints hold no whole
+# weights; bf16 runs compare their fp32 masters).
 # usage: zero_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 build=$1 src=$2 python=$3
@@ -275,6 +275,10 @@ for rule in adamw adafactor adam8bit; do
 done
 offload_case "bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
   --set train.gradient_accumulation_steps=1
+# ... and the units' weight shards on NVMe too (Note [Offloaded parameters]).
+offload_case "bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
+  --set train.gradient_accumulation_steps=1 \
+  --set "zero.offload_param={device=\"nvme\", nvme_path=\"$work/swap\", queue_depth=4}"
 
 # [train] auto_find_batch_size on 2 ranks: each rank probes alone (Note [Solo probes]) and both
 # take the job's 2 x 4 samples per step in one micro-batch; ranks that choose differently (here

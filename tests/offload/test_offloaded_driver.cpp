@@ -12,6 +12,7 @@
 #include "loom/engine.h"
 #include "loom/memory.h"
 #include "loom/model.h"
+#include "loom/step_driver.h"
 #include "loom/trainer.h"
 #include "test_util.h"
 
@@ -147,9 +148,63 @@ TEST(Offload, BadOffloadKeysAreErrorsNamingThem) {
                           (swap / "missing").string() + "\" }"),
                     ConfigError, "nvme_path", (swap / "missing").string(), "not an existing folder");
   EXPECT_THROW_WITH(setup("offload_param = { device = \"nvme\" }"), ConfigError, "offload_param",
-                    "not implemented yet");
+                    "needs nvme_path");
+  EXPECT_THROW_WITH(setup("offload_param = { device = \"nvme\", nvme_path = \"" + swap.str() +
+                          "\", size = 1 }"),
+                    ConfigError, "offload_param has no key 'size'");
+  EXPECT_THROW_WITH(setup("stage = 2\noffload_param = { device = \"nvme\", nvme_path = \"" +
+                          swap.str() + "\" }"),
+                    ConfigError, "offload_param", "stage 3's weight shards", "stage = 2");
+  EXPECT_THROW_WITH(setup("stage = 3\nstage3_param_persistence_threshold = 0\n"
+                          "offload_param = { device = \"nvme\", nvme_path = \"" + swap.str() +
+                          "\" }"),
+                    ConfigError, "offload_param", "half-precision", "full_bf16");
+  EXPECT_TRUE(fs::is_empty(swap.path())) << "a refused job left a swap file";
   // device = "cpu" on a CPU run: the in-memory driver, said once.
   setup("offload_optimizer = { device = \"cpu\" }");
+  setup("stage = 3\noffload_param = { device = \"cpu\" }");
+}
+
+// Note [Offloaded parameters]: stage 3 with the weights' shards on NVMe (and the optimizer state
+// too, or not) trains bitwise like stage 3 in memory, for adamw and adafactor (its reduction
+// walks); the resident shards are only those being gathered (none between steps); a resumed run
+// (the shards streamed into and out of the checkpoint) is bitwise the uninterrupted one.
+TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
+  const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
+  const std::string stage3 = "stage = 3\nstage3_param_persistence_threshold = 0\n";
+  auto params = [](const std::string& folder) {
+    return "offload_param = { device = \"nvme\", nvme_path = \"" + folder +
+           "\", block_size = 8192, queue_depth = 2 }\n";
+  };
+  for (const std::string rule : {"adamw", "adafactor"})
+    for (bool optimizer_too : {false, true}) {
+      SCOPED_TRACE(rule + (optimizer_too ? " with the optimizer state offloaded" : ""));
+      TempDir memory_dir, nvme_dir, swap;
+      const auto memory = trained(job(memory_dir.str(), rule, stage3) + bf16, memory_dir.path());
+      const std::string zero =
+          stage3 + params(swap.str()) + (optimizer_too ? offload(swap.str()) : "");
+      auto trainer = Trainer::from_text(job(nvme_dir.str(), rule, zero) + bf16, nvme_dir.path());
+      trainer->setup();
+      trainer->step();
+      EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
+          << "weight shards stayed in memory between steps";
+      trainer->run();
+      std::map<std::string, at::Tensor> nvme;
+      for (const auto& item : trainer->engine().model().named_parameters(true))
+        nvme[item.key()] = item.value().detach().to(at::kFloat).clone();
+      expect_bitwise(memory, nvme);
+      trainer.reset();
+      EXPECT_TRUE(fs::is_empty(swap.path())) << "a swap file outlived the run";
+    }
+  TempDir whole_dir, resumed_dir, swap;
+  const std::string zero = stage3 + params(swap.str()) + offload(swap.str());
+  const auto whole =
+      trained(job(whole_dir.str(), "adamw", zero, "save_steps = 3\n") + bf16, whole_dir.path());
+  const auto resumed = trained(
+      job(resumed_dir.str(), "adamw", zero,
+          "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n") + bf16,
+      resumed_dir.path());
+  expect_bitwise(whole, resumed);
 }
 
 }  // namespace

@@ -28,6 +28,15 @@
 // into the stage-3 shard, or (other groups with non-fp32 weights) a values chunk; fp32 CPU
 // weights are updated in place as without offload. Rules with whole-tensor statistics walk the
 // file once per reduction round, reading only, before the updating walk.
+//
+// Note [Offloaded parameters]: with offload_param on NVMe (stage 3, half-precision weights), a
+// unit's shard (the rank's chunk of its weights and the tag of Note [Diverged ranks]) lives in
+// the rank's parameter swap file between uses, ZeRO-Infinity's parameter offload. A gather
+// reads it into an aligned buffer when the gather starts (a prefetch starts earlier), all-gathers
+// from there, and frees it once the gather lands. The update writes each unit's new shard from
+// its fp32 masters (they are the truth: nothing is read) and frees it as soon as the unit's
+// last piece is done. Memory holds the shards of the units being gathered only; whole weights
+// exist around a unit's forward and backward as without offload.
 #pragma once
 
 #include <chrono>
@@ -59,6 +68,8 @@ struct ZeroOptions {
   int64_t max_live_elements = 1'000'000'000;    // gathered elements beyond which no prefetch
   // device = "nvme": masters and state in a swap file (Note [Offloaded ZeRO]).
   offload::OffloadOptions offload;
+  // Stage 3, device = "nvme": the weights' shards in a swap file (Note [Offloaded parameters]).
+  offload::OffloadOptions offload_param;
 };
 
 struct ZeroStats {
@@ -130,7 +141,9 @@ class ZeroDriver final : public StepDriver {
     size_t pending = 0;
     // Stage 3 unit groups:
     bool sharded = false;                    // weights held as this rank's chunk only
-    at::Tensor shard;                        // (chunk) in the weights' dtype
+    at::Tensor shard;                        // (chunk + 1) in the weights' dtype, + the tag
+    int64_t position = -1;                   // stage 3: the unit's place in forward order
+    int64_t shard_region = -1;               // offload_param: the shard's region in the file
     at::Tensor gathering;                    // (world * chunk), while an all-gather runs
     std::shared_ptr<Work> gather_work;
     bool live = false;                       // the parameters hold their whole weights
@@ -155,6 +168,11 @@ class ZeroDriver final : public StepDriver {
   void add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const;
   // Offload: where segment i's updated values go in the weights' dtype (Note [Offloaded ZeRO]).
   at::Tensor values_of(size_t i) const;
+  // Note [Offloaded parameters]: a group's shard in memory (read from the file, or fresh with
+  // its tag to be filled whole), and written back and freed; the resident ones all written.
+  void make_resident(Group& group, bool read);
+  void flush(Group& group);
+  void flush_resident();
 
   std::vector<Param> params_;
   std::vector<TensorInfo> tensors_;
@@ -173,6 +191,7 @@ class ZeroDriver final : public StepDriver {
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> parameter index
   std::vector<NamedTensors> whole_state_;             // per parameter: the rule's state, meta
   std::unique_ptr<offload::SegmentSwap> swap_;        // Note [Offloaded ZeRO]
+  std::unique_ptr<offload::SwapFile> param_file_;     // Note [Offloaded parameters]
   std::vector<std::pair<size_t, size_t>> swapped_;    // per swap segment: (group, piece k)
   ZeroStats stats_;
   std::unordered_map<const void*, size_t> unit_group_;  // stage 3: unit -> its group
