@@ -1,6 +1,11 @@
 // Compute-device choice and activation. See device.h.
 #include "device.h"
 
+#include <malloc.h>
+
+#include <cstdlib>
+#include <limits>
+
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -70,6 +75,18 @@ void set_device_rng_state(c10::Device device, const at::Tensor& state) {
   at::Generator generator = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
+}
+
+std::string keep_freed_cpu_memory() {
+  for (const char* name : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                           "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX"})
+    if (std::getenv(name)) return "";
+  const bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
+                  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1 &&
+                  mallopt(M_TOP_PAD, 256 << 20) == 1;
+  return ok ? "malloc keeps freed blocks for reuse (mmap threshold 32 MiB, no trim; "
+              "GLIBC_TUNABLES to choose)"
+            : "";
 }
 
 }  // namespace loom

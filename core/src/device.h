@@ -27,4 +27,16 @@ void activate_device(c10::Device device);
 at::Tensor device_rng_state(c10::Device device);
 void set_device_rng_state(c10::Device device, const at::Tensor& state);
 
+// Note [Freed memory kept]: glibc's malloc gives freed blocks back to the system (trimming the
+// heap, and unmapping blocks above its dynamic mmap threshold), so each step's large
+// temporaries are faulted in and zeroed again, page by page: 15 % of a bf16 GPT-2 124M step's
+// samples were in the kernel, mostly autocast's per-step bf16 weight copies. Fixed settings keep
+// them for the next step: blocks up to 32 MiB (glibc's largest mmap threshold) from the heap,
+// which is never trimmed and grows by 256 MiB at a time. Measured: the bf16 step 10 % faster at
+// the same peak RSS, fp32 unchanged (docs/BENCHMARKS.md). Only for CPU runs, and not when the
+// user set glibc's own (GLIBC_TUNABLES or MALLOC_*_ variables). Returns what it did, for the log
+// ("" when nothing). ZeRO stage 3 lowers the mmap threshold again afterwards, to return its
+// freed weights (Note [Freed weights go back]).
+std::string keep_freed_cpu_memory();
+
 }  // namespace loom

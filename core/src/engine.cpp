@@ -237,6 +237,7 @@ class EngineImpl final : public Engine, public Trainer {
     device_ = pick_device(device_name, train.where("device"), comm_->local_rank(),
                           comm_->local_world_size());
     activate_device(device_);
+    const std::string malloc_note = device_.is_cpu() ? keep_freed_cpu_memory() : "";
     LOOM_CHECK_AS(ConfigError, comm_->device().is_cpu() || device_.is_cuda(),
                   resolved_.section("distributed").where("backend"), ": [distributed] backend = \"",
                   comm_->backend(), "\" moves CUDA tensors only, but this job trains on ",
@@ -275,6 +276,7 @@ class EngineImpl final : public Engine, public Trainer {
               " (", comm_->backend(), ")");
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
+    if (!malloc_note.empty()) log::info(malloc_note);  // Note [Freed memory kept]
 
     attach_plugins();
 
