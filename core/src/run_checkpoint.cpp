@@ -100,6 +100,10 @@ CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std:
       target.detach().copy_(it->second);
       by_name.erase(it);
     }
+    // Weights this run's driver keeps as shards (ZeRO stage 3) that the checkpoint holds whole
+    // (written without stage 3): the driver reads its pieces of them as "weight/<name>", which
+    // the reader serves from model.safetensors, checking shape and dtype.
+    for (const auto& name : run.driver.sharded_weights()) by_name.erase(name);
     LOOM_CHECK_AS(CheckpointError, by_name.empty(), "'", file, "' holds tensor '",
                   by_name.empty() ? "" : by_name.begin()->first, "' that model '", run.model_name,
                   "' does not have");
