@@ -233,19 +233,19 @@ std::string non_finite_state(const std::string& name, int64_t step) {
                      ": training diverged (lower [train] learning_rate)");
 }
 
+bool has_non_finite(const at::Tensor& t) {
+  return t.defined() && at::isFloatingType(t.scalar_type()) && t.numel() > 0 &&
+         !at::isfinite(t).all().item<bool>();
+}
+
 // "" if every floating tensor to be written is finite, else what is not.
 std::string non_finite_problem(const CheckpointContents& c) {
-  auto bad = [](const at::Tensor& t) {
-    return t.defined() && at::isFloatingType(t.scalar_type()) && t.numel() > 0 &&
-           !at::isfinite(t).all().item<bool>();
-  };
   for (const auto& [name, tensor] : c.model)
-    if (bad(tensor))
+    if (has_non_finite(tensor))
       return detail::cat("the model's '", name, "' holds non-finite values at step ", c.step,
                          ": training diverged (lower [train] learning_rate)");
-  for (const auto& piece : c.optimizer)
-    if (!piece.load && bad(piece.tensor))  // streamed pieces are checked as they are written
-      return non_finite_state(piece.name, c.step);
+  for (const auto& piece : c.optimizer)  // streamed pieces are checked as they are written
+    if (!piece.load && has_non_finite(piece.tensor)) return non_finite_state(piece.name, c.step);
   return "";
 }
 
@@ -298,9 +298,7 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
         std::function<at::Tensor()> produce =
             piece.load ? std::function<at::Tensor()>([&piece, step = c.step] {
               at::Tensor values = piece.load();
-              if (values.is_floating_point() && values.numel() > 0 &&
-                  !at::isfinite(values).all().item<bool>())
-                throw CheckpointError(non_finite_state(piece.name, step));
+              if (has_non_finite(values)) throw CheckpointError(non_finite_state(piece.name, step));
               return values;
             })
                        : std::function<at::Tensor()>([&piece] { return piece.tensor; });

@@ -598,20 +598,11 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
     for (const Held& h : held) mine[h.param] = h.segment;
     std::vector<UpdateContext> contexts;
     for (size_t i = 0; i < params_.size(); ++i) contexts.push_back(context_of(i));
-    const auto empty = at::TensorOptions().dtype(at::kFloat).device(device_);
     for (int round = 0; round < rounds; ++round) {
       std::vector<at::Tensor> accumulators;
       for (size_t i = 0; i < params_.size(); ++i) {
-        Segment stand_in;
-        if (!mine[i]) {  // no piece here: the shape of the accumulator, nothing to add
-          stand_in.name = params_[i].name;
-          stand_in.shape = tensors_[i].shape;
-          stand_in.group = params_[i].group;
-          stand_in.param = at::empty({0}, empty);
-          stand_in.grad = at::empty({0}, empty);
-        }
-        const Segment& segment = mine[i] ? *mine[i] : stand_in;
-        at::Tensor accumulator = rule_.make_accumulator(segment, round);
+        at::Tensor accumulator =
+            mine[i] ? rule_.make_accumulator(*mine[i], round) : empty_accumulator(i, round);
         if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
         accumulators.push_back(accumulator);
       }
@@ -621,6 +612,18 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
     for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
   }
   for (const Held& h : held) h.segment->grad = at::Tensor();
+}
+
+at::Tensor ZeroDriver::empty_accumulator(size_t index, int round) const {
+  Segment stand_in;  // no piece of the tensor here: the accumulator's shape, nothing to add
+  stand_in.name = params_[index].name;
+  stand_in.shape = tensors_[index].shape;
+  stand_in.group = params_[index].group;
+  // Where the rank's own pieces are: offloaded ones in the swap file's (CPU) buffers.
+  const c10::Device on = swap_ ? c10::Device(c10::kCPU) : device_;
+  stand_in.param = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(on));
+  stand_in.grad = at::empty({0}, stand_in.param.options());
+  return rule_.make_accumulator(stand_in, round);
 }
 
 void ZeroDriver::reduce_accumulators(std::vector<at::Tensor>& accumulators) {
@@ -645,12 +648,18 @@ at::Tensor ZeroDriver::values_of(size_t i) const {
   return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
 }
 
+at::Tensor ZeroDriver::read_shard(const Group& group) const {
+  at::Tensor shard = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
+  param_file_->wait(param_file_->read(group.shard_region, shard.data_ptr()));
+  return shard;
+}
+
 void ZeroDriver::make_resident(Group& group, bool read) {
   if (!param_file_ || group.shard.defined()) return;
-  group.shard = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
   if (read) {
-    param_file_->wait(param_file_->read(group.shard_region, group.shard.data_ptr()));
+    group.shard = read_shard(group);
   } else {
+    group.shard = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
     group.shard.zero_();
     set_tag(group.shard, group.plan.chunk, group.position);
   }
@@ -710,7 +719,6 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     });
     return;
   }
-  const auto empty = at::TensorOptions().dtype(at::kFloat);
   for (int round = 0; round < rule_.reduction_rounds(); ++round) {
     std::vector<at::Tensor> accumulators(params_.size());
     swap_->walk([&](size_t i, Segment& segment) {  // reading only
@@ -720,16 +728,8 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
       rule_.accumulate(segment, contexts[index], round, accumulators[index]);
       return false;
     });
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (accumulators[i].defined()) continue;
-      Segment stand_in;  // no piece here: the shape of the accumulator, nothing to add
-      stand_in.name = params_[i].name;
-      stand_in.shape = tensors_[i].shape;
-      stand_in.group = params_[i].group;
-      stand_in.param = at::empty({0}, empty);
-      stand_in.grad = at::empty({0}, empty);
-      accumulators[i] = rule_.make_accumulator(stand_in, round);
-    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!accumulators[i].defined()) accumulators[i] = empty_accumulator(i, round);
     reduce_accumulators(accumulators);
     for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
   }
@@ -869,13 +869,8 @@ StatePieces ZeroDriver::state_pieces() const {
                            tensors_[piece.tensor].shape};
       if (param_file_ && !group.shard.defined()) {
         out_piece.tensor = at::empty({piece.numel}, at::TensorOptions().dtype(weight_dtype_).device(c10::kMeta));
-        const Group* from = &group;
-        offload::SwapFile* file = param_file_.get();
-        const at::ScalarType dtype = weight_dtype_;
-        out_piece.load = [from, file, dtype, piece] {
-          at::Tensor shard = aligned_tensor(from->plan.chunk + 1, dtype);
-          file->wait(file->read(from->shard_region, shard.data_ptr()));
-          return shard.narrow(0, piece.chunk_offset, piece.numel).clone();
+        out_piece.load = [this, from = &group, piece] {
+          return read_shard(*from).narrow(0, piece.chunk_offset, piece.numel).clone();
         };
       } else {
         out_piece.tensor = group.shard.narrow(0, piece.chunk_offset, piece.numel);

@@ -162,6 +162,8 @@ class ZeroDriver final : public StepDriver {
   void release(size_t g);
   void run_rule(int64_t step, double lr);
   void run_rule_offloaded(int64_t step, double lr);
+  // The accumulator of a tensor this rank holds no piece of (rules with reduction rounds).
+  at::Tensor empty_accumulator(size_t index, int round) const;
   // Sums every tensor's accumulators over the ranks (one all-reduce).
   void reduce_accumulators(std::vector<at::Tensor>& accumulators);
   // A rank's piece k of group g: its state and master as checkpoint pieces (views of segment).
@@ -170,6 +172,7 @@ class ZeroDriver final : public StepDriver {
   at::Tensor values_of(size_t i) const;
   // Note [Offloaded parameters]: a group's shard in memory (read from the file, or fresh with
   // its tag to be filled whole), and written back and freed; the resident ones all written.
+  at::Tensor read_shard(const Group& group) const;  // a copy from the file, aligned
   void make_resident(Group& group, bool read);
   void flush(Group& group);
   void flush_resident();
