@@ -38,6 +38,7 @@ const char* to_string(Offload o) {
     case Offload::none: return "none";
     case Offload::cpu: return "cpu";
     case Offload::nvme: return "nvme";
+    case Offload::nvme_params: return "nvme+p";
   }
   return "?";
 }
@@ -45,7 +46,7 @@ const char* to_string(Offload o) {
 namespace {
 
 constexpr Precision kPrecisions[] = {Precision::fp32, Precision::bf16, Precision::full_bf16};
-constexpr Offload kOffloads[] = {Offload::none, Offload::cpu, Offload::nvme};
+constexpr Offload kOffloads[] = {Offload::none, Offload::cpu, Offload::nvme, Offload::nvme_params};
 
 struct PerParam {
   double weight, grad, master;
@@ -117,6 +118,7 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   if (has_zero) {
     overrides.push_back("zero.stage=0");
     overrides.push_back("zero.offload_optimizer={device = \"none\"}");
+    overrides.push_back("zero.offload_param={device = \"none\"}");
   }
   std::filesystem::remove_all(out);
   auto trainer = make_trainer(Job::parse(job.text, job.file, overrides));
@@ -134,11 +136,20 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   for (const auto& p : engine.params())
     r.counts.largest_tensor_params =
         std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
+  // Stage 3 shards a unit's tensors of at least stage3_param_persistence_threshold elements
+  // (the zero plugin's default 1e5); smaller ones stay whole like the parameters outside units.
+  double persistence = 1e5;
+  if (const ConfigValue* v = key_of(job, "zero", "stage3_param_persistence_threshold")) {
+    if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
+    if (auto* i = std::get_if<int64_t>(&v->value)) persistence = static_cast<double>(*i);
+  }
   for (nn::UnitList* list : engine.unit_lists())
     for (const auto& unit : list->children()) {
       double n = 0;
-      for (const auto& p : unit->parameters(/*recurse=*/true)) n += static_cast<double>(p.numel());
+      for (const auto& p : unit->parameters(/*recurse=*/true))
+        if (static_cast<double>(p.numel()) >= persistence) n += static_cast<double>(p.numel());
       r.counts.largest_unit_params = std::max(r.counts.largest_unit_params, n);
+      r.counts.unit_params += n;
     }
   r.setup_peak = static_cast<double>(memory::device_stats(r.device).peak_bytes);
   // Each phase's own peak: building the model may peak higher than the step (a half-precision
@@ -189,18 +200,36 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   } else if (precision == Precision::bf16) {
     r.buffers = 2 * m.params;  // autocast's half copies of the weights
   }
-  const double offloaded = r.masters + r.optimizer;
+  double offloaded = r.masters + r.optimizer;
   double staging = 0;
-  if (offload == Offload::nvme) {
+  if (offload == Offload::nvme || offload == Offload::nvme_params) {
     // Each buffer holds the largest tensor's share: its fp32 master and its state.
     double share = m.largest_tensor_params * (4 + m.optimizer_per_trainable);
     if (stage >= 1) share /= N;
     staging = buffer_count * share;
   }
+  // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
+  // gradients (one rank has none; the probes run on one).
+  if (stage == 0 && N > 1) r.buffers += m.trainable * 4;
+  if ((offload == Offload::nvme || offload == Offload::nvme_params) && stage >= 1 && b.master > 0) {
+    // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
+    // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
+    // beside the weights.
+    r.buffers += (stage == 3 ? m.params - m.unit_params : m.params) * b.weight / N;
+  }
+  if (offload == Offload::nvme_params) {
+    // Note [Offloaded parameters]: the units' shards live in the file; memory keeps the weights
+    // outside units whole, two units gathered (the one computing, the one whose gather lands
+    // next), and three shards in flight (one read ahead, two being written).
+    const double shards = m.unit_params / N * b.weight;
+    r.weights = (m.params - m.unit_params) * b.weight + 2 * m.largest_unit_params * b.weight + shards;
+    offloaded += shards;
+    staging += 3 * m.largest_unit_params / N * b.weight;
+  }
   r.device = r.model_states() + r.activations + r.buffers;
   if (offload != Offload::none) r.device -= offloaded;
   if (offload == Offload::cpu) r.host = offloaded;
-  if (offload == Offload::nvme) {
+  if (offload == Offload::nvme || offload == Offload::nvme_params) {
     r.nvme = offloaded;
     r.host = staging;
   }
@@ -211,9 +240,10 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   // The update runs after the activations are freed: its own extra (the rule's temporaries,
   // half weights written back) over the model states on the device.
   r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
-  // What loom runs today: NVMe offload at every stage; CPU offload only where the compute is
-  // on the CPU already (pinned host state for a GPU is still to come).
-  r.buildable = offload != Offload::cpu || cpu_device;
+  // What loom runs today: NVMe offload of the optimizer state at every stage; CPU offload, and
+  // the weight shards on NVMe, only where the compute is on the CPU already (pinned host
+  // buffers for a GPU are still to come).
+  r.buildable = (offload != Offload::cpu && offload != Offload::nvme_params) || cpu_device;
   return r;
 }
 
@@ -222,10 +252,16 @@ std::vector<Row> rows(const ModelCounts& model, const Activations activations[3]
   std::vector<Row> out;
   for (int stage = 0; stage <= 3; ++stage)
     for (Offload offload : kOffloads)
-      for (Precision precision : kPrecisions)
+      for (Precision precision : kPrecisions) {
+        // offload_param exists for stage 3 with half-precision weights only (fp32 weights are
+        // their own masters: nothing could be dropped from memory).
+        if (offload == Offload::nvme_params &&
+            (stage != 3 || precision != Precision::full_bf16))
+          continue;
         out.push_back(row(model, stage, offload, precision, world_size,
                           activations[static_cast<int>(precision)], batch, cpu_device,
                           buffer_count));
+      }
   return out;
 }
 
@@ -251,6 +287,14 @@ Report estimate_loaded(const Job& job, const Options& options) {
       if (auto* s = std::get_if<std::string>(&d->value))
         report.job_offload = *s == "nvme" ? Offload::nvme : *s == "cpu" ? Offload::cpu
                                                                        : Offload::none;
+  // offload_param alone (the optimizer state in memory) has no row of its own: the nvme+p
+  // row counts the state on NVMe too, and the note under the table says so.
+  if (const ConfigValue* v = key_of(job, "zero", "offload_param"))
+    if (const ConfigValue* d = v->is_table() ? v->find("device") : nullptr)
+      if (auto* s = std::get_if<std::string>(&d->value); s && *s == "nvme") {
+        report.job_offload_params_only = report.job_offload != Offload::nvme;
+        report.job_offload = Offload::nvme_params;
+      }
   std::string job_mode = "fp32";
   if (const ConfigValue* v = key_of(job, "precision", "mode"))
     if (auto* s = std::get_if<std::string>(&v->value)) job_mode = *s;
@@ -335,6 +379,7 @@ Report estimate_params(double params, const Options& options) {
   report.options = options;
   report.device = "accelerator";
   report.model.params = report.model.trainable = params;
+  report.model.unit_params = params;  // all of it in layers; their size is not known
   report.model.optimizer_per_trainable = 8;
   report.model_name = "(a parameter count)";
   report.rows = rows(report.model, report.activations, options.world_size, 0, false,
@@ -458,6 +503,10 @@ std::string format(const Report& r) {
                   row.buildable ? "" : "  (not in loom yet)", mine ? "  <- this job" : "");
     out << line;
   }
+  out << "nvme+p: offload_param too, the units' weight shards on NVMe (stage 3, full_bf16)\n";
+  if (r.job_offload_params_only)
+    out << "this job offloads the weight shards but keeps the optimizer state in memory: its RAM "
+           "is the nvme+p row's plus that row's masters and optimizer state\n";
   if (r.options.budget_bytes > 0 && !r.job.empty()) {
     const int64_t fits = largest_batch(r, r.options.budget_bytes);
     const BatchPlan plan = plan_batch(r.effective_batch, fits);

@@ -239,6 +239,12 @@ class Zero final : public loom::Plugin {
       offload_.nvme.path = engine.resolve_path(offload_.nvme.path);
       loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
                       offload_.nvme.path, ")");
+      // Placed (expert-parallel) parameters keep whole state on their ranks only, which
+      // neither offloaded layout knows how to checkpoint or clip.
+      for (const auto& p : options.params)
+        LOOM_CHECK_AS(ConfigError, !p.placed(), where_offload_, ": [zero] offload_optimizer "
+                      "does not take parameters placed on some ranks only ('", p.name,
+                      "': expert parallelism); offload without [moe] expert_parallel_size > 1");
       if (stage_ == 0) {
         // Data parallelism on the buckets, and every rank its own swap file holding all the
         // state (the process id in its name keeps them apart in one folder).
@@ -251,17 +257,18 @@ class Zero final : public loom::Plugin {
       }
       // Stages 1-3: the ZeRO driver with its rank's pieces in a swap file (Note [Offloaded
       // ZeRO]).
-      for (const auto& p : options.params)
-        LOOM_CHECK_AS(ConfigError, !p.placed(), where_offload_, ": [zero] offload_optimizer "
-                      "does not take parameters placed on some ranks only ('", p.name,
-                      "': expert parallelism); offload without [moe] expert_parallel_size > 1");
       options_.offload = offload_;
     }
     if (stage_ == 0) {
-      buckets_ = std::make_unique<loom::sharding::GradBuckets>(
-          options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
-      loom::log::info("zero: stage 0 (data parallel) over ", comm.world_size(), " rank(s), ",
-                      buckets_->bucket_count(), " gradient bucket(s)");
+      // One rank has nothing to all-reduce: no buckets (a second copy of the gradients).
+      if (comm.world_size() > 1) {
+        buckets_ = std::make_unique<loom::sharding::GradBuckets>(
+            options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+        loom::log::info("zero: stage 0 (data parallel) over ", comm.world_size(), " ranks, ",
+                        buckets_->bucket_count(), " gradient bucket(s)");
+      } else {
+        loom::log::info("zero: stage 0 on one rank: nothing to reduce");
+      }
       return loom::make_default_step_driver(options);
     }
     // Note [ZeRO with placed parameters].
@@ -372,6 +379,12 @@ class Zero final : public loom::Plugin {
       if (driver_)
         e.state().metrics.emplace_back("zero_comm_elements",
                                        static_cast<double>(driver_->stats().elements));
+      if (driver_ && driver_->offloads_params()) {
+        // Note [Offloaded parameters]: how much of the shard reads the read-ahead hid.
+        e.state().metrics.emplace_back("offload_param_reads_ahead",
+                                       static_cast<double>(driver_->stats().shard_reads_ahead));
+        e.state().metrics.emplace_back("offload_param_wait_s", driver_->stats().shard_wait_seconds);
+      }
     });
   }
 
@@ -449,7 +462,7 @@ class Zero final : public loom::Plugin {
          << m + k << " B: ";
     if (stage_ == 0) {
       // Declared buffers: the gradient buckets, a second fp32 copy of the gradients.
-      const double buckets = static_cast<double>(buckets_->buffer_bytes());
+      const double buckets = buckets_ ? static_cast<double>(buckets_->buffer_bytes()) : 0.0;
       bytes = (2 * w + m + k) * psi + buckets;
       text << 2 * w + m + k << " Psi, replicated, plus "
            << loom::memory::format_bytes(static_cast<int64_t>(buckets)) << " gradient buckets";

@@ -216,6 +216,7 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
         group.shard = aligned;
         flush(group);
       }
+      for (auto& group : groups_) settle(group);
     }
   }
   unit_position_.assign(groups_.size(), 0);
@@ -372,6 +373,8 @@ void ZeroDriver::finish_backward() {
 void ZeroDriver::zero_grad() {
   at::NoGradGuard no_grad;
   stats_.elements = 0;
+  stats_.shard_reads_ahead = 0;
+  stats_.shard_wait_seconds = 0.0;
   if (options_.stage == 1) {
     std::vector<at::Tensor> grads;
     for (auto& p : params_)
@@ -454,7 +457,12 @@ void restore_storage(const at::Tensor& tensor) {
 }  // namespace
 
 void ZeroDriver::start_gather(Group& group) {
-  make_resident(group, /*read=*/true);  // Note [Offloaded parameters]
+  if (param_file_) {  // Note [Offloaded parameters]
+    const auto waited = std::chrono::steady_clock::now();
+    make_resident(group, /*read=*/true);
+    stats_.shard_wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - waited).count();
+  }
   // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
   const at::Tensor values = group.shard.element_size() == 2 ? group.shard.view(at::kByte)
                                                              : group.shard;
@@ -534,11 +542,13 @@ void ZeroDriver::gather_unit(const void* unit, bool forward) {
   const bool has_next = forward ? position + 1 < unit_order_.size() : position > 0;
   if (!has_next) return;
   Group& next = groups_[unit_order_[forward ? position + 1 : position - 1]];
-  if (next.live || next.gather_work || next.plan.numel() > options_.prefetch_elements ||
+  if (next.live || next.gather_work || next.shard_ticket >= 0 ||
+      next.plan.numel() > options_.prefetch_elements ||
       live_elements_ + next.plan.numel() > options_.max_live_elements)
     return;
   at::NoGradGuard no_grad;
-  start_gather(next);
+  if (param_file_) read_ahead(next);  // Note [Offloaded parameters]
+  else start_gather(next);
 }
 
 void ZeroDriver::gather_all_weights() {
@@ -654,8 +664,34 @@ at::Tensor ZeroDriver::read_shard(const Group& group) const {
   return shard;
 }
 
-void ZeroDriver::make_resident(Group& group, bool read) {
+void ZeroDriver::read_ahead(Group& group) {
   if (!param_file_ || group.shard.defined()) return;
+  group.shard = aligned_tensor(group.plan.chunk + 1, weight_dtype_);
+  group.shard_ticket = param_file_->read(group.shard_region, group.shard.data_ptr());
+  group.shard_writing = false;
+  stats_.shard_reads_ahead += 1;
+}
+
+void ZeroDriver::settle(Group& group) {
+  if (group.shard_ticket < 0) return;
+  const int64_t ticket = group.shard_ticket;
+  const bool writing = group.shard_writing;
+  group.shard_ticket = -1;
+  group.shard_writing = false;
+  if (writing) std::erase(shard_writes_, static_cast<size_t>(&group - groups_.data()));
+  try {
+    param_file_->wait(ticket);
+  } catch (...) {
+    group.shard = at::Tensor();  // half read (nobody may use it) or not written
+    throw;
+  }
+  if (writing) group.shard = at::Tensor();  // the file holds it now
+}
+
+void ZeroDriver::make_resident(Group& group, bool read) {
+  if (!param_file_) return;
+  settle(group);
+  if (group.shard.defined()) return;
   if (read) {
     group.shard = read_shard(group);
   } else {
@@ -665,15 +701,23 @@ void ZeroDriver::make_resident(Group& group, bool read) {
   }
 }
 
+// Note [Offloaded parameters]: a few writes fly at once, so the walk goes on while they land
+// without every unit's shard piling up in memory when the disk is slower than the walk.
+constexpr size_t kShardWritesInFlight = 2;
+
 void ZeroDriver::flush(Group& group) {
-  if (!param_file_ || !group.shard.defined()) return;
-  param_file_->wait(param_file_->write(group.shard_region, group.shard.data_ptr()));
-  group.shard = at::Tensor();
+  if (!param_file_ || !group.shard.defined() || group.shard_writing) return;
+  settle(group);  // a read ahead still landing (its bytes are the file's: rewriting is harmless)
+  while (shard_writes_.size() >= kShardWritesInFlight) settle(groups_[shard_writes_.front()]);
+  group.shard_ticket = param_file_->write(group.shard_region, group.shard.data_ptr());
+  group.shard_writing = true;
+  shard_writes_.push_back(static_cast<size_t>(&group - groups_.data()));
 }
 
 void ZeroDriver::flush_resident() {
   for (auto& group : groups_)
     if (group.sharded && !group.gather_work) flush(group);
+  for (auto& group : groups_) settle(group);
 }
 
 // Note [Offloaded ZeRO]: the same rule calls as run_rule, one segment at a time as the walk
@@ -805,13 +849,18 @@ void ZeroDriver::all_gather_params() {
 void ZeroDriver::update(int64_t step, double lr) {
   at::NoGradGuard no_grad;
   // A prefetch nobody used (a unit a step did not reach) holds the old weights: drop it.
-  for (auto& group : groups_)
+  for (auto& group : groups_) {
     if (group.gather_work) {
       group.gather_work->wait();
       group.gather_work.reset();
       group.gathering = at::Tensor();
       if (param_file_) group.shard = at::Tensor();
     }
+    if (group.shard_ticket >= 0) {  // a read ahead nobody gathered
+      settle(group);
+      group.shard = at::Tensor();
+    }
+  }
   if (swap_) run_rule_offloaded(step, lr);
   else run_rule(step, lr);
   all_gather_params();

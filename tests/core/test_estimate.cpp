@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <fstream>
 
 #include "loom/error.h"
@@ -37,7 +38,8 @@ TEST(Estimate, ModelStatesMatchTheZeroPaper) {
         estimate::row(m, stage, Offload::none, Precision::full_bf16, 64, none, 0, false);
     EXPECT_DOUBLE_EQ(r.model_states(), want[stage]) << "stage " << stage;
     EXPECT_NEAR(r.model_states() / 1e9, paper_gb[stage], 0.05) << "stage " << stage;
-    EXPECT_DOUBLE_EQ(r.peak, r.model_states());
+    // Stage 0 over ranks adds its gradient buckets (4 B per parameter) beside the states.
+    EXPECT_DOUBLE_EQ(r.peak, r.model_states() + (stage == 0 ? 4 * psi : 0));
   }
   // Table 1 of the paper: 1 T parameters on 1024 GPUs with all three stages, 15.6 GB per GPU.
   const estimate::Report trillion = estimate::estimate_params(1e12, {.world_size = 1024});
@@ -70,6 +72,59 @@ TEST(Estimate, OffloadMovesMastersAndStateOffTheDevice) {
       estimate::row(m, 2, Offload::cpu, Precision::full_bf16, 8, none, 0, true);
   EXPECT_DOUBLE_EQ(on_cpu.device, in_memory.device);
   EXPECT_EQ(on_cpu.host, 0);
+}
+
+// offload_param (nvme+p): stage 3's unit shards go to NVMe beside the optimizer state; memory
+// keeps the weights outside units, two gathered units and three shards in flight.
+TEST(Estimate, ParameterOffloadMovesTheUnitShards) {
+  estimate::ModelCounts m;
+  m.params = m.trainable = 1e9;
+  m.unit_params = 9e8;  // 30 units of 3e7, 1e8 outside them (embeddings)
+  m.largest_unit_params = 3e7;
+  m.largest_tensor_params = 5e7;
+  const estimate::Activations none;
+  const auto rank_of_8 = [&](Offload o) {
+    return estimate::row(m, 3, o, Precision::full_bf16, 8, none, 0, /*cpu_device=*/false);
+  };
+  const estimate::Row nvme = rank_of_8(Offload::nvme), params = rank_of_8(Offload::nvme_params);
+  const double shards = 9e8 / 8 * 2;  // bf16
+  EXPECT_DOUBLE_EQ(params.nvme - nvme.nvme, shards);
+  EXPECT_DOUBLE_EQ(params.weights, 1e8 * 2 + 2 * 3e7 * 2 + shards);
+  // ... and the values chunk of the weights outside units, which the all-gather sends.
+  EXPECT_DOUBLE_EQ(params.buffers, 1e8 * 2 / 8);
+  EXPECT_DOUBLE_EQ(params.device, 1e8 * 2 + 2 * 3e7 * 2 + params.grads + params.buffers);
+  EXPECT_DOUBLE_EQ(params.host - nvme.host, 3 * 3e7 / 8 * 2);
+  // Only stage 3 with half-precision weights can drop its weights from memory.
+  std::vector<estimate::Row> table = estimate::rows(m, std::array<estimate::Activations, 3>{}.data(),
+                                                     8, 0, false);
+  int rows_with_params = 0;
+  for (const auto& r : table)
+    if (r.offload == Offload::nvme_params) {
+      ++rows_with_params;
+      EXPECT_EQ(r.stage, 3);
+      EXPECT_EQ(r.precision, Precision::full_bf16);
+    }
+  EXPECT_EQ(rows_with_params, 1);
+}
+
+// A job that offloads its weight shards is estimated (the probes run it unsharded, in memory)
+// and finds its row; with the optimizer state in memory the report says how that differs.
+TEST(Estimate, JobWithParameterOffloadFindsItsRow) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string())
+                     << "\n[precision]\nmode = \"full_bf16\"\n\n[zero]\nstage = 3\n"
+                        "stage3_param_persistence_threshold = 0\noffload_param = { device = \"nvme\", nvme_path = \""
+                     << (dir.path() / "swap").string() << "\" }\n";
+  for (bool probe : {false, true}) {
+    const estimate::Report r = estimate::estimate_job(job, {}, {.probe = probe});
+    EXPECT_EQ(r.job_stage, 3);
+    EXPECT_EQ(r.job_offload, Offload::nvme_params);
+    EXPECT_TRUE(r.job_offload_params_only);
+    EXPECT_GT(r.model.unit_params, 0);
+    EXPECT_LT(r.model.unit_params, r.model.params);  // the embeddings are outside the units
+    EXPECT_NE(estimate::format(r).find("keeps the optimizer state in memory"), std::string::npos);
+  }
 }
 
 // test::tiny_gpt_job widened, so activations are most of the peak.
@@ -130,6 +185,57 @@ TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
   const double budget = fp32.peak - a.per_sample * 12 + a.per_sample * 40.5;
   EXPECT_EQ(estimate::largest_batch(report, budget), 40);
   EXPECT_EQ(estimate::largest_batch(report, fp32.model_states() * 0.5), 0);
+}
+
+// The same bar for the ZeRO and offload configurations the offload tests run on one rank
+// (full_bf16: the layout offload needs): the row of the job's stage and offload against the
+// peak of tensor memory the configured job measures. The swap files' staging buffers are not
+// tensors (aligned host memory), so the row's host part is left out of the comparison.
+TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
+  TempDir swap;
+  const std::string nvme = "{ device = \"nvme\", nvme_path = \"" + swap.str() + "\" }";
+  struct Case {
+    int stage;
+    Offload offload;
+    std::string zero;
+  };
+  // Threshold 0: every unit tensor sharded (the tiny model's are all below the default 1e5).
+  const std::string all_sharded = "stage3_param_persistence_threshold = 0\n";
+  const Case cases[] = {
+      {1, Offload::none, ""},
+      {3, Offload::none, all_sharded},
+      {0, Offload::nvme, "offload_optimizer = " + nvme + "\n"},
+      {2, Offload::nvme, "offload_optimizer = " + nvme + "\n"},
+      {3, Offload::nvme_params,
+       all_sharded + "offload_optimizer = " + nvme + "\noffload_param = " + nvme + "\n"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE("stage " + std::to_string(c.stage) + " offload " + estimate::to_string(c.offload));
+    const std::string zero = "\n[zero]\nstage = " + std::to_string(c.stage) + "\n" + c.zero;
+    TempDir dir;
+    const std::filesystem::path job = dir.path() / "job.toml";
+    std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string()) << zero;
+    const estimate::Report report =
+        estimate::estimate_job(job, with(kShape, "precision.mode=\"full_bf16\""), {});
+    ASSERT_EQ(report.job_offload, c.offload);
+    const estimate::Row* mine = nullptr;
+    for (const auto& r : report.rows)
+      if (r.stage == c.stage && r.offload == c.offload && r.precision == Precision::full_bf16)
+        mine = &r;
+    ASSERT_NE(mine, nullptr);
+    // The row as a GPU's would split it: its device peak without the host's staging buffers.
+    const double estimated = estimate::row(report.model, c.stage, c.offload, Precision::full_bf16,
+                                           1, report.activations[2], report.batch,
+                                           /*cpu_device=*/false).peak;
+    EXPECT_LE(estimated, mine->peak);
+    TempDir run;
+    const double measured =
+        measured_peak(test::tiny_gpt_job(run.str()) + zero, run, "full_bf16");
+    std::printf("stage %d %s: estimated %.2f MiB, measured %.2f MiB\n", c.stage,
+                estimate::to_string(c.offload), estimated / 1048576.0, measured / 1048576.0);
+    EXPECT_NEAR(estimated / measured, 1.0, 0.10)
+        << "estimated " << estimated << " B, measured " << measured << " B";
+  }
 }
 
 TEST(Estimate, BatchPlansKeepTheSamplesPerStep) {

@@ -6,7 +6,8 @@
 # checkpoint at the same world size is bitwise the uninterrupted one; the checkpoint holds
 # every rank's experts (`loom consolidate` gives the whole (4, ...) expert tensors); a world
 # size expert_parallel_size does not divide is a clear error. ZeRO stages 1-2 shard the dense
-# parameters beside the placed experts to the same result; stage 3 with experts is refused.
+# parameters beside the placed experts to the same result; stage 3 with experts is refused, as
+# is optimizer offload with experts.
 # usage: moe_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 build=$1 src=$2 python=$3
@@ -82,6 +83,14 @@ else fail "zero resume: ${d:-} $(tail -3 "$work/zcut.log")"; fi
 expect_error "zero stage 3 with expert parallelism" "use stage 1 or 2 with [moe] expert_parallel_size" \
   timeout 120 mpirun --oversubscribe --bind-to none -np 2 "$loom" run "$work/zero.toml" \
   --set "train.output_dir=$work/badzero" --set moe.expert_parallel_size=2 --set zero.stage=3
+# Optimizer offload keeps no placed state: refused with the key named, at stage 0 and 1.
+for stage in 0 1; do
+  expect_error "zero stage $stage offload with expert parallelism" \
+    "offload_optimizer does not take parameters placed on some ranks only" \
+    timeout 120 mpirun --oversubscribe --bind-to none -np 2 "$loom" run "$work/zero.toml" \
+    --set "train.output_dir=$work/badoffload$stage" --set moe.expert_parallel_size=2 \
+    --set zero.stage=$stage --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$work/swap\"}"
+done
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -3,10 +3,12 @@
 // and bf16 weights, stages 0 to 3 on one rank (stages 1-3: ZeRO's driver with its pieces in the
 // swap file); a resumed offloaded run is bitwise the uninterrupted one, from its own checkpoint
 // and from an in-memory run's; the swap file is gone after the run; bad offload keys are errors
-// naming them.
+// naming them. Stage 3's weight shards offloaded too (offload_param): bitwise, each unit's shard
+// read a unit ahead, none in memory between steps.
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "loom/engine.h"
@@ -191,6 +193,13 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
       EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
           << "weight shards stayed in memory between steps";
       trainer->run();
+      // Every step read each unit's shard but the first one a direction meets a unit ahead
+      // (two units: one read ahead in forward, one in backward).
+      std::ifstream metrics(nvme_dir.path() / "metrics.jsonl");
+      int steps = 0;
+      for (std::string line; std::getline(metrics, line); ++steps)
+        EXPECT_NE(line.find("\"offload_param_reads_ahead\":2"), std::string::npos) << line;
+      EXPECT_EQ(steps, 6);
       std::map<std::string, at::Tensor> nvme;
       for (const auto& item : trainer->engine().model().named_parameters(true))
         nvme[item.key()] = item.value().detach().to(at::kFloat).clone();

@@ -18,15 +18,22 @@ namespace loom::estimate {
 // no masters; full_bf16 keeps bf16 weights and gradients (2 + 2) and fp32 masters (4); the update
 // rule adds its state (AdamW 8; the job's own rule is measured from the state it makes). Stage 1
 // divides masters and optimizer state by the world size, stage 2 the gradients too, stage 3 the
-// weights too, plus the units it gathers (one and the one prefetched). Offloading moves masters
+// weights too (the units' tensors above stage3_param_persistence_threshold), plus the units it
+// gathers (one and the one prefetched); stage 0 over several ranks adds the gradient buckets
+// (an fp32 copy of the gradients), and offloaded stages 1-3 the values chunk the all-gather
+// sends (the weights' dtype, outside stage 3's shards). Offloading moves masters
 // and optimizer state to host RAM (cpu) or NVMe (nvme; host RAM keeps buffer_count buffers of the
-// largest tensor's share). Activations and the rest of the peak (workspace, data, autocast's half
+// largest tensor's share); nvme+p (stage 3, offload_param) also moves the units' weight shards
+// there, memory keeping the weights outside units, two gathered units and three shards in
+// flight. Activations and the rest of the peak (workspace, data, autocast's half
 // copies, the driver's buffers) are measured: the job runs two steps at per-device batch 1 and 2 (the second step's peaks count)
 // in each precision on one rank, and the peak above the model states is split into a part per
 // sample and a fixed part. With bf16 autocast the half copies are 2 B per parameter of the fixed
 // part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
 enum class Precision { fp32, bf16, full_bf16 };
-enum class Offload { none, cpu, nvme };
+// nvme_params: the optimizer state and (stage 3, half-precision weights) the units' weight
+// shards on NVMe, [zero] offload_param (Note [Offloaded parameters]).
+enum class Offload { none, cpu, nvme, nvme_params };
 const char* to_string(Precision p);
 const char* to_string(Offload o);
 
@@ -35,7 +42,9 @@ struct ModelCounts {
   double params = 0, trainable = 0;
   double optimizer_per_trainable = 8;  // bytes of update-rule state per trainable parameter
   std::string rule = "adamw";
-  double largest_unit_params = 0;    // stage 3 holds this gathered (twice: with prefetch)
+  // Stage 3 shards the units' tensors above its persistence threshold (the rest stay whole):
+  double largest_unit_params = 0;    // one unit's: held gathered (twice: with prefetch)
+  double unit_params = 0;            // all units': what stage 3 shards (and offload_param moves)
   double largest_tensor_params = 0;  // NVMe offload's buffers each hold this tensor's share
 };
 
@@ -83,6 +92,7 @@ struct Report {
   Activations activations[3];   // by Precision
   int job_stage = 0;
   Offload job_offload = Offload::none;
+  bool job_offload_params_only = false;  // offload_param without the optimizer state on NVMe
   Precision job_precision = Precision::fp32;
   std::vector<Row> rows;        // stages 0-3 x offload x precision
 };

@@ -32,11 +32,15 @@
 // Note [Offloaded parameters]: with offload_param on NVMe (stage 3, half-precision weights), a
 // unit's shard (the rank's chunk of its weights and the tag of Note [Diverged ranks]) lives in
 // the rank's parameter swap file between uses, ZeRO-Infinity's parameter offload. A gather
-// reads it into an aligned buffer when the gather starts (a prefetch starts earlier), all-gathers
-// from there, and frees it once the gather lands. The update writes each unit's new shard from
-// its fp32 masters (they are the truth: nothing is read) and frees it as soon as the unit's
-// last piece is done. Memory holds the shards of the units being gathered only; whole weights
-// exist around a unit's forward and backward as without offload.
+// reads it into an aligned buffer, all-gathers from there, and frees it once the gather lands.
+// The read is issued a unit ahead: where a prefetch would start the next unit's all-gather, it
+// starts the next unit's read instead (the I/O thread moves it while this unit computes), and
+// the unit's own gather waits for it and then all-gathers; collectives stay at the points every
+// rank reaches in the same order. The update writes each unit's new shard from its fp32 masters
+// (they are the truth: nothing is read) as soon as the walk leaves the unit, without waiting
+// for the write unless kShardWritesInFlight are already flying, and frees each shard once its
+// write lands. Memory holds the shards of the units being read, gathered or written only; whole
+// weights exist around a unit's forward and backward as without offload.
 #pragma once
 
 #include <chrono>
@@ -76,6 +80,10 @@ struct ZeroStats {
   double comm_seconds = 0.0;     // launch to observed completion of the reduce-scatters
   double exposed_seconds = 0.0;  // waiting for them after backward: not hidden behind compute
   int64_t elements = 0;          // elements this rank put into collectives this step
+  // offload_param (Note [Offloaded parameters]), this step: shard reads issued a unit ahead,
+  // and the time gathers waited for a shard's read (what the read-ahead did not hide).
+  int64_t shard_reads_ahead = 0;
+  double shard_wait_seconds = 0.0;
 };
 
 class ZeroDriver final : public StepDriver {
@@ -89,6 +97,7 @@ class ZeroDriver final : public StepDriver {
   void grad_ready(const Param& param);
   void finish_backward();
   const ZeroStats& stats() const { return stats_; }
+  bool offloads_params() const { return param_file_ != nullptr; }
   // The last update's walk over the swap file; null without offload.
   const offload::OffloadStats* offload_stats() const {
     return swap_ ? &swap_->last_stats() : nullptr;
@@ -144,6 +153,8 @@ class ZeroDriver final : public StepDriver {
     at::Tensor shard;                        // (chunk + 1) in the weights' dtype, + the tag
     int64_t position = -1;                   // stage 3: the unit's place in forward order
     int64_t shard_region = -1;               // offload_param: the shard's region in the file
+    int64_t shard_ticket = -1;               // offload_param: the shard's read or write in flight
+    bool shard_writing = false;              // ... a write (the shard is freed when it lands)
     at::Tensor gathering;                    // (world * chunk), while an all-gather runs
     std::shared_ptr<Work> gather_work;
     bool live = false;                       // the parameters hold their whole weights
@@ -173,9 +184,12 @@ class ZeroDriver final : public StepDriver {
   // Note [Offloaded parameters]: a group's shard in memory (read from the file, or fresh with
   // its tag to be filled whole), and written back and freed; the resident ones all written.
   at::Tensor read_shard(const Group& group) const;  // a copy from the file, aligned
+  void read_ahead(Group& group);                    // starts the read; make_resident lands it
   void make_resident(Group& group, bool read);
-  void flush(Group& group);
+  void flush(Group& group);                         // starts the write; settle lands it
+  void settle(Group& group);                        // waits for the shard's read or write
   void flush_resident();
+  std::deque<size_t> shard_writes_;                 // groups whose shard is being written
 
   std::vector<Param> params_;
   std::vector<TensorInfo> tensors_;
