@@ -240,10 +240,10 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   // The update runs after the activations are freed: its own extra (the rule's temporaries,
   // half weights written back) over the model states on the device.
   r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
-  // What loom runs today: NVMe offload of the optimizer state at every stage; CPU offload, and
-  // the weight shards on NVMe, only where the compute is on the CPU already (pinned host
-  // buffers for a GPU are still to come).
-  r.buildable = (offload != Offload::cpu && offload != Offload::nvme_params) || cpu_device;
+  // What loom runs today: the optimizer state offloaded to host memory or NVMe at every stage;
+  // the weight shards on NVMe only where the compute is on the CPU already (a GPU's would
+  // travel through pinned host buffers, still to come).
+  r.buildable = offload != Offload::nvme_params || cpu_device;
   return r;
 }
 

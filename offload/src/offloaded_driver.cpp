@@ -30,13 +30,18 @@ class OffloadedDriver final : public OffloadedStepDriver {
       else masters = true;
       segments.push_back(std::move(s));
     }
-    swap_ = std::make_unique<SegmentSwap>(rule_, std::move(segments), offload);
+    OffloadOptions store = offload;
+    store.pin_memory = offload.pin_memory && !params_.empty() && params_.front().tensor.is_cuda();
+    swap_ = std::make_unique<SegmentSwap>(rule_, std::move(segments), store);
     for (size_t i = 0; i < params_.size(); ++i) swap_->initialise(i, params_[i].tensor.detach());
     log::info("offload: optimizer state", masters ? " and fp32 masters" : "", " of ",
-              params_.size(), " tensors on NVMe: ", swap_->describe());
+              params_.size(), " tensors ", swap_->in_host_memory() ? "in host memory" : "on NVMe",
+              ": ", swap_->describe());
   }
 
-  std::string name() const override { return "offloaded (nvme)"; }
+  std::string name() const override {
+    return swap_->in_host_memory() ? "offloaded (cpu)" : "offloaded (nvme)";
+  }
 
   void zero_grad() override {
     auto all = grads();

@@ -51,6 +51,30 @@ SegmentSwap::SegmentSwap(const UpdateRule& rule, std::vector<SwapSegment> segmen
     largest_ = std::max(largest_, e.bytes);
     segments_.push_back(std::move(e));
   }
+  if (options.device == "cpu") {  // Note [Host store]
+    int64_t at = 0;
+    for (auto& e : segments_) {
+      e.region = at;
+      at += align_to(e.bytes, kTensorAlign);
+    }
+    total_ = std::max<int64_t>(at, 1);
+    try {
+      if (options.pin_memory) {
+        host_pinned_ = at::empty({total_}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+        host_base_ = static_cast<char*>(host_pinned_.data_ptr());
+      } else {
+        host_ = AlignedBuffer(total_);
+        host_base_ = static_cast<char*>(host_.data());
+      }
+    } catch (const std::exception& error) {
+      throw ConfigError(detail::cat(
+          "offload_optimizer.device = \"cpu\": cannot allocate ", memory::format_bytes(total_),
+          options.pin_memory ? " of page-locked" : "", " host memory for the optimizer state (",
+          error.what(), "); use device = \"nvme\", shard it over more ranks, or set "
+          "pin_memory = false"));
+    }
+    return;
+  }
   file_ = std::make_unique<SwapFile>(options.nvme, std::max<int64_t>(total_, 1));
   for (auto& e : segments_) e.region = file_->allocate(e.bytes);
   for (int b = 0; b < options.buffer_count; ++b) buffers_.emplace_back(std::max<int64_t>(largest_, 1));
@@ -78,11 +102,11 @@ void SegmentSwap::initialise(size_t i, const at::Tensor& values) {
   at::NoGradGuard no_grad;
   read_segment_ = -1;
   const Entry& e = segments_.at(i);
-  void* base = buffers_[0].data();
+  void* base = host_base_ ? host_base_ + e.region : buffers_[0].data();
   Segment segment = segment_over(e, base);
   if (!e.segment.in_place.defined()) segment.param.copy_(values.reshape(-1));
   for (auto& [key, tensor] : rule_.init_state(segment)) segment.state_at(key).copy_(tensor);
-  file_->wait(file_->write(e.region, base));
+  if (!host_base_) file_->wait(file_->write(e.region, base));
 }
 
 // Note [Pipelined update].
@@ -93,6 +117,14 @@ void SegmentSwap::walk(const std::function<bool(size_t, Segment&)>& visit) {
   };
   const auto started = Clock::now();
   stats_ = {};
+  if (host_base_) {  // Note [Host store]: every segment where it is
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      Segment segment = segment_over(segments_[i], host_base_ + segments_[i].region);
+      visit(i, segment);
+    }
+    stats_.compute_seconds = stats_.update_seconds = since(started);
+    return;
+  }
   read_segment_ = -1;
   read_buffer_ = AlignedBuffer();  // a checkpoint's, not kept between them
   const size_t n = segments_.size(), count = buffers_.size();
@@ -141,6 +173,13 @@ void SegmentSwap::walk(const std::function<bool(size_t, Segment&)>& visit) {
 }
 
 void SegmentSwap::each(const std::function<bool(size_t, Segment&)>& visit) const {
+  if (host_base_) {
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      Segment segment = segment_over(segments_[i], host_base_ + segments_[i].region);
+      visit(i, segment);
+    }
+    return;
+  }
   read_segment_ = -1;
   void* base = buffers_[0].data();
   for (size_t i = 0; i < segments_.size(); ++i) {
@@ -166,6 +205,10 @@ Segment SegmentSwap::meta_segment(size_t i) const {
 
 at::Tensor SegmentSwap::read(size_t i, const std::string& key) const {
   const Entry& e = segments_.at(i);
+  if (host_base_) {
+    const Segment segment = segment_over(e, host_base_ + e.region);
+    return (key.empty() ? segment.param : segment.state_at(key)).clone();
+  }
   if (read_segment_ != static_cast<int64_t>(i)) {
     if (read_buffer_.size() < largest_) read_buffer_ = AlignedBuffer(largest_);
     read_segment_ = -1;
@@ -178,14 +221,18 @@ at::Tensor SegmentSwap::read(size_t i, const std::string& key) const {
 }
 
 int64_t SegmentSwap::buffer_bytes() const {
+  if (host_base_) return total_;
   int64_t bytes = 0;
   for (const auto& b : buffers_) bytes += b.size();
   return bytes;
 }
 
-int64_t SegmentSwap::file_bytes() const { return total_; }
+int64_t SegmentSwap::file_bytes() const { return host_base_ ? 0 : total_; }
 
 std::string SegmentSwap::describe() const {
+  if (host_base_)
+    return detail::cat(memory::format_bytes(total_), " in ",
+                       host_pinned_.defined() ? "page-locked " : "", "host memory");
   return detail::cat(memory::format_bytes(total_), " in ", file_->file(),
                      file_->direct() ? " (O_DIRECT, io_uring)" : " (buffered, io_uring)", "; ",
                      buffers_.size(), " buffers of ", memory::format_bytes(largest_), " in memory");

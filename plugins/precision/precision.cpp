@@ -94,7 +94,12 @@ class Precision final : public loom::Plugin {
                 .key_float("growth_factor", 2.0, "fp16: scale multiplier after growth_interval "
                                                  "steps without overflow")
                 .key_float("backoff_factor", 0.5, "fp16: scale multiplier on an overflow")
-                .key_int("growth_interval", 2000, "fp16: clean steps before the scale grows")};
+                .key_int("growth_interval", 2000, "fp16: clean steps before the scale grows")
+                .key_string("cast_cache", "step",
+                            "bf16/fp16 autocast: how long the half copies of the weights live "
+                            "(Note [Cast once per update]): step (cast once per update, reused "
+                            "by every micro-batch) | forward (PyTorch's: cast again each "
+                            "micro-batch)")};
   }
 
   void configure(const loom::ConfigSection& table) override {
@@ -137,6 +142,10 @@ class Precision final : public loom::Plugin {
     LOOM_CHECK_AS(ConfigError, scaler_.growth_interval >= 1, table.where("growth_interval"),
                   ": [precision] growth_interval must be >= 1, got ", scaler_.growth_interval);
     where_mode_ = table.where("mode");
+    const std::string cache = table.get_string("cast_cache");
+    LOOM_CHECK_AS(ConfigError, cache == "step" || cache == "forward", table.where("cast_cache"),
+                  ": [precision] cast_cache must be \"step\" or \"forward\", got \"", cache, "\"");
+    cache_for_step_ = cache == "step";
   }
 
   void attach(loom::Engine& engine) override {
@@ -149,6 +158,8 @@ class Precision final : public loom::Plugin {
       engine.on(loom::Event::model_built, [this](loom::Engine& e) { cast_model(e); });
     engine.on(loom::Event::params_ready, [this](loom::Engine& e) {
       if (uses_autocast(mode_)) check_fp32_weights(e);
+      // Stage 3 frees each unit's weights after use: kept half copies would undo that.
+      if (!e.step_driver().sharded_weights().empty()) cache_for_step_ = false;
       if (loss_scaling(mode_)) e.state().loss_scale = scaler_.scale;
       loom::log::info(anatomy(e.model_state()));
     });
@@ -157,7 +168,17 @@ class Precision final : public loom::Plugin {
       engine.on(loom::Event::before_forward, [this](loom::Engine&) {
         if (uses_autocast(mode_)) enter_autocast(dtype_);
       });
-      engine.on(loom::Event::after_forward, [this](loom::Engine&) { leave_autocast(); });
+      // Note [Cast once per update]: the weights do not change between the micro-batches of
+      // one step, so the half copies autocast made for the first micro-batch's forward are
+      // kept (its cache) for the others; the last micro-batch's forward drops them, so the
+      // update and the step's end hold none, as without accumulation.
+      engine.on(loom::Event::after_forward, [this](loom::Engine& e) {
+        leave_autocast(/*keep_cache=*/cache_for_step_ && !e.state().sync_grads &&
+                       at::GradMode::is_enabled());
+      });
+      engine.on(loom::Event::before_update, [](loom::Engine&) {
+        if (at::autocast::is_autocast_cache_enabled()) at::autocast::clear_cache();
+      });
     }
     if (loss_scaling(mode_))
       engine.on(loom::Event::before_update, [this](loom::Engine& e) { unscale_and_check(e); });
@@ -170,6 +191,7 @@ class Precision final : public loom::Plugin {
     engine.on(loom::Event::load, [this](loom::Engine& e) { load(e); });
     engine.on(loom::Event::teardown, [this](loom::Engine&) {
       leave_autocast();  // a forward that threw may have left it on
+      at::autocast::clear_cache();
       restore_tf32_flags();
     });
   }
@@ -370,14 +392,15 @@ class Precision final : public loom::Plugin {
     autocast_on_ = true;
   }
 
-  void leave_autocast() {
+  void leave_autocast(bool keep_cache = false) {
     if (!autocast_on_) return;
     const auto type = device_.type();
     at::autocast::set_autocast_enabled(type, saved_enabled_);
     at::autocast::set_autocast_dtype(type, saved_dtype_);
     // The cache holds the half copies of the weights for this forward; autograd keeps the ones
-    // backward needs, so dropping the cache here frees them as soon as backward is done.
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    // backward needs, so dropping the cache here frees them as soon as backward is done
+    // (unless the next micro-batch of this step will use them: Note [Cast once per update]).
+    if (at::autocast::decrement_nesting() == 0 && !keep_cache) at::autocast::clear_cache();
     autocast_on_ = false;
   }
 
@@ -469,6 +492,7 @@ class Precision final : public loom::Plugin {
   LossScaler scaler_;
   bool auto_ = false;
   bool autocast_on_ = false, saved_enabled_ = false, flags_set_ = false;
+  bool cache_for_step_ = true;  // Note [Cast once per update]
   at::ScalarType saved_dtype_ = at::kFloat;
   at::Float32Precision saved_matmul_ = at::Float32Precision::NONE,
                        saved_conv_ = at::Float32Precision::NONE;

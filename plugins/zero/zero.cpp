@@ -228,17 +228,26 @@ class Zero final : public loom::Plugin {
       loom::log::info("zero: stage 3 weight shards offloaded to NVMe (", offload_param_.nvme.path,
                       ")");
     }
-    if (offload_.device == "cpu" && engine.device().is_cpu()) {
+    // Note [Host store]: device = "cpu" is ZeRO-Offload for a GPU run. On a CPU run the state
+    // is in host memory already, so it changes nothing, unless LOOM_OFFLOAD_CPU_STORE=1: the
+    // tests run the GPU path's host store on the CPU that way (its CPU twin).
+    const char* twin = std::getenv("LOOM_OFFLOAD_CPU_STORE");
+    offload_active_ = offload_.device == "nvme" ||
+                      (offload_.device == "cpu" &&
+                       (!engine.device().is_cpu() || (twin && std::string(twin) == "1")));
+    if (offload_.device == "cpu" && !offload_active_) {
       loom::log::info("zero: offload_optimizer.device = \"cpu\" on a CPU run: the state is in "
                       "CPU memory already; nothing changes");
-    } else if (offload_.device == "cpu") {
-      throw loom::ConfigError(loom::detail::cat(
-          where_offload_, ": [zero] offload_optimizer.device = \"cpu\" on a GPU is not "
-          "implemented yet; use device = \"nvme\" (the update runs on the CPU either way)"));
-    } else if (offload_.device == "nvme") {
-      offload_.nvme.path = engine.resolve_path(offload_.nvme.path);
-      loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
-                      offload_.nvme.path, ")");
+    } else if (offload_active_) {
+      if (offload_.device == "nvme") {
+        offload_.nvme.path = engine.resolve_path(offload_.nvme.path);
+        loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
+                        offload_.nvme.path, ")");
+      } else {
+        loom::log::info("zero: stage ", stage_, ", optimizer state and fp32 masters offloaded to ",
+                        offload_.pin_memory && engine.device().is_cuda() ? "page-locked " : "",
+                        "host memory; the update runs on the CPU");
+      }
       // Placed (expert-parallel) parameters keep whole state on their ranks only, which
       // neither offloaded layout knows how to checkpoint or clip.
       for (const auto& p : options.params)
@@ -341,7 +350,7 @@ class Zero final : public loom::Plugin {
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
       // Offloaded state is on NVMe, outside the formula's memory.
-      if (measured_ || (!driver_ && !buckets_) || offload_.device == "nvme" ||
+      if (measured_ || (!driver_ && !buckets_) || offload_active_ ||
           offload_param_.device == "nvme")
         return;
       measured_ = true;
@@ -542,6 +551,7 @@ class Zero final : public loom::Plugin {
   loom::offload::OffloadOptions offload_, offload_param_;
   loom::offload::OffloadedStepDriver* offloaded_ = nullptr;  // owned by the engine
   std::string where_offload_, where_offload_param_;
+  bool offload_active_ = false;  // the optimizer state is in a SegmentSwap (nvme, or cpu on a GPU)
   int64_t baseline_bytes_ = 0;
   bool measured_ = false;
   int stage_ = 2;

@@ -107,7 +107,8 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
   group_of_.resize(params_.size());
   ready_.assign(params_.size(), false);
   at::NoGradGuard no_grad;
-  const bool offloaded = options_.offload.device == "nvme";
+  // nvme: the swap file; cpu: host memory (Note [Host store]), a GPU run's ZeRO-Offload.
+  const bool offloaded = options_.offload.device == "nvme" || options_.offload.device == "cpu";
   std::vector<offload::SwapSegment> swap_segments;
   for (size_t m = 0; m < members.size(); ++m) {
     const auto& list = members[m];
@@ -197,7 +198,9 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
   if (offloaded) {
     // Every piece's first master from the values kept in memory (the shard, the values chunk,
     // or the weights themselves), written one at a time.
-    swap_ = std::make_unique<offload::SegmentSwap>(rule_, std::move(swap_segments), options_.offload);
+    offload::OffloadOptions store = options_.offload;
+    store.pin_memory = store.pin_memory && device_.is_cuda();
+    swap_ = std::make_unique<offload::SegmentSwap>(rule_, std::move(swap_segments), store);
     for (size_t i = 0; i < swapped_.size(); ++i) swap_->initialise(i, values_of(i));
   }
   if (options_.offload_param.device == "nvme") {
@@ -245,7 +248,9 @@ std::string ZeroDriver::describe() const {
       << " trainable elements, " << padded / world_ << " per rank (padding "
       << 100.0 * static_cast<double>(padded - numel) / static_cast<double>(std::max<int64_t>(1, numel))
       << " %)" << (separate_master_ ? ", fp32 masters sharded" : "");
-  if (swap_) out << "; masters and state on NVMe: " << swap_->describe();
+  if (swap_)
+    out << "; masters and state " << (swap_->in_host_memory() ? "in host memory" : "on NVMe")
+        << ": " << swap_->describe();
   if (options_.stage == 3)
     out << "; weights sharded in " << unit_order_.size() << " unit(s), "
         << groups_.size() - unit_order_.size() << " group(s) kept whole";
@@ -982,7 +987,7 @@ void ZeroDriver::load_state(StateReader& reader) {
 }
 
 int64_t ZeroDriver::state_bytes() const {
-  if (swap_) return swap_->buffer_bytes();  // what stays in memory; the state is on NVMe
+  if (swap_) return swap_->buffer_bytes();  // what stays in host memory (buffers or the arena)
   int64_t bytes = 0;
   for (const auto& group : groups_)
     for (const auto& segment : group.segments)

@@ -259,7 +259,7 @@ offload_case() {  # NAME BACKEND IN-MEMORY-RUN ARGS...
   local name=$1 backend=$2 memory=$3 out="$work/off-${1// /-}" d=""; shift 3
   if ranks "$backend" 2 "$out" "$@" "${nvme[@]}" &&
      d=$(same_params "$memory" "$out" 0) && [[ $d == *bitwise* ]] && [ -z "$(ls -A "$work/swap")" ]; then
-    ok "NVMe-offloaded optimizer state, $name on 2 ranks ($backend) == in memory ($d)"
+    ok "offloaded optimizer state, $name on 2 ranks ($backend) == in memory ($d)"
   else fail "offload $name: ${d:-} $(grep -v '^\s*$' "$out.log" | tail -3)"; fi
 }
 ranks mpi 2 "$work/off-memory" --set optimizer.eps=1e-5 --set zero.stage=0 ||
@@ -279,6 +279,17 @@ offload_case "bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3
 offload_case "bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
   --set train.gradient_accumulation_steps=1 \
   --set "zero.offload_param={device=\"nvme\", nvme_path=\"$work/swap\", queue_depth=4}"
+
+# ... and in host memory (Note [Host store]: device = "cpu", a GPU run's ZeRO-Offload, run on the
+# CPU as its twin with LOOM_OFFLOAD_CPU_STORE=1): adam8bit at stage 2 and bf16 at stage 3.
+export LOOM_OFFLOAD_CPU_STORE=1
+nvme=(--set "zero.offload_optimizer={device=\"cpu\"}")
+# shellcheck disable=SC2086
+sets=(${rule_sets[adam8bit]})
+offload_case "in host memory, adam8bit stage 2" gloo "$work/adam8bit-s2-n2" "${sets[@]}" --set zero.stage=2
+offload_case "in host memory, bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
+  --set train.gradient_accumulation_steps=1
+unset LOOM_OFFLOAD_CPU_STORE
 
 # [train] auto_find_batch_size on 2 ranks: each rank probes alone (Note [Solo probes]) and both
 # take the job's 2 x 4 samples per step in one micro-batch; ranks that choose differently (here

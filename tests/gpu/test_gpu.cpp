@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -341,6 +342,39 @@ TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
 }
 
 // ---- bad input ----
+
+// ZeRO-Offload on a GPU: the fp32 masters and AdamW's state in page-locked host memory
+// (device = "cpu", Note [Host store]) or on NVMe, the update on the CPU, the weights copied back
+// in bf16. Follows the same job kept on the GPU (CPU and GPU AdamW round alike but for
+// rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1).
+TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
+  for (const std::string stage : {"0", "2"}) {
+    SCOPED_TRACE("stage " + stage);
+    TempDir memory_dir, host_dir, nvme_dir, swap;
+    const std::string zero = "\n[zero]\nstage = " + stage + "\n";
+    const TrainRun memory = train(tiny_gpt_job(memory_dir.str()) + zero, memory_dir, set);
+    const TrainRun host = train(
+        tiny_gpt_job(host_dir.str()) + zero + "offload_optimizer = { device = \"cpu\" }\n",
+        host_dir, set);
+    const TrainRun nvme = train(tiny_gpt_job(nvme_dir.str()) + zero +
+                                    "offload_optimizer = { device = \"nvme\", nvme_path = \"" +
+                                    swap.str() + "\" }\n",
+                                nvme_dir, set);
+    for (const TrainRun* run : {&host, &nvme}) {
+      ASSERT_EQ(run->losses.size(), memory.losses.size());
+      for (size_t i = 0; i < memory.losses.size(); ++i)
+        EXPECT_NEAR(run->losses[i], memory.losses[i], 1e-3 * std::abs(memory.losses[i]));
+      for (size_t i = 0; i < memory.params.size(); ++i)
+        EXPECT_LT(max_abs_diff(memory.params[i], run->params[i]), 1e-2) << memory.names[i];
+      EXPECT_TRUE(run->last_metrics.contains("offload_update_s"));
+    }
+    EXPECT_EQ(host.last_metrics["offload_bytes_read"].get<double>(), 0.0);
+    EXPECT_GT(nvme.last_metrics["offload_bytes_read"].get<double>(), 0.0);
+    EXPECT_TRUE(std::filesystem::is_empty(swap.path()));
+  }
+}
 
 TEST(Gpu, ADeviceIndexPastTheLastGpuIsAnErrorNamingTheKey) {
   LOOM_REQUIRE_GPU();

@@ -7,6 +7,7 @@
 // read a unit ahead, none in memory between steps.
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -75,6 +76,51 @@ TEST(Offload, NvmeOptimizerStateTrainsBitwiseLikeMemory) {
         expect_bitwise(memory, nvme);
         EXPECT_TRUE(fs::is_empty(swap.path())) << "the swap file outlived the run";
       }
+}
+
+// Note [Host store]: offload_optimizer.device = "cpu", a GPU run's ZeRO-Offload, run on the CPU
+// (LOOM_OFFLOAD_CPU_STORE=1: on a CPU run "cpu" otherwise changes nothing): the same matrix is
+// bitwise the in-memory runs, every step's update went through the store (no bytes moved to a
+// file), and a run resumed from its own checkpoint is bitwise the uninterrupted one.
+TEST(Offload, HostStoreTwinTrainsBitwiseLikeMemory) {
+  struct TwinScope {
+    TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
+    ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
+  } twin;
+  const std::string host = "offload_optimizer = { device = \"cpu\" }\n";
+  for (const std::string rule : {"adamw", "adafactor", "adam8bit"})
+    for (const std::string precision : {"", "\n[precision]\nmode = \"full_bf16\"\n"})
+      for (const std::string stage :
+           {"stage = 0\n", "stage = 1\n", "stage = 2\n",
+            "stage = 3\nstage3_param_persistence_threshold = 0\n"}) {
+        SCOPED_TRACE(rule + (precision.empty() ? " fp32 " : " bf16 ") + stage);
+        TempDir memory_dir, host_dir;
+        const auto memory = trained(job(memory_dir.str(), rule, stage) + precision,
+                                    memory_dir.path());
+        const auto hosted = trained(job(host_dir.str(), rule, stage + host) + precision,
+                                    host_dir.path());
+        expect_bitwise(memory, hosted);
+        std::ifstream metrics(host_dir.path() / "metrics.jsonl");
+        int steps = 0;
+        for (std::string line; std::getline(metrics, line); ++steps) {
+          EXPECT_NE(line.find("\"offload_update_s\""), std::string::npos) << line;
+          EXPECT_NE(line.find("\"offload_bytes_read\":0.0"), std::string::npos) << line;
+        }
+        EXPECT_EQ(steps, 6);
+      }
+  const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
+  for (const std::string stage : {"stage = 0\n", "stage = 2\n"}) {
+    SCOPED_TRACE(stage);
+    TempDir whole_dir, resumed_dir;
+    const auto whole =
+        trained(job(whole_dir.str(), "adamw", stage + host, "save_steps = 3\n") + bf16,
+                whole_dir.path());
+    const auto resumed = trained(
+        job(resumed_dir.str(), "adamw", stage + host,
+            "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n") + bf16,
+        resumed_dir.path());
+    expect_bitwise(whole, resumed);
+  }
 }
 
 TEST(Offload, ResumesBitwiseFromItsOwnAndFromAnInMemoryCheckpoint) {

@@ -3,11 +3,14 @@
 // Overflows are injected by an after_backward handler the test registers, not by a config key.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <ATen/cpu/Utils.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string_view>
 #include <cstdio>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -24,6 +27,12 @@ namespace {
 
 using test::run_python;
 using test::TempDir;
+
+// The aten::_to_copy calls a RecordFunction callback has counted on this thread.
+int* counter_of_this_thread() {
+  static thread_local int count = 0;
+  return &count;
+}
 
 std::string with_precision(const std::string& job, const std::string& precision) {
   return job + "\n[precision]\n" + precision + "\n";
@@ -276,6 +285,48 @@ TEST(Precision, Bf16AndFullBf16FollowTheFp32Loss) {
     EXPECT_GT(lines.front()["loss"].get<double>() - lines.back()["loss"].get<double>(), 1.0);
   }
   EXPECT_GT(reference.front()["loss"].get<double>() - reference.back()["loss"].get<double>(), 1.0);
+}
+
+// Note [Cast once per update]: with accumulation, the first micro-batch's forward casts the
+// fp32 weights to bf16 and the others reuse those copies (fewer casts, counted by a
+// RecordFunction callback on aten::_to_copy), with cast_cache = "forward" every micro-batch
+// casts again as PyTorch's autocast does; the weights come out bitwise the same either way.
+TEST(Precision, AutocastCastsTheWeightsOncePerUpdate) {
+  std::map<std::string, std::vector<int>> casts;
+  std::map<std::string, std::vector<at::Tensor>> weights;
+  for (const std::string cache : {"step", "forward"}) {
+    SCOPED_TRACE(cache);
+    TempDir dir;
+    auto trainer = Trainer::from_text(
+        with_precision(text_job(dir.str(), 2), "mode = \"bf16\"\ncast_cache = \"" + cache + "\""),
+        dir.path(), {"train.gradient_accumulation_steps=4", "train.per_device_train_batch_size=1"});
+    trainer->setup();
+    auto counter = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (std::string_view(fn.name()) == "aten::_to_copy") ++*counter_of_this_thread();
+              return nullptr;
+            })
+            .scopes({at::RecordScope::FUNCTION}));
+    *counter_of_this_thread() = 0;
+    trainer->engine().on(Event::before_forward, [](Engine&) { *counter_of_this_thread() = 0; });
+    trainer->engine().on(Event::after_forward, [&](Engine&) {
+      casts[cache].push_back(*counter_of_this_thread());
+    });
+    trainer->run();
+    at::removeCallback(counter);
+    weights[cache] = snapshot(trainer->engine());
+  }
+  const auto& step = casts["step"];
+  const auto& forward = casts["forward"];
+  ASSERT_EQ(step.size(), 8u);  // 2 steps x 4 micro-batches
+  ASSERT_EQ(forward.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(forward[i], forward[0]) << "micro-batch " << i;
+    if (i % 4 == 0) EXPECT_EQ(step[i], forward[0]) << "a step's first forward casts as always";
+    else EXPECT_LT(step[i], step[i / 4 * 4]) << "micro-batch " << i << " cast the weights again";
+  }
+  EXPECT_TRUE(all_bitwise_equal(weights["step"], weights["forward"]));
 }
 
 TEST(Precision, AnatomyReportShowsHalfCopiesOfTheWeights) {

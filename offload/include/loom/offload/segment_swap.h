@@ -12,6 +12,12 @@
 // on the buffer's bytes as tensors, exactly as the in-memory drivers run it on their own, so the
 // updated weights are bitwise the same. Between walks only the buffers are in memory:
 // buffer_count x the largest segment's region.
+//
+// Note [Host store]: with device = "cpu" (ZeRO-Offload: a GPU run's optimizer state in host
+// RAM) the segments' regions are slices of one host arena instead (page-locked when
+// pin_memory and the weights are on a GPU, so the gradients' and weights' copies run at full
+// PCIe speed), and a walk visits them where they are: no buffers, no I/O, the same rule calls on
+// the same bytes, so the twin of this path on a CPU run is bitwise the in-memory one too.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,7 +38,8 @@ struct OffloadOptions {
   std::string device = "none";  // none | cpu | nvme (DeepSpeed's offload_optimizer.device)
   NvmeOptions nvme;             // path, block_size, queue_depth
   int buffer_count = 4;         // staging buffers (DeepSpeed's buffer_count), at least 3
-  bool pin_memory = true;       // CUDA builds: page-locked staging buffers (no effect on CPU)
+  bool pin_memory = true;       // page-locked host arena (Note [Host store]); the drivers pass
+                                // true only when the weights are on a GPU
 };
 
 // What the last walk did: its wall time, the part spent in the visitor (compute) and the part
@@ -85,8 +92,9 @@ class SegmentSwap {
   at::Tensor read(size_t i, const std::string& key) const;
 
   const OffloadStats& last_stats() const { return stats_; }
-  int64_t buffer_bytes() const;  // what stays in memory
-  int64_t file_bytes() const;
+  int64_t buffer_bytes() const;  // what stays in host memory (the buffers, or the host arena)
+  int64_t file_bytes() const;    // 0 with the host store
+  bool in_host_memory() const { return host_base_ != nullptr; }
   std::string describe() const;  // "3.1 GiB in FILE (O_DIRECT, io_uring); 4 buffers of ..."
 
  private:
@@ -105,7 +113,10 @@ class SegmentSwap {
 
   const UpdateRule& rule_;
   std::vector<Entry> segments_;
-  std::unique_ptr<SwapFile> file_;
+  std::unique_ptr<SwapFile> file_;      // nvme
+  AlignedBuffer host_;                  // Note [Host store], unpinned
+  at::Tensor host_pinned_;              // ... or page-locked (CUDA)
+  char* host_base_ = nullptr;           // the arena; Entry::region is then a byte offset
   mutable std::vector<AlignedBuffer> buffers_;
   mutable AlignedBuffer read_buffer_;    // read(): segment read_segment_ (-1: none)
   mutable int64_t read_segment_ = -1;
