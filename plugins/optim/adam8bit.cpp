@@ -70,29 +70,48 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 
 #if defined(__x86_64__)
 // Note [adam8bit in vectors]: block_scalar 16 elements per instruction. The codes come back by
-// gathers; AdamW's arithmetic runs in the scalar kernel's order (the build has
-// -ffp-contract=off, and sqrt and division round alike); the absmax is kept as std::max keeps it
-// (a NaN never enters); QuantMap::quantize16 is quantize_fast. So every byte and float equals the
+// lookups in register tables (Note [Lookups in registers]): one pass per state dequantizes its
+// codes into the block buffer with that state's code map in registers, then AdamW's arithmetic
+// runs in the scalar kernel's order (the build has -ffp-contract=off, and sqrt and division
+// round alike); the absmax is kept as std::max keeps it (a NaN never enters); one pass per state
+// requantizes with its threshold table in registers (QuantMap::quantize16 is quantize_fast). A
+// table fills 16 of the 32 registers, so each pass holds one. Every byte and float equals the
 // scalar kernel's (the optimizer tests compare the two bit for bit). A tail of fewer than 16
 // runs scalar.
+__attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const QuantMap& map,
+                                                        float absmax, float* out, int64_t whole) {
+  const RegisterTable codes(map.code.data());
+  const __m512 scale = _mm512_set1_ps(absmax);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512i index =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(codes.lookup(index), scale));
+  }
+}
+__attribute__((target("avx512f"))) void requantize_pass(const float* in, const QuantMap& map,
+                                                        float inverse, uint8_t* q, int64_t whole) {
+  const RegisterTable thresholds(map.threshold.data());
+  const __m512 inv = _mm512_set1_ps(inverse);
+  for (int64_t i = 0; i < whole; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm512_cvtepi32_epi8(map.quantize16(
+                         _mm512_mul_ps(_mm512_loadu_ps(in + i), inv), thresholds)));
+}
+
 __attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coefficients& c,
                                                      float* mbuf, float* vbuf) {
   const QuantMap& ms = signed_map();
   const QuantMap& vs = unsigned_map();
-  const float old_am = *b.am, old_av = *b.av;
+  const int64_t whole = b.len / 16 * 16;
+  dequantize_pass(b.qm, ms, *b.am, mbuf, whole);
+  dequantize_pass(b.qv, vs, *b.av, vbuf, whole);
   const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
                decay = _mm512_set1_ps(c.decay), bc2 = _mm512_set1_ps(c.bc2_sqrt),
-               eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size),
-               scale_m = _mm512_set1_ps(old_am), scale_v = _mm512_set1_ps(old_av);
+               eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size);
   __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
-  const int64_t whole = b.len / 16 * 16;
   for (int64_t i = 0; i < whole; i += 16) {
-    const __m512i im =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qm + i)));
-    const __m512i iv =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qv + i)));
-    __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(im, ms.code.data(), 4), scale_m);
-    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(iv, vs.code.data(), 4), scale_v);
+    __m512 m = _mm512_loadu_ps(mbuf + i);
+    __m512 v = _mm512_loadu_ps(vbuf + i);
     const __m512 g = _mm512_loadu_ps(b.g + i);
     m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(g, m)));
     v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
@@ -109,13 +128,8 @@ __attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coeff
   float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  const __m512 inv_mv = _mm512_set1_ps(inv_m), inv_vv = _mm512_set1_ps(inv_v);
-  for (int64_t i = 0; i < whole; i += 16) {
-    const __m512i qm = ms.quantize16(_mm512_mul_ps(_mm512_loadu_ps(mbuf + i), inv_mv));
-    const __m512i qv = vs.quantize16(_mm512_mul_ps(_mm512_loadu_ps(vbuf + i), inv_vv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qm + i), _mm512_cvtepi32_epi8(qm));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qv + i), _mm512_cvtepi32_epi8(qv));
-  }
+  requantize_pass(mbuf, ms, inv_m, b.qm, whole);
+  requantize_pass(vbuf, vs, inv_v, b.qv, whole);
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
   *b.av = new_av;

@@ -1,6 +1,6 @@
 // What one 256-entry table lookup for 16 lanes costs on this CPU, the unit adam8bit's codec is
 // built from (docs/BENCHMARKS.md, "adam8bit in vectors"): an AVX-512 gather, the same lookup as
-// eight two-register permutes and a blend tree (the table held in 16 registers), and a
+// the kernels make it (loom::optim::RegisterTable, Note [Lookups in registers]), and a
 // branch-free binary search over 256 thresholds with such lookups (a gather-free quantizer).
 // Each over 2^20 random bytes / floats, 20 passes, three rounds; nanoseconds per 16 lanes.
 // Built as build/bin/loom_lookup_cost (examples/CMakeLists.txt); run it without arguments.
@@ -12,24 +12,12 @@
 #include <cstdio>
 #include <vector>
 
+#include "../../../plugins/optim/quantize.h"  // RegisterTable: the kernels' lookup
+
 namespace {
 
 alignas(64) float codes[256];
 alignas(64) float thresholds[256];
-
-__m512 permute_lookup(const __m512* table, __m512i index) {
-  __m512 pairs[8];
-  for (int k = 0; k < 8; ++k)
-    pairs[k] = _mm512_permutex2var_ps(table[2 * k], index, table[2 * k + 1]);
-  const __mmask16 b5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
-  const __mmask16 b6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
-  const __mmask16 b7 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(128));
-  const __m512 q0 = _mm512_mask_blend_ps(b5, pairs[0], pairs[1]);
-  const __m512 q1 = _mm512_mask_blend_ps(b5, pairs[2], pairs[3]);
-  const __m512 q2 = _mm512_mask_blend_ps(b5, pairs[4], pairs[5]);
-  const __m512 q3 = _mm512_mask_blend_ps(b5, pairs[6], pairs[7]);
-  return _mm512_mask_blend_ps(b7, _mm512_mask_blend_ps(b6, q0, q1), _mm512_mask_blend_ps(b6, q2, q3));
-}
 
 }  // namespace
 
@@ -46,11 +34,7 @@ int main() {
     bytes[i] = static_cast<uint8_t>((static_cast<uint32_t>(i) * 2654435761u) >> 24);
     values[i] = std::sin(0.37f * static_cast<float>(i));
   }
-  __m512 code_regs[16], threshold_regs[16];
-  for (int k = 0; k < 16; ++k) {
-    code_regs[k] = _mm512_load_ps(codes + 16 * k);
-    threshold_regs[k] = _mm512_load_ps(thresholds + 16 * k);
-  }
+  const loom::optim::RegisterTable code_regs(codes), threshold_regs(thresholds);
   using Clock = std::chrono::steady_clock;
   auto per16 = [&](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::nano>(b - a).count() / (passes * (n / 16.0));
@@ -66,7 +50,7 @@ int main() {
     for (int p = 0; p < passes; ++p)
       for (int i = 0; i < n; i += 16) {
         const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&bytes[i])));
-        _mm512_storeu_ps(&out[i], permute_lookup(code_regs, index));
+        _mm512_storeu_ps(&out[i], code_regs.lookup(index));
       }
     const auto t2 = Clock::now();
     for (int p = 0; p < passes; ++p)
@@ -74,7 +58,7 @@ int main() {
         const __m512 y = _mm512_loadu_ps(&values[i]);
         __m512i q = _mm512_setzero_si512();
         for (int step = 128; step >= 1; step >>= 1) {
-          const __m512 t = permute_lookup(threshold_regs, _mm512_add_epi32(q, _mm512_set1_epi32(step - 1)));
+          const __m512 t = threshold_regs.lookup(_mm512_add_epi32(q, _mm512_set1_epi32(step - 1)));
           q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ), q, _mm512_set1_epi32(step));
         }
         _mm_storeu_si128(reinterpret_cast<__m128i*>(&out[i]), _mm512_cvtepi32_epi8(q));
