@@ -169,9 +169,7 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::set<std::string> own = {"run",         "check",  "estimate", "plugins", "env",
-                                     "consolidate", "export", "generate"};
-  const bool plugin_command = argc > 1 && argv[1][0] != '-' && !own.count(argv[1]);
+  const bool plugin_command = argc > 1 && argv[1][0] != '-' && !loom::is_own_command(argv[1]);
   for (int i = 1; i < argc && !plugin_command; ++i) {
     if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
       std::cout << kUsage;

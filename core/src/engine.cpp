@@ -930,9 +930,6 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
 
 namespace {
 
-const std::set<std::string> kOwnCommands = {"run", "check", "estimate", "plugins", "env",
-                                            "consolidate", "export", "generate"};
-
 // Every command of the loadable plugins, by name; a clash is a PluginError naming both.
 std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHost& host) {
   host.load_all();  // a plugin that does not load has no commands (`loom plugins` says why)
@@ -940,7 +937,7 @@ std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHos
   for (const auto& record : host.plugins()) {
     const std::string where = record->builtin() ? "the core" : record->file.string();
     for (auto& command : record->plugin->commands()) {
-      LOOM_CHECK_AS(PluginError, !kOwnCommands.count(command.name), "plugin '", where,
+      LOOM_CHECK_AS(PluginError, !is_own_command(command.name), "plugin '", where,
                     "' adds the command '", command.name, "', which is one of loom's own; "
                     "rename it");
       auto [it, fresh] = out.emplace(command.name, std::make_pair(command, where));
@@ -952,6 +949,12 @@ std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHos
 }
 
 }  // namespace
+
+bool is_own_command(const std::string& name) {
+  static const std::set<std::string> own = {"run", "check", "estimate", "plugins", "env",
+                                            "consolidate", "export", "generate"};
+  return own.count(name) > 0;
+}
 
 std::vector<std::string> plugin_command_usages(const std::vector<std::filesystem::path>& extra_path) {
   PluginHost host;

@@ -74,6 +74,15 @@ at::Tensor causal_mask(int64_t held, int64_t new_len, const at::TensorOptions& o
   return at::ones({new_len, held + new_len}, options.dtype(at::kBool)).tril(held);
 }
 
+void KVCache::Layer::append(at::Tensor& k, at::Tensor& v) {
+  if (keys.defined()) {
+    k = at::cat({keys, k}, 2);
+    v = at::cat({values, v}, 2);
+  }
+  keys = k;
+  values = v;
+}
+
 at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mask,
                               KVCache::Layer* kv) {
   // x is (B,T,C); q, k, v are (B,H,T,D).
@@ -83,13 +92,8 @@ at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mas
   std::optional<at::Tensor> mask;
   if (kv) {
     LOOM_CHECK(!padding_mask.defined(), "attention with a KV cache takes no padding mask");
-    const int64_t held = kv->keys.defined() ? kv->keys.size(2) : 0;
-    if (held > 0) {
-      k = at::cat({kv->keys, k}, 2);
-      v = at::cat({kv->values, v}, 2);
-    }
-    kv->keys = k;
-    kv->values = v;
+    const int64_t held = kv->held();
+    kv->append(k, v);
     // One new query sees every key; a longer chunk after earlier ones needs the offset mask
     // (SDPA's is_causal aligns the mask to the top left).
     if (held > 0 && T > 1 && causal) mask = causal_mask(held, T, x.options());

@@ -106,7 +106,7 @@ class LlamaAttention : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, loom::nn::KVCache::Layer* kv) {
     const int64_t B = x.size(0), T = x.size(1), D = c_.dim_per_head();
     const int64_t H = c_.num_attention_heads, Hkv = c_.kv_heads();
-    const int64_t held = kv && kv->keys.defined() ? kv->keys.size(2) : 0;
+    const int64_t held = kv ? kv->held() : 0;
     at::Tensor q = q_proj->forward(x).view({B, T, H, D}).transpose(1, 2);
     at::Tensor k = k_proj->forward(x).view({B, T, Hkv, D}).transpose(1, 2);
     at::Tensor v = v_proj->forward(x).view({B, T, Hkv, D}).transpose(1, 2);
@@ -121,12 +121,7 @@ class LlamaAttention : public torch::nn::Module {
     std::optional<at::Tensor> mask;
     bool causal = true;
     if (kv) {
-      if (held > 0) {
-        k = at::cat({kv->keys, k}, 2);
-        v = at::cat({kv->values, v}, 2);
-      }
-      kv->keys = k;
-      kv->values = v;
+      kv->append(k, v);
       if (held > 0) {
         causal = false;
         if (T > 1) mask = loom::nn::causal_mask(held, T, x.options());

@@ -1,5 +1,8 @@
 // The plugin host: discovery, every refusal (missing, not a plugin, missing symbol, API and
 // build mismatch), and exclusive slots.
+#include <filesystem>
+
+#include "loom/error.h"
 #include "loom/plugin.h"
 #include "loom/trainer.h"
 #include "test_util.h"
@@ -15,6 +18,23 @@ std::unique_ptr<Trainer> with_tables(const TempDir& dir, const std::string& tabl
   std::string job = tiny_gpt_job(dir.str());
   job += "\n[plugins]\npath = \"" LOOM_TEST_PLUGIN_DIR "\"\n" + tables;
   return Trainer::from_text(job, dir.path());
+}
+
+// Plugin commands (Plugin::commands): two plugins adding one command, or a plugin adding one
+// of loom's own, are PluginErrors naming them, for `loom --help` and for running a command.
+TEST(PluginHost, CommandClashesAreErrorsNamingBoth) {
+  const std::filesystem::path two = LOOM_TEST_PLUGIN_DIR "/clash_two";
+  const std::filesystem::path own = LOOM_TEST_PLUGIN_DIR "/clash_own";
+  EXPECT_THROW_WITH(plugin_command_usages({two}), PluginError,
+                    "two plugins add the command 'greet'");
+  EXPECT_THROW_WITH(run_plugin_command("greet", {}, {two}), PluginError,
+                    "two plugins add the command 'greet'");
+  EXPECT_THROW_WITH(plugin_command_usages({own}), PluginError,
+                    "adds the command 'estimate', which is one of loom's own; rename it");
+  EXPECT_FALSE(is_own_command("greet"));
+  for (const char* command : {"run", "check", "estimate", "plugins", "env", "consolidate",
+                              "export", "generate"})
+    EXPECT_TRUE(is_own_command(command)) << command;
 }
 
 TEST(PluginHost, ListsBuiltInAndInstalledPlugins) {

@@ -70,6 +70,10 @@ class RMSNorm : public torch::nn::Module {
 struct KVCache {
   struct Layer {
     at::Tensor keys, values;  // (B, H_kv, T_held, D); undefined before the first call
+    int64_t held() const { return keys.defined() ? keys.size(2) : 0; }
+    // This call's keys and values (B, H_kv, T, D) kept after the held ones; k and v become
+    // the whole sequences the queries attend to.
+    void append(at::Tensor& k, at::Tensor& v);
   };
   std::vector<Layer> layers;  // one per unit, grown by UnitList
   int64_t length = 0;         // positions held; the model advances it after each call

@@ -69,6 +69,8 @@ class Trainer {
 // returns nullopt when no plugin has `name`; two plugins with one command name, or a command
 // named as one of loom's own, is a PluginError naming both.
 std::vector<std::string> plugin_command_usages(const std::vector<std::filesystem::path>& extra_path = {});
+// Whether `name` is one of loom's own commands (run, check, estimate, ...), which no plugin may add.
+bool is_own_command(const std::string& name);
 std::optional<int> run_plugin_command(const std::string& name, const std::vector<std::string>& args,
                                       const std::vector<std::filesystem::path>& extra_path = {});
 
