@@ -390,6 +390,9 @@ void ZeroDriver::zero_grad() {
     for (auto& p : params_) at::Tensor(p.tensor).mutable_grad() = at::Tensor();
     for (auto& group : groups_) group.grad.zero_();
   }
+  // Note [Offloaded parameters]: the step's first unit is read while the step starts.
+  if (param_file_ && options_.prefetch_elements > 0 && !unit_order_.empty())
+    read_ahead(groups_[unit_order_.front()]);
 }
 
 std::vector<at::Tensor> ZeroDriver::grads() {
@@ -563,7 +566,14 @@ void ZeroDriver::gather_all_weights() {
 
 void ZeroDriver::release_unit(const void* unit) {
   auto found = unit_group_.find(unit);
-  if (found != unit_group_.end()) release(found->second);
+  if (found == unit_group_.end()) return;
+  const size_t g = found->second;
+  release(g);
+  // Note [Offloaded parameters]: backward starts with the last unit, just released; its shard
+  // is read while the loss and the head run.
+  if (param_file_ && options_.prefetch_elements > 0 && !in_backward_ &&
+      at::GradMode::is_enabled() && unit_position_[g] + 1 == unit_order_.size())
+    read_ahead(groups_[g]);
 }
 
 // ---- update ----

@@ -239,12 +239,13 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
       EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
           << "weight shards stayed in memory between steps";
       trainer->run();
-      // Every step read each unit's shard but the first one a direction meets a unit ahead
-      // (two units: one read ahead in forward, one in backward).
+      // Every step read each unit's shard ahead of its gather, twice (forward and backward):
+      // unit 0 as the step starts, unit 1 during unit 0's forward, unit 1 again as its forward
+      // ends, unit 0 during unit 1's backward.
       std::ifstream metrics(nvme_dir.path() / "metrics.jsonl");
       int steps = 0;
       for (std::string line; std::getline(metrics, line); ++steps)
-        EXPECT_NE(line.find("\"offload_param_reads_ahead\":2"), std::string::npos) << line;
+        EXPECT_NE(line.find("\"offload_param_reads_ahead\":4"), std::string::npos) << line;
       EXPECT_EQ(steps, 6);
       std::map<std::string, at::Tensor> nvme;
       for (const auto& item : trainer->engine().model().named_parameters(true))

@@ -34,7 +34,8 @@
 // the rank's parameter swap file between uses, ZeRO-Infinity's parameter offload. A gather
 // reads it into an aligned buffer, all-gathers from there, and frees it once the gather lands.
 // The read is issued a unit ahead: where a prefetch would start the next unit's all-gather, it
-// starts the next unit's read instead (the I/O thread moves it while this unit computes), and
+// starts the next unit's read instead (the I/O thread moves it while this unit computes; the
+// first unit's when the step starts, the last unit's for backward as its forward ends), and
 // the unit's own gather waits for it and then all-gathers; collectives stay at the points every
 // rank reaches in the same order. The update writes each unit's new shard from its fp32 masters
 // (they are the truth: nothing is read) as soon as the walk leaves the unit, without waiting
