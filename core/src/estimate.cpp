@@ -202,7 +202,8 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   }
   double offloaded = r.masters + r.optimizer;
   double staging = 0;
-  if (offload == Offload::nvme || offload == Offload::nvme_params) {
+  const bool on_nvme = offload == Offload::nvme || offload == Offload::nvme_params;
+  if (on_nvme) {
     // Each buffer holds the largest tensor's share: its fp32 master and its state.
     double share = m.largest_tensor_params * (4 + m.optimizer_per_trainable);
     if (stage >= 1) share /= N;
@@ -211,7 +212,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
   // gradients (one rank has none; the probes run on one).
   if (stage == 0 && N > 1) r.buffers += m.trainable * 4;
-  if ((offload == Offload::nvme || offload == Offload::nvme_params) && stage >= 1 && b.master > 0) {
+  if (on_nvme && stage >= 1 && b.master > 0) {
     // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
     // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
     // beside the weights.
@@ -229,7 +230,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   r.device = r.model_states() + r.activations + r.buffers;
   if (offload != Offload::none) r.device -= offloaded;
   if (offload == Offload::cpu) r.host = offloaded;
-  if (offload == Offload::nvme || offload == Offload::nvme_params) {
+  if (on_nvme) {
     r.nvme = offloaded;
     r.host = staging;
   }

@@ -176,6 +176,7 @@ class Precision final : public loom::Plugin {
         leave_autocast(/*keep_cache=*/cache_for_step_ && !e.state().sync_grads &&
                        at::GradMode::is_enabled());
       });
+      // Whatever a step's micro-batches did, no kept copy outlives its update (stale weights).
       engine.on(loom::Event::before_update, [](loom::Engine&) {
         if (at::autocast::is_autocast_cache_enabled()) at::autocast::clear_cache();
       });

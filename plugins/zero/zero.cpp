@@ -349,7 +349,7 @@ class Zero final : public loom::Plugin {
       baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
     });
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
-      // Offloaded state is on NVMe, outside the formula's memory.
+      // Offloaded state (NVMe, or the host arena of a GPU run) is outside the formula's memory.
       if (measured_ || (!driver_ && !buckets_) || offload_active_ ||
           offload_param_.device == "nvme")
         return;

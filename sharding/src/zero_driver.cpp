@@ -466,10 +466,9 @@ void restore_storage(const at::Tensor& tensor) {
 
 void ZeroDriver::start_gather(Group& group) {
   if (param_file_) {  // Note [Offloaded parameters]
-    const auto waited = std::chrono::steady_clock::now();
+    const auto waited = Clock::now();
     make_resident(group, /*read=*/true);
-    stats_.shard_wait_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - waited).count();
+    stats_.shard_wait_seconds += std::chrono::duration<double>(Clock::now() - waited).count();
   }
   // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
   const at::Tensor values = group.shard.element_size() == 2 ? group.shard.view(at::kByte)
@@ -730,8 +729,9 @@ void ZeroDriver::flush(Group& group) {
 }
 
 void ZeroDriver::flush_resident() {
+  // With offload_param a prefetch reads ahead instead of gathering: no gather is in flight here.
   for (auto& group : groups_)
-    if (group.sharded && !group.gather_work) flush(group);
+    if (group.sharded) flush(group);
   for (auto& group : groups_) settle(group);
 }
 
@@ -869,7 +869,6 @@ void ZeroDriver::update(int64_t step, double lr) {
       group.gather_work->wait();
       group.gather_work.reset();
       group.gathering = at::Tensor();
-      if (param_file_) group.shard = at::Tensor();
     }
     if (group.shard_ticket >= 0) {  // a read ahead nobody gathered
       settle(group);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "loom/engine.h"
@@ -60,22 +61,44 @@ void expect_bitwise(const std::map<std::string, at::Tensor>& a,
   for (const auto& [name, tensor] : a) EXPECT_TRUE(at::equal(tensor, b.at(name))) << name;
 }
 
-TEST(Offload, NvmeOptimizerStateTrainsBitwiseLikeMemory) {
+// The lines of a run's metrics.jsonl.
+std::vector<std::string> metric_lines(const fs::path& dir) {
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// The offload matrix: every rule x fp32 and bf16 weights x stages 0-3, each case trained in
+// memory and then by `offloaded(rule, stage, precision, weights)`, which trains the offloaded
+// run, checks what it leaves and fills `weights`: bitwise the in-memory run's.
+void expect_offload_matrix_bitwise(
+    const std::function<void(const std::string&, const std::string&, const std::string&,
+                             std::map<std::string, at::Tensor>&)>& offloaded) {
   for (const std::string rule : {"adamw", "adafactor", "adam8bit"})
     for (const std::string precision : {"", "\n[precision]\nmode = \"full_bf16\"\n"})
       for (const std::string stage :
            {"stage = 0\n", "stage = 1\n", "stage = 2\n",
             "stage = 3\nstage3_param_persistence_threshold = 0\n"}) {
         SCOPED_TRACE(rule + (precision.empty() ? " fp32 " : " bf16 ") + stage);
-        TempDir memory_dir, nvme_dir, swap;
+        TempDir memory_dir;
         const auto memory = trained(job(memory_dir.str(), rule, stage) + precision,
                                     memory_dir.path());
-        const auto nvme = trained(job(nvme_dir.str(), rule, stage + offload(swap.str())) +
-                                      precision,
-                                  nvme_dir.path());
-        expect_bitwise(memory, nvme);
-        EXPECT_TRUE(fs::is_empty(swap.path())) << "the swap file outlived the run";
+        std::map<std::string, at::Tensor> weights;
+        offloaded(rule, stage, precision, weights);
+        expect_bitwise(memory, weights);
       }
+}
+
+TEST(Offload, NvmeOptimizerStateTrainsBitwiseLikeMemory) {
+  expect_offload_matrix_bitwise([](const std::string& rule, const std::string& stage,
+                                   const std::string& precision,
+                                   std::map<std::string, at::Tensor>& weights) {
+    TempDir nvme_dir, swap;
+    weights = trained(job(nvme_dir.str(), rule, stage + offload(swap.str())) + precision,
+                      nvme_dir.path());
+    EXPECT_TRUE(fs::is_empty(swap.path())) << "the swap file outlived the run";
+  });
 }
 
 // Note [Host store]: offload_optimizer.device = "cpu", a GPU run's ZeRO-Offload, run on the CPU
@@ -88,26 +111,18 @@ TEST(Offload, HostStoreTwinTrainsBitwiseLikeMemory) {
     ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
   } twin;
   const std::string host = "offload_optimizer = { device = \"cpu\" }\n";
-  for (const std::string rule : {"adamw", "adafactor", "adam8bit"})
-    for (const std::string precision : {"", "\n[precision]\nmode = \"full_bf16\"\n"})
-      for (const std::string stage :
-           {"stage = 0\n", "stage = 1\n", "stage = 2\n",
-            "stage = 3\nstage3_param_persistence_threshold = 0\n"}) {
-        SCOPED_TRACE(rule + (precision.empty() ? " fp32 " : " bf16 ") + stage);
-        TempDir memory_dir, host_dir;
-        const auto memory = trained(job(memory_dir.str(), rule, stage) + precision,
-                                    memory_dir.path());
-        const auto hosted = trained(job(host_dir.str(), rule, stage + host) + precision,
-                                    host_dir.path());
-        expect_bitwise(memory, hosted);
-        std::ifstream metrics(host_dir.path() / "metrics.jsonl");
-        int steps = 0;
-        for (std::string line; std::getline(metrics, line); ++steps) {
-          EXPECT_NE(line.find("\"offload_update_s\""), std::string::npos) << line;
-          EXPECT_NE(line.find("\"offload_bytes_read\":0.0"), std::string::npos) << line;
-        }
-        EXPECT_EQ(steps, 6);
-      }
+  expect_offload_matrix_bitwise([&](const std::string& rule, const std::string& stage,
+                                    const std::string& precision,
+                                    std::map<std::string, at::Tensor>& weights) {
+    TempDir host_dir;
+    weights = trained(job(host_dir.str(), rule, stage + host) + precision, host_dir.path());
+    const auto lines = metric_lines(host_dir.path());
+    EXPECT_EQ(lines.size(), 6u);
+    for (const auto& line : lines) {
+      EXPECT_NE(line.find("\"offload_update_s\""), std::string::npos) << line;
+      EXPECT_NE(line.find("\"offload_bytes_read\":0.0"), std::string::npos) << line;
+    }
+  });
   const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
   for (const std::string stage : {"stage = 0\n", "stage = 2\n"}) {
     SCOPED_TRACE(stage);
@@ -242,11 +257,10 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
       // Every step read each unit's shard ahead of its gather, twice (forward and backward):
       // unit 0 as the step starts, unit 1 during unit 0's forward, unit 1 again as its forward
       // ends, unit 0 during unit 1's backward.
-      std::ifstream metrics(nvme_dir.path() / "metrics.jsonl");
-      int steps = 0;
-      for (std::string line; std::getline(metrics, line); ++steps)
+      const auto lines = metric_lines(nvme_dir.path());
+      EXPECT_EQ(lines.size(), 6u);
+      for (const auto& line : lines)
         EXPECT_NE(line.find("\"offload_param_reads_ahead\":4"), std::string::npos) << line;
-      EXPECT_EQ(steps, 6);
       std::map<std::string, at::Tensor> nvme;
       for (const auto& item : trainer->engine().model().named_parameters(true))
         nvme[item.key()] = item.value().detach().to(at::kFloat).clone();
