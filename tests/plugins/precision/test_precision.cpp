@@ -354,6 +354,15 @@ TEST(Precision, UnknownModeIsAnErrorWithAHint) {
                     "did you mean 'bf16'?", "fp32, tf32, bf16, fp16, full_bf16, full_fp16 or auto");
 }
 
+TEST(Precision, UnknownCastCacheIsAnErrorNamingTheKey) {
+  TempDir dir;
+  auto build = [&] { return Trainer::from_text(
+      with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf16\"\ncast_cache = \"micro\""),
+      dir.path()); };
+  EXPECT_THROW_WITH(build(), ConfigError, "job.toml:",
+                    "[precision] cast_cache must be \"step\" or \"forward\", got \"micro\"");
+}
+
 TEST(Precision, ScalerKeysWithoutFp16AreAnError) {
   TempDir dir;
   auto build = [&] { return Trainer::from_text(
