@@ -133,6 +133,11 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
       state.trainable_count ? static_cast<double>(state.optimizer_bytes) /
                                   static_cast<double>(state.trainable_count)
                             : 0.0;
+  const ConfigValue* frozen = key_of(job, "precision", "frozen_weights");
+  const auto* frozen_mode = frozen ? std::get_if<std::string>(&frozen->value) : nullptr;
+  if (!frozen_mode || *frozen_mode != "fp32")
+    for (const auto& t : nn::frozen_linear_tensors(engine.model()))
+      r.counts.frozen_linear_params += static_cast<double>(t.numel());
   for (const auto& p : engine.params())
     r.counts.largest_tensor_params =
         std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
@@ -182,6 +187,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   r.offload = offload;
   r.precision = precision;
   r.weights = m.params * b.weight;
+  if (precision == Precision::bf16) r.weights -= m.frozen_linear_params * (b.weight - 2);
   r.grads = m.trainable * b.grad;
   r.masters = m.trainable * b.master;
   r.optimizer = m.trainable * m.optimizer_per_trainable;
@@ -198,7 +204,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
     r.setup_peak = activations.setup_peak;
     r.update_extra = activations.update;
   } else if (precision == Precision::bf16) {
-    r.buffers = 2 * m.params;  // autocast's half copies of the weights
+    r.buffers = 2 * (m.params - m.frozen_linear_params);  // autocast's half copies of the weights
   }
   double offloaded = r.masters + r.optimizer;
   double staging = 0;

@@ -3,8 +3,10 @@
 #include "loom/nn.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <cmath>
+#include <unordered_map>
 
 #include "loom/error.h"
 
@@ -19,9 +21,35 @@ Linear::Linear(int64_t in, int64_t out, bool with_bias) : in_features(in), out_f
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) {
-  at::Tensor out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias)
-                                                        : std::nullopt);
+  at::Tensor w = weight, b = bias;
+  // A frozen weight held in half (Note [Frozen weights in half]) meeting an fp32 input outside
+  // autocast (an evaluation forward of the caller's own): the input's dtype decides, as it
+  // would have with the fp32 weight.
+  if (!w.requires_grad() && w.scalar_type() != x.scalar_type() && x.scalar_type() == at::kFloat &&
+      !at::autocast::is_autocast_enabled(x.device().type())) {
+    w = w.to(at::kFloat);
+    if (b.defined()) b = b.to(at::kFloat);
+  }
+  at::Tensor out = at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
   if (adapter_) out = out + adapter_->forward(x, out);
+  return out;
+}
+
+std::vector<at::Tensor> frozen_linear_tensors(torch::nn::Module& model) {
+  // Every place a tensor is registered, in the model's order: is each a Linear's weight/bias?
+  std::vector<at::Tensor> order;
+  std::unordered_map<const c10::TensorImpl*, bool> linear_only;
+  for (const auto& module : model.modules(/*include_self=*/true)) {
+    const bool linear = dynamic_cast<const Linear*>(module.get()) != nullptr;
+    for (const auto& p : module->named_parameters(/*recurse=*/false)) {
+      auto [it, fresh] = linear_only.emplace(p.value().unsafeGetTensorImpl(), true);
+      if (fresh) order.push_back(p.value());
+      it->second = it->second && linear && (p.key() == "weight" || p.key() == "bias");
+    }
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& t : order)
+    if (!t.requires_grad() && linear_only.at(t.unsafeGetTensorImpl())) out.push_back(t);
   return out;
 }
 

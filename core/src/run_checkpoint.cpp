@@ -91,7 +91,11 @@ CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std:
       LOOM_CHECK_AS(CheckpointError, it->second.sizes() == tensor.sizes(), "'", file,
                     "': tensor '", name, "' is ", it->second.sizes(), " but the model needs ",
                     tensor.sizes(), "; the checkpoint belongs to another model shape");
-      LOOM_CHECK_AS(CheckpointError, it->second.scalar_type() == tensor.scalar_type(), "'",
+      // A frozen tensor may be held in half by one run and in fp32 by another (Note [Frozen
+      // weights in half]): it is not trained, and its values pass either way (copy_ casts).
+      const bool frozen_float = !tensor.requires_grad() && tensor.is_floating_point() &&
+                                it->second.is_floating_point();
+      LOOM_CHECK_AS(CheckpointError, frozen_float || it->second.scalar_type() == tensor.scalar_type(), "'",
                     file, "': tensor '", name, "' is ", c10::toString(it->second.scalar_type()),
                     " but the model holds ", c10::toString(tensor.scalar_type()),
                     "; the file was changed, or the checkpoint comes from a run of another "

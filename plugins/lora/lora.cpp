@@ -585,12 +585,18 @@ class LoraPlugin final : public loom::Plugin {
     for (const auto& a : adapters_) by_weight[a.name + ".weight"] = &a;
     loom::NamedTensors out;
     at::NoGradGuard no_grad;
+    // Frozen tensors held in half under autocast are written in the adapters' dtype, as the
+    // run's other weights are (a merged model is one dtype wherever it trained in one).
+    const auto wide = adapters_.empty() ? at::kFloat : adapters_.front().adapter->lora_A.scalar_type();
     for (const auto& p : model.named_parameters(/*recurse=*/true)) {
       if (p.key().find(".adapter.lora_") != std::string::npos) continue;
       auto it = by_weight.find(p.key());
       at::Tensor value = p.value().detach();
-      if (it != by_weight.end() && !it->second->adapter->merged())
+      if (value.is_floating_point() && value.element_size() < c10::elementSize(wide))
+        value = value.to(wide);
+      if (it != by_weight.end() && !it->second->adapter->merged()) {
         value = value + it->second->adapter->delta_weight().to(value.scalar_type());
+      }
       out.emplace_back(p.key(), value);
     }
     for (const auto& b : model.named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());

@@ -21,7 +21,9 @@
 #include "loom/engine.h"
 #include "loom/step_driver.h"
 #include "loom/log.h"
+#include "loom/memory.h"
 #include "loom/model.h"
+#include "loom/nn.h"
 #include "loom/plugin.h"
 
 namespace {
@@ -99,7 +101,11 @@ class Precision final : public loom::Plugin {
                             "bf16/fp16 autocast: how long the half copies of the weights live "
                             "(Note [Cast once per update]): step (cast once per update, reused "
                             "by every micro-batch) | forward (PyTorch's: cast again each "
-                            "micro-batch)")};
+                            "micro-batch)")
+                .key_string("frozen_weights", "half",
+                            "bf16/fp16 autocast: how frozen Linear weights (LoRA's base) are "
+                            "held (Note [Frozen weights in half]): half (in the autocast dtype: "
+                            "no cast per forward, half the bytes, the same results) | fp32")};
   }
 
   void configure(const loom::ConfigSection& table) override {
@@ -146,6 +152,11 @@ class Precision final : public loom::Plugin {
     LOOM_CHECK_AS(ConfigError, cache == "step" || cache == "forward", table.where("cast_cache"),
                   ": [precision] cast_cache must be \"step\" or \"forward\", got \"", cache, "\"");
     cache_for_step_ = cache == "step";
+    const std::string frozen = table.get_string("frozen_weights");
+    LOOM_CHECK_AS(ConfigError, frozen == "half" || frozen == "fp32", table.where("frozen_weights"),
+                  ": [precision] frozen_weights must be \"half\" or \"fp32\", got \"", frozen,
+                  "\"");
+    frozen_half_ = frozen == "half";
   }
 
   void attach(loom::Engine& engine) override {
@@ -158,6 +169,8 @@ class Precision final : public loom::Plugin {
       engine.on(loom::Event::model_built, [this](loom::Engine& e) { cast_model(e); });
     engine.on(loom::Event::params_ready, [this](loom::Engine& e) {
       if (uses_autocast(mode_)) check_fp32_weights(e);
+      // auto decides for good only once a checkpoint has been read (load may change the mode).
+      if (!auto_) hold_frozen_in_half(e);
       // Stage 3 frees each unit's weights after use: kept half copies would undo that.
       if (!e.step_driver().sharded_weights().empty()) cache_for_step_ = false;
       if (loss_scaling(mode_)) e.state().loss_scale = scaler_.scale;
@@ -165,8 +178,10 @@ class Precision final : public loom::Plugin {
     });
     // auto may still change its mind on resume (load), so it always listens.
     if (uses_autocast(mode_) || auto_) {
-      engine.on(loom::Event::before_forward, [this](loom::Engine&) {
-        if (uses_autocast(mode_)) enter_autocast(dtype_);
+      engine.on(loom::Event::before_forward, [this](loom::Engine& e) {
+        if (!uses_autocast(mode_)) return;
+        hold_frozen_in_half(e);  // once; here for auto, which chose at params_ready or load
+        enter_autocast(dtype_);
       });
       // Note [Cast once per update]: the weights do not change between the micro-batches of
       // one step, so the half copies autocast made for the first micro-batch's forward are
@@ -336,6 +351,32 @@ class Precision final : public loom::Plugin {
       if (buffer.is_floating_point()) buffer.set_data(buffer.detach().to(dtype_));
   }
 
+  // Note [Frozen weights in half] (loom/nn.h). LoRA freezes the base model, and autocast does
+  // not cache casts of tensors that need no gradient: every forward (and every recompute of a
+  // checkpointed unit) cast each frozen fp32 weight to half again, and autograd kept those
+  // copies for backward, so a frozen weight cost 4 + 2 B at the peak. Held in the autocast dtype
+  // it costs 2 B and no cast, and the matmuls see the same bits (autocast's cast is this one).
+  // Only tensors the model holds as Linear weights and biases alone: an Embedding's weight
+  // (even tied to a head) stays fp32, as its lookup is not autocast. Decided once per run.
+  void hold_frozen_in_half(loom::Engine& engine) {
+    if (frozen_decided_) return;
+    frozen_decided_ = true;
+    if (!uses_autocast(mode_) || !frozen_half_) return;
+    at::NoGradGuard no_grad;
+    int64_t tensors = 0, elements = 0;
+    for (at::Tensor& t : loom::nn::frozen_linear_tensors(engine.model())) {
+      if (t.scalar_type() != at::kFloat) continue;
+      t.set_data(t.detach().to(dtype_));
+      ++tensors;
+      elements += t.numel();
+    }
+    if (tensors == 0) return;
+    loom::log::info("precision: ", tensors, " frozen Linear tensors (", elements,
+                    " parameters) held in ", c10::toString(dtype_), ", ",
+                    loom::memory::format_bytes(elements * 2),
+                    " less and no casts per forward ([precision] frozen_weights = \"half\")");
+  }
+
   // Autocast keeps fp32 weights and casts them per op; a weight already stored in another dtype
   // would bypass the fp32 master update the mode promises.
   void check_fp32_weights(loom::Engine& engine) {
@@ -494,6 +535,7 @@ class Precision final : public loom::Plugin {
   bool auto_ = false;
   bool autocast_on_ = false, saved_enabled_ = false, flags_set_ = false;
   bool cache_for_step_ = true;  // Note [Cast once per update]
+  bool frozen_half_ = true, frozen_decided_ = false;  // Note [Frozen weights in half]
   at::ScalarType saved_dtype_ = at::kFloat;
   at::Float32Precision saved_matmul_ = at::Float32Precision::NONE,
                        saved_conv_ = at::Float32Precision::NONE;

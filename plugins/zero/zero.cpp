@@ -463,7 +463,10 @@ class Zero final : public loom::Plugin {
       for (const auto& p : params)
         if (!sharded.count(p.name)) whole += static_cast<double>(p.tensor.numel());
     }
-    const double frozen = static_cast<double>(ms.param_count - ms.trainable_count) * w;
+    // Frozen tensors as held: some may be in half under autocast (Note [Frozen weights in half]).
+    double frozen = 0;
+    for (const auto& p : e.model().parameters(/*recurse=*/true))
+      if (!p.requires_grad()) frozen += static_cast<double>(p.numel() * p.element_size());
     double bytes = 0;
     std::ostringstream text;
     text.precision(3);

@@ -46,6 +46,9 @@ struct ModelCounts {
   double largest_unit_params = 0;    // one unit's: held gathered (twice: with prefetch)
   double unit_params = 0;            // all units': what stage 3 shards (and offload_param moves)
   double largest_tensor_params = 0;  // NVMe offload's buffers each hold this tensor's share
+  // Frozen tensors held only as Linear weights/biases: 2 B, not 4, under autocast (Note [Frozen
+  // weights in half]; 0 where the job sets [precision] frozen_weights = "fp32").
+  double frozen_linear_params = 0;
 };
 
 // Activations of one precision, measured by the probe.

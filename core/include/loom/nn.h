@@ -40,6 +40,14 @@ class Linear : public torch::nn::Module {
   std::shared_ptr<LinearAdapter> adapter_;
 };
 
+// Note [Frozen weights in half]: the parameters of `model` that train nothing (requires_grad
+// false) and that it holds only as a Linear's weight or bias (by registration: a tensor tied to
+// an Embedding or any other module is not one). Under autocast a Linear's operands are cast to
+// the half dtype at every forward, so such a tensor can be stored in that dtype instead: the
+// same bits reach the matmul, with no cast and half the bytes. The precision plugin does so
+// (`[precision] frozen_weights`); LoRA's frozen base is the case it is for.
+std::vector<at::Tensor> frozen_linear_tensors(torch::nn::Module& model);
+
 class Embedding : public torch::nn::Module {
  public:
   Embedding(int64_t num_embeddings, int64_t dim);

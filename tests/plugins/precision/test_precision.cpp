@@ -329,6 +329,108 @@ TEST(Precision, AutocastCastsTheWeightsOncePerUpdate) {
   EXPECT_TRUE(all_bitwise_equal(weights["step"], weights["forward"]));
 }
 
+// Note [Frozen weights in half]: LoRA on every Linear ("all-linear") leaves the base Linears'
+// weights and biases frozen. Under bf16 autocast they are held in bf16 (the autocast dtype),
+// which must train bit for bit as when they are held in fp32 and cast at each forward: gpt with
+// activation checkpointing (the recompute casts again) and its tied head (an Embedding's
+// weight: stays fp32), and llama with an untied lm_head (a frozen Linear the fused loss reads
+// without calling the Linear).
+std::string lora_everywhere(const std::string& dir, bool llama) {
+  std::string job = test::tiny_gpt_job(dir);
+  if (llama) {
+    job.replace(job.find("model = \"gpt\""), 13, "model = \"llama\"");
+    const auto from = job.find("[model]"), to = job.find("[data]");
+    job.replace(from, to - from,
+                "[model]\nvocab_size = 64\nhidden_size = 32\nintermediate_size = 48\n"
+                "num_hidden_layers = 2\nnum_attention_heads = 4\nnum_key_value_heads = 2\n"
+                "max_position_embeddings = 16\ntie_word_embeddings = false\n\n");
+  } else {
+    job += "\n[checkpointing]\nevery = 1\n";
+  }
+  return job + "\n[lora]\nr = 4\ntarget_modules = \"all-linear\"\ninit_lora_weights = false\n";
+}
+
+TEST(Precision, FrozenLinearWeightsHeldInHalfTrainBitwiseLikeFp32) {
+  for (const bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama, untied lm_head" : "gpt, checkpointed, tied head");
+    std::map<std::string, std::vector<at::Tensor>> trained;
+    std::map<std::string, std::vector<nlohmann::json>> lines;
+    std::map<std::string, int64_t> param_bytes;
+    int64_t halved_elements = 0;
+    for (const std::string frozen : {"half", "fp32"}) {
+      TempDir dir;
+      auto trainer = Trainer::from_text(
+          with_precision(lora_everywhere(dir.str(), llama),
+                         "mode = \"bf16\"\nfrozen_weights = \"" + frozen + "\""),
+          dir.path(), {"train.gradient_accumulation_steps=2"});
+      trainer->setup();
+      Engine& e = trainer->engine();
+      int64_t bf16_tensors = 0;
+      for (const auto& p : e.model().named_parameters(true)) {
+        const bool base_linear = !p.value().requires_grad() &&
+                                 p.key().find("embed") == std::string::npos &&
+                                 p.key().find("wte") == std::string::npos &&
+                                 p.key().find("wpe") == std::string::npos &&
+                                 p.key().find("ln") == std::string::npos &&
+                                 p.key().find("norm") == std::string::npos;
+        const auto want = frozen == "half" && base_linear ? at::kBFloat16 : at::kFloat;
+        EXPECT_EQ(p.value().scalar_type(), want) << p.key();
+        if (p.value().scalar_type() == at::kBFloat16) {
+          ++bf16_tensors;
+          halved_elements += p.value().numel();
+        }
+      }
+      // gpt: 2 blocks x (qkv, proj, fc_in, fc_out) x (weight, bias); llama: 2 x 7 + lm_head.
+      if (frozen == "half") EXPECT_EQ(bf16_tensors, llama ? 15 : 16);
+      param_bytes[frozen] = e.model_state().param_bytes;
+      trainer->run();
+      trained[frozen] = snapshot(e);
+      lines[frozen] = metrics(dir.path());
+    }
+    EXPECT_EQ(param_bytes["fp32"] - param_bytes["half"], 2 * halved_elements);
+    EXPECT_TRUE(all_bitwise_equal(trained["half"], trained["fp32"]));
+    ASSERT_EQ(lines["half"].size(), 4u);
+    ASSERT_EQ(lines["fp32"].size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(lines["half"][i]["loss"], lines["fp32"][i]["loss"]);
+  }
+}
+
+// A checkpoint written with the frozen weights in one dtype resumes in the other (they are not
+// trained: the dtype check of a trainable weight does not apply), bit for bit.
+TEST(Precision, FrozenWeightsResumeAcrossHalfAndFp32Checkpoints) {
+  auto job = [](const TempDir& dir, const std::string& frozen, int steps, bool resume) {
+    std::string text = lora_everywhere(dir.str(), /*llama=*/false);
+    text.replace(text.find("max_steps = 4"), 13, "max_steps = " + std::to_string(steps));
+    if (resume) text.replace(text.find("[model]"), 7, "resume = \"latest\"\n\n[model]");
+    return Trainer::from_text(
+        with_precision(text, "mode = \"bf16\"\nfrozen_weights = \"" + frozen + "\""), dir.path());
+  };
+  TempDir straight_dir;
+  auto straight = job(straight_dir, "half", 4, false);
+  straight->run();
+  const auto expected = snapshot(straight->engine());
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"fp32", "half"}, {"half", "fp32"}}) {
+    SCOPED_TRACE(first + " checkpoint, resumed with " + second);
+    TempDir dir;
+    job(dir, first, 2, false)->run();
+    auto resumed = job(dir, second, 4, true);
+    resumed->setup();
+    EXPECT_EQ(resumed->engine().state().step, 2);
+    resumed->run();
+    EXPECT_TRUE(all_bitwise_equal(snapshot(resumed->engine()), expected));
+  }
+}
+
+TEST(Precision, UnknownFrozenWeightsIsAnErrorNamingTheKey) {
+  TempDir dir;
+  auto build = [&] { return Trainer::from_text(
+      with_precision(test::tiny_gpt_job(dir.str()), "mode = \"bf16\"\nfrozen_weights = \"bf16\""),
+      dir.path()); };
+  EXPECT_THROW_WITH(build(), ConfigError, "job.toml:",
+                    "[precision] frozen_weights must be \"half\" or \"fp32\", got \"bf16\"");
+}
+
 TEST(Precision, AnatomyReportShowsHalfCopiesOfTheWeights) {
   TempDir dir;
   std::string job = test::tiny_gpt_job(dir.str());
