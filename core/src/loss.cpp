@@ -11,6 +11,7 @@
 
 #include "loom/error.h"
 #include "loom/nn.h"
+#include "softmax_rows.h"
 
 namespace loom::nn {
 namespace {
@@ -38,12 +39,39 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
                            ? at::empty({V, D}, x.options())
                            : at::Tensor();  // the head's gradient over a few chunks, half
   int in_sum = 0;
+  // The gradients of x and of the head from one chunk's gradient of its logits, gc (n, V) in
+  // the compute dtype.
+  auto add_chunk_grads = [&](const at::Tensor& gc, const at::Tensor& xs, int64_t start, int64_t n) {
+    if (want_x) grads->x.narrow(0, start, n).copy_(at::mm(gc, weight));
+    if (!want_weight) return;
+    if (gc.scalar_type() == at::kFloat) {
+      grads->weight.addmm_(gc.t(), xs);
+      return;
+    }
+    // Half: the matmul accumulates up to kChunksPerSum chunks itself (beta = 1), then the
+    // partial sum joins the fp32 gradient (Note [Fused linear cross-entropy]).
+    if (in_sum == 0)
+      at::mm_out(partial, gc.t(), xs);
+    else
+      partial.addmm_(gc.t(), xs);
+    if (++in_sum == kChunksPerSum) {
+      grads->weight.add_(partial);
+      in_sum = 0;
+    }
+  };
   const int64_t chunks = (N + chunk_rows - 1) / std::max<int64_t>(chunk_rows, 1);
   const int64_t rows = chunks ? (N + chunks - 1) / chunks : 0;  // even chunks
   for (int64_t start = 0; start < N; start += rows) {
     const int64_t n = std::min(rows, N - start);
     const at::Tensor xs = x.narrow(0, start, n), ls = labels.narrow(0, start, n);
     at::Tensor logits = bias.defined() ? at::addmm(bias, xs, weight_t) : at::mm(xs, weight_t);
+    // Note [Softmax rows in one kernel]: the loss and, in the logits' memory, the gradient.
+    at::Tensor row_loss;
+    if (!want_bias && detail::softmax_rows(logits, ls, ignore_index, any_grad, row_loss)) {
+      loss.add_(row_loss.sum());
+      if (any_grad) add_chunk_grads(logits, xs, start, n);
+      continue;
+    }
     // In fp32 straight from half logits: no fp32 copy of them.
     at::Tensor logp = at::log_softmax(logits, 1, at::kFloat);
     logits = at::Tensor();  // its memory goes back before the chunk's matmuls
@@ -59,24 +87,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
                                        : valid.to(at::kFloat).neg().unsqueeze(1));
     if (!all_valid) g.masked_fill_(valid.logical_not().unsqueeze(1), 0.0f);
     if (want_bias) grads->bias.add_(g.sum(0));
-    const at::Tensor gc = g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type());
-    if (want_x) grads->x.narrow(0, start, n).copy_(at::mm(gc, weight));
-    if (want_weight) {
-      if (gc.scalar_type() == at::kFloat) {
-        grads->weight.addmm_(gc.t(), xs);
-      } else {
-        // Half: the matmul accumulates up to kChunksPerSum chunks itself (beta = 1), then the
-        // partial sum joins the fp32 gradient (Note [Fused linear cross-entropy]).
-        if (in_sum == 0)
-          at::mm_out(partial, gc.t(), xs);
-        else
-          partial.addmm_(gc.t(), xs);
-        if (++in_sum == kChunksPerSum) {
-          grads->weight.add_(partial);
-          in_sum = 0;
-        }
-      }
-    }
+    add_chunk_grads(g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type()), xs, start, n);
   }
   if (in_sum > 0) grads->weight.add_(partial);
   return loss;

@@ -5,6 +5,10 @@
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
 #include "loom/loss.h"
 
 namespace {
@@ -165,6 +169,84 @@ TEST(LinearCrossEntropy, Bf16WeightsGiveBf16Gradients) {
   const Result want = reference(c);
   const Result got = fused(c, 5);
   expect_same(got, want, 2e-2, 2e-2);
+}
+
+// Note [Softmax rows in one kernel]: with no trained bias the CPU path runs loom's row kernel
+// (AVX-512; ATen's ops elsewhere or with LOOM_FUSED_CE_ATEN=1). Against an fp64 reference on
+// vocabularies that end inside and on a 16-lane vector, with logits far apart (probabilities
+// that underflow) and ignored rows; and against ATen's path on the same inputs.
+Result fused_with_aten(const Case& c, int64_t chunk_rows, bool aten) {
+  if (aten) setenv("LOOM_FUSED_CE_ATEN", "1", 1);
+  Result r = fused(c, chunk_rows);
+  unsetenv("LOOM_FUSED_CE_ATEN");
+  return r;
+}
+
+TEST(LinearCrossEntropy, RowKernelMatchesAnFp64Reference) {
+  for (int64_t V : {1, 15, 16, 17, 1003}) {
+    SCOPED_TRACE("vocabulary " + std::to_string(V));
+    Case c = make_case(2, 9, 24, V, /*with_bias=*/false, /*ignore_some=*/true);
+    // Logits up to about ±150: many probabilities underflow fp32's exponential.
+    c.weight = (c.weight.detach() * 8.0).requires_grad_();
+    Case wide;
+    wide.x = c.x.detach().to(at::kDouble).requires_grad_();
+    wide.weight = c.weight.detach().to(at::kDouble).requires_grad_();
+    wide.labels = c.labels;
+    const at::Tensor logits = at::linear(wide.x, wide.weight);
+    const Result exact = grads_of(
+        wide, at::cross_entropy_loss(logits.reshape({-1, V}), wide.labels.reshape({-1}), {},
+                                     at::Reduction::Sum, kIgnore));
+    for (bool aten : {false, true}) {
+      SCOPED_TRACE(aten ? "ATen's path" : "row kernel");
+      const Result got = fused_with_aten(c, 5, aten);
+      const double scale = exact.loss.abs().item<double>();
+      EXPECT_NEAR(got.loss.item<double>(), exact.loss.item<double>(), 1e-5 * scale);
+      expect_close(got.gx.to(at::kDouble), exact.gx, 1e-4, 1e-5, "grad x");
+      expect_close(got.gw.to(at::kDouble), exact.gw, 1e-4, 1e-5, "grad weight");
+    }
+  }
+}
+
+TEST(LinearCrossEntropy, RowKernelFollowsATensPathInBf16) {
+  const Case c = make_case(4, 16, 32, 517, /*with_bias=*/false, /*ignore_some=*/true);
+  Result kernel, aten;
+  {
+    CpuAutocast bf16(at::kBFloat16);
+    kernel = fused_with_aten(c, 7, false);
+    aten = fused_with_aten(c, 7, true);
+  }
+  // The same bf16 logits, an fp32 softmax each: the losses agree to fp32 rounding; the
+  // gradients went through bf16 (softmax - one-hot rounded, then two bf16 matmuls).
+  EXPECT_NEAR(kernel.loss.item<double>(), aten.loss.item<double>(),
+              1e-6 * aten.loss.abs().item<double>());
+  expect_close(kernel.gx, aten.gx, 2e-2, 2e-3, "grad x");
+  expect_close(kernel.gw, aten.gw, 2e-2, 2e-3, "grad weight");
+}
+
+TEST(LinearCrossEntropy, NaNLogitsGiveANaNLossOnEitherPath) {
+  Case c = make_case(1, 6, 8, 33, /*with_bias=*/false, /*ignore_some=*/false);
+  at::Tensor x = c.x.detach().clone();
+  x.index_put_({0, 2, 3}, std::nan(""));
+  c.x = x.requires_grad_();
+  for (bool aten : {false, true}) {
+    const Result r = fused_with_aten(c, 4, aten);
+    EXPECT_TRUE(std::isnan(r.loss.item<double>())) << (aten ? "ATen" : "kernel");
+  }
+}
+
+TEST(LinearCrossEntropy, LabelOutsideTheVocabularyIsNamed) {
+  if (!__builtin_cpu_supports("avx512bw"))
+    GTEST_SKIP() << "no AVX-512 here: ATen's path runs and raises its own index error";
+  Case c = make_case(1, 4, 8, 20, /*with_bias=*/false, /*ignore_some=*/false);
+  c.labels.index_put_({0, 1}, 20);
+  try {
+    fused(c, 0);
+    ADD_FAILURE() << "label 20 of a 20-token vocabulary was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cross-entropy label 20 is outside the vocabulary [0, 20)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(LinearCrossEntropy, MismatchedShapesAreNamed) {
