@@ -78,27 +78,103 @@ void fold_columns(const float* __restrict g, int64_t j0, int64_t j1, float eps, 
   }
 }
 
+// dst_j += src_j for columns j0..j1.
+LOOM_ADAFACTOR_CLONES
+void add_columns(const double* __restrict src, int64_t j0, int64_t j1, double* __restrict dst) {
+  for (int64_t j = j0; j < j1; ++j) dst[j] += src[j];
+}
+
+// Rows k in [begin, end) of the segment, all in one matrix (Note [Adafactor's column sums in
+// row groups]).
+struct RowGroup {
+  int64_t begin, end, matrix;
+};
+
+// About 2^17 gradient elements per group (512 KiB: in L2 between the row pass and the fold;
+// 2^15 and 2^17 measured alike on one thread, 2^17 a little faster on two) and at least 16
+// rows, so a kept partial (16 bytes per column, written once and read once) costs at most 2
+// bytes per parameter against the 16 the update moves.
+std::vector<RowGroup> row_groups(const Geometry& geo) {
+  const int64_t size = std::max<int64_t>(16, (int64_t{1} << 17) / geo.C);
+  std::vector<RowGroup> groups;
+  for (int64_t k = 0; k < geo.rows;) {
+    const int64_t global = geo.first_row + k;
+    const int64_t matrix_start = global / geo.R * geo.R;
+    const int64_t matrix_end = matrix_start + geo.R;
+    const int64_t group_end = matrix_start + ((global - matrix_start) / size + 1) * size;
+    const int64_t end = std::min(geo.rows, std::min(matrix_end, group_end) - geo.first_row);
+    groups.push_back({k, end, geo.matrix(k)});
+    k = end;
+  }
+  return groups;
+}
+
+// n doubles of `buffer` from a 64-byte boundary (a vector's own alignment, 16, splits every
+// other 64-byte access across two cache lines: the fold ran 1.2x slower into one), C at a time
+// so every group's partial starts on a boundary too when C is a multiple of 8.
+double* cache_aligned(std::vector<double>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n + 8) buffer.resize(n + 8);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - address % 64) % 64) / sizeof(double);
+}
+
 struct Coefficients {
   float lr, b1, w1, wd, clip_div;
 };
 
-// One row: u = rf · rsqrt_col · g (or rf · g where rsqrt_col is null), x = u / clip_div · lr,
-// then momentum, weight decay and the step, in transformers' order.
+// Element j of the step from its unclipped update u: x = u / clip_div · lr, then momentum,
+// weight decay and the step, in transformers' order. Inlined into each clone below.
+__attribute__((always_inline)) inline void step_element(float u, int64_t j, float* __restrict p,
+                                                        float* __restrict m, const Coefficients& c) {
+  float x = u / c.clip_div * c.lr;
+  if (m) {
+    m[j] = m[j] * c.b1 + c.w1 * x;
+    x = m[j];
+  }
+  float pj = p[j];
+  if (c.wd != 0) pj = pj + c.wd * pj;
+  p[j] = pj - x;
+}
+
+// One row: u = rf · rsqrt_col · g.
 LOOM_ADAFACTOR_CLONES
 void update_row(const float* __restrict g, const float* __restrict rsqrt_col, float rf,
                 float* __restrict p, float* __restrict m, int64_t n, Coefficients c) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float u = rsqrt_col ? rf * rsqrt_col[j] * g[j] : rf * g[j];
-    float x = u / c.clip_div * c.lr;
-    if (m) {
-      m[j] = m[j] * c.b1 + c.w1 * x;
-      x = m[j];
+  for (int64_t j = 0; j < n; ++j) step_element(rf * rsqrt_col[j] * g[j], j, p, m, c);
+}
+
+// Vectors (unfactored): sum_i g_i² / v_i in fp64 lanes, v the new second moment
+// b2t v + (1 - b2t)(g² + eps1), each in fp32 as torch computes it.
+LOOM_ADAFACTOR_CLONES
+double sum_of_g2_over_v(const float* __restrict g, const float* __restrict v, int64_t n,
+                        float eps, float keep, float add) {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      const float vi = v[i + l] * keep + add * (g[i + l] * g[i + l] + eps);
+      lane[l] += static_cast<double>(g[i + l]) * g[i + l] / vi;
     }
-    float pj = p[j];
-    if (c.wd != 0) pj = pj + c.wd * pj;
-    p[j] = pj - x;
+  for (; i < n; ++i) {
+    const float vi = v[i] * keep + add * (g[i] * g[i] + eps);
+    lane[0] += static_cast<double>(g[i]) * g[i] / vi;
+  }
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// Vectors: the new second moment, then u = g / sqrt(v).
+LOOM_ADAFACTOR_CLONES
+void update_vector(const float* __restrict g, float* __restrict v, float* __restrict p,
+                   float* __restrict m, int64_t n, float eps, float keep, float add,
+                   Coefficients c) {
+  for (int64_t i = 0; i < n; ++i) {
+    v[i] = v[i] * keep + add * (g[i] * g[i] + eps);
+    step_element((1.0f / std::sqrt(v[i])) * g[i], i, p, m, c);
   }
 }
+
+// Elements per chunk of a vector's sums (Note [Adafactor's column sums in row groups]).
+constexpr int64_t kVectorChunk = int64_t{1} << 14;
 
 class Adafactor final : public UpdateRule {
  public:
@@ -166,44 +242,87 @@ class Adafactor final : public UpdateRule {
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
     double* a = acc.data_ptr<double>();
-    std::vector<double> p2(geo.rows, 0.0);  // one sum per row, then folded in row order
     if (!geo.factored) {
+      // Fixed chunks of the vector, aligned to its global indices (as the row groups below):
+      // each chunk's sums in fp64 lanes, then added in chunk order.
       const float* v = s.state("exp_avg_sq");
-      double u2 = 0;
-      for (int64_t i = 0; i < geo.rows; ++i) {
-        const float vi = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
-        u2 += static_cast<double>(s.g[i]) * s.g[i] / vi;
-        if (scale_parameter_) p2[i] = static_cast<double>(s.p[i]) * s.p[i];
+      const int64_t first = geo.first_row, chunks = (first + geo.rows + kVectorChunk - 1) /
+                                                       kVectorChunk - first / kVectorChunk;
+      std::vector<double> u2(chunks, 0.0), chunk_p2(chunks, 0.0);
+      at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t global = (first / kVectorChunk + c) * kVectorChunk;
+          const int64_t i0 = std::max<int64_t>(0, global - first);
+          const int64_t i1 = std::min(geo.rows, global + kVectorChunk - first);
+          u2[c] = sum_of_g2_over_v(s.g + i0, v + i0, i1 - i0, eps1f(), b2t.keep, b2t.add);
+          if (scale_parameter_) chunk_p2[c] = sum_of_squares(s.p + i0, i1 - i0);
+        }
+      });
+      for (int64_t c = 0; c < chunks; ++c) {
+        a[0] += u2[c];
+        a[1] += chunk_p2[c];
       }
-      a[0] += u2;
-      for (double x : p2) a[1] += x;
       return;
     }
+    // Note [Adafactor's column sums in row groups]: the rows are cut into groups of a fixed
+    // size, aligned to global row indices and to matrices, so the cuts depend on the tensor
+    // alone (never on the thread count) and a shard cut on a group boundary changes nothing.
+    // Each group's rows get their new row factor (and p²), then are folded, in row order, into
+    // the group's own column sums and w from zero while they are in cache; the accumulator
+    // adds the groups' sums in group order. One parallel region takes whole groups. The thread
+    // whose groups start at 0 adds each one into the accumulator as soon as it is folded (it
+    // is first in the order anyway: on one thread nothing else happens); the others keep
+    // theirs, and a second region, threads splitting the columns, adds them in order. At most
+    // two regions per tensor: one per block of 128 rows (as before) put ~1,700 barriers in a
+    // 100 M-parameter step, and every stall of one vCPU at one of them held the other thread.
     const float* row = s.state("exp_avg_sq_row");
+    std::vector<double> p2(geo.rows, 0.0);  // one sum per row, then added in row order
     double* col_sums = a;
     double* w = a + geo.M * geo.C;
+    const std::vector<RowGroup> groups = row_groups(geo);
+    const int64_t n_groups = static_cast<int64_t>(groups.size());
     std::vector<float> new_row(geo.rows);
-    // Blocks of rows small enough to stay in cache between the row pass and the column pass.
-    const int64_t block = std::max<int64_t>(1, (int64_t{1} << 17) / geo.C);
-    for (int64_t b0 = 0; b0 < geo.rows; b0 += block) {
-      const int64_t b1 = std::min(geo.rows, b0 + block);
-      at::parallel_for(b0, b1, 1, [&](int64_t k0, int64_t k1) {
-        for (int64_t k = k0; k < k1; ++k) {
+    // [group][col sums (C) | w (C)] of the groups kept for the second region (none on one
+    // thread). Kept between calls: a fresh buffer of this size is mmap'ed, and its page faults
+    // cost more than the fold.
+    thread_local std::vector<double> kept_buffer;
+    double* const kept =
+        at::get_num_threads() > 1 ? cache_aligned(kept_buffer, n_groups * 2 * geo.C) : nullptr;
+    int64_t added_directly = 0;  // groups [0, added_directly) are in the accumulator
+    at::parallel_for(0, n_groups, 1, [&](int64_t first, int64_t last) {
+      thread_local std::vector<double> scratch;  // the first thread's one group, in L1
+      double* const own = first == 0 ? cache_aligned(scratch, 2 * geo.C) : nullptr;
+      for (int64_t gi = first; gi < last; ++gi) {
+        const RowGroup& grp = groups[gi];
+        double* part_col = first == 0 ? own : kept + gi * 2 * geo.C;
+        double* part_w = part_col + geo.C;
+        std::fill(part_col, part_col + 2 * geo.C, 0.0);
+        // The row pass streams the group's rows from memory; the fold then finds them in
+        // cache. (Folding each row right after its sum, the fold's arithmetic kept the next
+        // row's loads waiting: 1.2x slower on one thread.)
+        for (int64_t k = grp.begin; k < grp.end; ++k) {
           new_row[k] = new_row_factor(s.g + k * geo.C, geo.C, row[k], b2t);
           // The parameter's RMS only scales the step (scale_parameter): without it, no pass
           // over the parameter here.
           if (scale_parameter_) p2[k] = sum_of_squares(s.p + k * geo.C, geo.C);
         }
-      });
-      // Threads split the columns; each folds the block's rows in order.
+        for (int64_t k = grp.begin; k < grp.end; ++k)
+          fold_columns(s.g + k * geo.C, 0, geo.C, eps1f(), 1.0 / new_row[k], part_col, part_w);
+        if (first == 0) {
+          add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
+          add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
+        }
+      }
+      if (first == 0) added_directly = last;  // read after the region's join
+    });
+    if (added_directly < n_groups)
       at::parallel_for(0, geo.C, 256, [&](int64_t j0, int64_t j1) {
-        for (int64_t k = b0; k < b1; ++k) {
-          const int64_t offset = geo.matrix(k) * geo.C;
-          fold_columns(s.g + k * geo.C, j0, j1, eps1f(), 1.0 / new_row[k], col_sums + offset,
-                       w + offset);
+        for (int64_t gi = added_directly; gi < n_groups; ++gi) {
+          const int64_t offset = groups[gi].matrix * geo.C;
+          add_columns(kept + gi * 2 * geo.C, j0, j1, col_sums + offset);
+          add_columns(kept + gi * 2 * geo.C + geo.C, j0, j1, w + offset);
         }
       });
-    }
     for (int64_t k = 0; k < geo.rows; ++k) a[2 * geo.M * geo.C + geo.matrix(k)] += new_row[k];
     double& total = a[acc.numel() - 1];
     for (double x : p2) total += x;
@@ -229,11 +348,10 @@ class Adafactor final : public UpdateRule {
     if (!geo.factored) {
       c.clip_div = clip_divisor(std::sqrt(t0[0] / n));
       float* v = s.state("exp_avg_sq");
-      for (int64_t i = 0; i < geo.rows; ++i) {
-        v[i] = v[i] * b2t.keep + b2t.add * (s.g[i] * s.g[i] + eps1f());
-        const float u = (1.0f / std::sqrt(v[i])) * s.g[i];
-        update_row(&u, nullptr, 1.0f, s.p + i, m ? m + i : nullptr, 1, c);
-      }
+      at::parallel_for(0, geo.rows, 4096, [&](int64_t i0, int64_t i1) {
+        update_vector(s.g + i0, v + i0, s.p + i0, m ? m + i0 : nullptr, i1 - i0, eps1f(),
+                      b2t.keep, b2t.add, c);
+      });
       s.write_back(segment);
       return;
     }

@@ -221,6 +221,32 @@ TEST(OptimParity, AdafactorMatchesTransformersStepByStep) {
   EXPECT_LT(max_relative_error(run_rule(*ops_trainer, problem, 1e-3, 0.01), want[1]), 1e-6);
 }
 
+// Note [Adafactor's column sums in row groups]: tensors of several row groups (512 rows of 256
+// columns each; three matrices of 200 rows, where matrices cut the groups; a vector of two
+// chunks) follow Transformers, give the same bits on one thread and on two, and give the same
+// bits cut at a group's edge as whole.
+TEST(OptimParity, AdafactorRowGroupsMatchTransformersAtAnyThreadCount) {
+  const Problem problem = make_problem({{1100, 256}, {3, 200, 256}, {20000}}, 4, 8);
+  const std::string common =
+      R"("eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": null, "warmup_init": false)";
+  const auto want = run_references(
+      {{"adafactor", common + R"(, "scale_parameter": true, "relative_step": true)"}}, problem);
+  auto rule = make_rule("adafactor");
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const Trajectory one = run_rule(*rule, problem, 0.0, 0.0);
+  at::set_num_threads(2);
+  const Trajectory two = run_rule(*rule, problem, 0.0, 0.0);
+  const Trajectory cut = run_rule(*rule, problem, 0.0, 0.0, {{512 * 256}, {}, {16384}});
+  at::set_num_threads(threads);
+  EXPECT_LT(max_relative_error(one, want[0]), 1e-6);
+  for (size_t s = 0; s < one.size(); ++s)
+    for (size_t i = 0; i < one[s].size(); ++i) {
+      EXPECT_TRUE(at::equal(one[s][i], two[s][i])) << "step " << s << ", tensor " << i;
+      EXPECT_TRUE(at::equal(one[s][i], cut[s][i])) << "step " << s << ", tensor " << i;
+    }
+}
+
 // Both implementations with first moments (beta1), split into row segments as a ZeRO shard
 // would cut them: the tensor ops follow the loops.
 TEST(OptimParity, AdafactorTensorOpsFollowTheLoopsWithMomentumAndSplits) {
