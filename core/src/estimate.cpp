@@ -141,8 +141,10 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   for (const auto& p : engine.params())
     r.counts.largest_tensor_params =
         std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
-  // Stage 3 shards a unit's tensors of at least stage3_param_persistence_threshold elements
-  // (the zero plugin's default 1e5); smaller ones stay whole like the parameters outside units.
+  // Stage 3 shards a unit's trainable tensors of at least stage3_param_persistence_threshold
+  // elements (the zero plugin's default 1e5); smaller ones stay whole like the parameters
+  // outside units, and so do frozen ones (ZeRO's driver holds only what trains: a LoRA job's
+  // base stays whole on every rank).
   double persistence = 1e5;
   if (const ConfigValue* v = key_of(job, "zero", "stage3_param_persistence_threshold")) {
     if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
@@ -152,7 +154,8 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
     for (const auto& unit : list->children()) {
       double n = 0;
       for (const auto& p : unit->parameters(/*recurse=*/true))
-        if (static_cast<double>(p.numel()) >= persistence) n += static_cast<double>(p.numel());
+        if (p.requires_grad() && static_cast<double>(p.numel()) >= persistence)
+          n += static_cast<double>(p.numel());
       r.counts.largest_unit_params = std::max(r.counts.largest_unit_params, n);
       r.counts.unit_params += n;
     }
@@ -188,6 +191,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   r.precision = precision;
   r.weights = m.params * b.weight;
   if (precision == Precision::bf16) r.weights -= m.frozen_linear_params * (b.weight - 2);
+  const double whole_weights = r.weights;
   r.grads = m.trainable * b.grad;
   r.masters = m.trainable * b.master;
   r.optimizer = m.trainable * m.optimizer_per_trainable;
@@ -196,7 +200,11 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
     r.optimizer /= N;
   }
   if (stage >= 2) r.grads /= N;
-  if (stage >= 3 && N > 1) r.weights = r.weights / N + 2 * m.largest_unit_params * b.weight;
+  // Stage 3: the units' sharded tensors leave 1/N on each rank, and two units are gathered
+  // whole (the one computing, the next one prefetched); the rest stays whole.
+  const double unit_bytes = m.unit_params * b.weight;
+  if (stage >= 3 && N > 1)
+    r.weights = r.weights - unit_bytes + unit_bytes / N + 2 * m.largest_unit_params * b.weight;
   r.activations_measured = activations.measured;
   if (activations.measured) {
     r.activations = activations.per_sample * static_cast<double>(batch);
@@ -222,14 +230,14 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
     // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
     // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
     // beside the weights.
-    r.buffers += (stage == 3 ? m.params - m.unit_params : m.params) * b.weight / N;
+    r.buffers += (stage == 3 ? m.trainable - m.unit_params : m.trainable) * b.weight / N;
   }
   if (offload == Offload::nvme_params) {
     // Note [Offloaded parameters]: the units' shards live in the file; memory keeps the weights
     // outside units whole, two units gathered (the one computing, the one whose gather lands
     // next), and three shards in flight (one read ahead, two being written).
     const double shards = m.unit_params / N * b.weight;
-    r.weights = (m.params - m.unit_params) * b.weight + 2 * m.largest_unit_params * b.weight + shards;
+    r.weights = whole_weights - unit_bytes + 2 * m.largest_unit_params * b.weight + shards;
     offloaded += shards;
     staging += 3 * m.largest_unit_params / N * b.weight;
   }

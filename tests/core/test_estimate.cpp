@@ -28,6 +28,7 @@ using test::TempDir;
 TEST(Estimate, ModelStatesMatchTheZeroPaper) {
   estimate::ModelCounts m;
   m.params = m.trainable = 7.5e9;
+  m.unit_params = m.params;  // P_os+g+p shards every parameter
   const estimate::Activations none;
   const double psi = 7.5e9;
   const double want[4] = {16 * psi, 4 * psi + 12 * psi / 64, 2 * psi + 14 * psi / 64,
@@ -125,6 +126,28 @@ TEST(Estimate, JobWithParameterOffloadFindsItsRow) {
     EXPECT_LT(r.model.unit_params, r.model.params);  // the embeddings are outside the units
     EXPECT_NE(estimate::format(r).find("keeps the optimizer state in memory"), std::string::npos);
   }
+}
+
+// Stage 3 shards only what trains (ZeRO's driver holds no frozen tensor): a LoRA job's frozen
+// base stays whole on every rank, and only the adapters inside units count as sharded.
+TEST(Estimate, StageThreeKeepsALoraJobsFrozenBaseWhole) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string())
+                     << "\n[lora]\nr = 4\ntarget_modules = \"all-linear\"\n\n[zero]\nstage = 3\n"
+                        "stage3_param_persistence_threshold = 0\n";
+  const estimate::Report r = estimate::estimate_job(job, {}, {.probe = false});
+  ASSERT_LT(r.model.trainable, r.model.params / 4);
+  EXPECT_GT(r.model.unit_params, 0);
+  EXPECT_LE(r.model.unit_params, r.model.trainable);
+  // Over 4 ranks (fp32 weights): the frozen bytes whole, the units' adapters a quarter, two
+  // units gathered.
+  const estimate::Row row = estimate::row(r.model, 3, Offload::none, Precision::fp32, 4, {}, 0,
+                                          /*cpu_device=*/false);
+  const double frozen = r.model.params - r.model.trainable;
+  const double want = 4 * (frozen + (r.model.trainable - r.model.unit_params) +
+                           r.model.unit_params / 4 + 2 * r.model.largest_unit_params);
+  EXPECT_NEAR(row.weights, want, want * 1e-12);
 }
 
 // test::tiny_gpt_job widened, so activations are most of the peak.

@@ -18,7 +18,8 @@ namespace loom::estimate {
 // no masters; full_bf16 keeps bf16 weights and gradients (2 + 2) and fp32 masters (4); the update
 // rule adds its state (AdamW 8; the job's own rule is measured from the state it makes). Stage 1
 // divides masters and optimizer state by the world size, stage 2 the gradients too, stage 3 the
-// weights too (the units' tensors above stage3_param_persistence_threshold), plus the units it
+// weights too (the units' trainable tensors above stage3_param_persistence_threshold; the rest,
+// frozen tensors included, stays whole on every rank), plus the units it
 // gathers (one and the one prefetched); stage 0 over several ranks adds the gradient buckets
 // (an fp32 copy of the gradients), and offloaded stages 1-3 the values chunk the all-gather
 // sends (the weights' dtype, outside stage 3's shards). Offloading moves masters
@@ -42,7 +43,8 @@ struct ModelCounts {
   double params = 0, trainable = 0;
   double optimizer_per_trainable = 8;  // bytes of update-rule state per trainable parameter
   std::string rule = "adamw";
-  // Stage 3 shards the units' tensors above its persistence threshold (the rest stay whole):
+  // Stage 3 shards the units' trainable tensors above its persistence threshold (the rest,
+  // frozen ones included, stay whole; with no model, as for a parameter count, all of it):
   double largest_unit_params = 0;    // one unit's: held gathered (twice: with prefetch)
   double unit_params = 0;            // all units': what stage 3 shards (and offload_param moves)
   double largest_tensor_params = 0;  // NVMe offload's buffers each hold this tensor's share
