@@ -35,8 +35,10 @@ usage:
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
-  loom export CHECKPOINT OUT_DIR                   a transformers folder (config.json +
+  loom export CHECKPOINT OUT_DIR [--merge]         a transformers folder (config.json +
                                                    model.safetensors) from_pretrained loads
+      --merge                LoRA adapters folded into the weights (PEFT's merge_and_unload);
+                             without it a LoRA run exports its base model
   loom generate CHECKPOINT|OUTPUT_DIR [options]    continue a prompt (gpt, llama; KV cache)
       --prompt TEXT          text, for jobs that trained on bytes ([data] source = "text")
       --prompt-ids 1,2,3     token ids, for any job (printed back as ids)
@@ -61,6 +63,7 @@ struct Args {
   std::vector<std::filesystem::path> paths;
   loom::GenerateOptions generate;
   loom::estimate::Options estimate;
+  loom::ExportOptions export_options;
   double params = 0;
   bool has_prompt = false;
 };
@@ -132,6 +135,8 @@ Args parse(int argc, char** argv) {
       args.generate.eos_id = integer_of(a, value("--eos-id"));
     } else if (args.command == "generate" && a == "--device") {
       args.generate.device = value("--device");
+    } else if (args.command == "export" && a == "--merge") {
+      args.export_options.merge = true;
     } else if (args.command == "estimate" && a == "--world-size") {
       const int64_t n = integer_of(a, value("--world-size"));
       if (n < 1 || n > (int64_t{1} << 30))
@@ -227,9 +232,9 @@ int main(int argc, char** argv) {
         throw loom::ConfigError(
             "loom export needs a checkpoint folder and an output folder: loom export "
             "out/checkpoint-100 gpt2-finetuned");
-      loom::export_checkpoint(args.job, args.out);
+      loom::export_checkpoint(args.job, args.out, args.export_options);
       std::cout << "wrote " << args.out << " (config.json, model.safetensors) from " << args.job
-                << "\n";
+                << (args.export_options.merge ? ", adapters merged" : "") << "\n";
       return 0;
     }
     if (args.command == "generate") {

@@ -121,10 +121,19 @@ class EngineImpl final : public Engine, public Trainer {
     interceptors_.clear();
   }
 
-  // `loom export`: the model plugin's transformers form of `weights` (see export_checkpoint).
-  pretrained::Export to_pretrained(const NamedTensors& weights) const {
+  // `loom export`: the model plugin's transformers form of `weights` (see export_checkpoint),
+  // with the table plugins' additions folded in first when `merge` (Note [Merged export]).
+  pretrained::Export to_pretrained(NamedTensors weights, bool merge) const {
     const auto& model = resolved_.model;
     LOOM_CHECK_AS(ConfigError, model.provider, "the job names no model to export");
+    if (merge) {
+      bool merged = false;
+      for (auto* plugin : resolved_.table_plugins)
+        merged = plugin->plugin->merge_for_export(resolved_.section(plugin->name), weights) ||
+                 merged;
+      LOOM_CHECK_AS(ConfigError, merged, "--merge: nothing in this job folds into the base "
+                    "model (no [lora] adapters); export it without --merge");
+    }
     auto out = model.provider->plugin->export_pretrained(
         model.name, resolved_.section("model"), weights,
         [this](const std::string& path) { return resolve_path(path); });
@@ -880,7 +889,8 @@ CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
 
 }  // namespace
 
-void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir) {
+void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir,
+                       const ExportOptions& options) {
   namespace fs = std::filesystem;
   std::error_code ec;
   LOOM_CHECK_AS(CheckpointError, !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
@@ -891,7 +901,7 @@ void export_checkpoint(const std::filesystem::path& checkpoint, const std::files
                 out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
   auto [job, step, weights] = checkpoint_model(checkpoint, parent);
   EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
-  pretrained::write_folder(out_dir, engine.to_pretrained(weights));
+  pretrained::write_folder(out_dir, engine.to_pretrained(std::move(weights), options.merge));
 }
 
 InferenceModel open_for_inference(const std::filesystem::path& path, const std::string& device) {

@@ -75,6 +75,8 @@ std::optional<pretrained::Export> Plugin::export_pretrained(
   return std::nullopt;
 }
 
+bool Plugin::merge_for_export(const ConfigSection&, NamedTensors&) const { return false; }
+
 std::unique_ptr<StepDriver> Plugin::create_step_driver(const StepDriverOptions&, Engine&) {
   throw InternalError(detail::cat("plugin '", this->name(),
                                   "' fills slot step_driver but does not implement "

@@ -334,7 +334,7 @@ class GptPlugin final : public loom::Plugin {
     }
     LOOM_CHECK_AS(CheckpointError, by_name.empty(), "the checkpoint has weights GPT-2 does not ('",
                   by_name.empty() ? "" : by_name.begin()->first,
-                  "'); a LoRA run exports its adapter with the lora plugin, not merged");
+                  "'); export a LoRA run with --merge (its adapters folded into the weights)");
     return out;
   }
 

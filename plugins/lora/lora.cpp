@@ -220,6 +220,51 @@ class LoraPlugin final : public loom::Plugin {
     adapter_path_ = t.get_string("adapter_path");
   }
 
+  // Note [Merged export]: `loom export --merge` folds every adapter of the checkpoint's weights
+  // into its Linear weight, W + scaling · B·A in fp32 (PEFT's merge_and_unload), and drops the
+  // adapter tensors. The scaling is the job's: lora_alpha over r (A's rows), or over sqrt(r)
+  // with use_rslora.
+  bool merge_for_export(const loom::ConfigSection& t, loom::NamedTensors& weights) const override {
+    LOOM_CHECK_AS(ConfigError, t.get_string("adapter_path").empty(), t.where("adapter_path"),
+                  ": loom export --merge takes lora_alpha and use_rslora from the job, and this "
+                  "job took its adapter's from adapter_path; export without --merge and merge "
+                  "with PEFT (PeftModel.from_pretrained(base, run).merge_and_unload())");
+    const double alpha = t.get_float("lora_alpha");
+    const bool rslora = t.get_bool("use_rslora");
+    const std::string a_tail = ".adapter.lora_A", b_tail = ".adapter.lora_B";
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < weights.size(); ++i) index[weights[i].first] = i;
+    std::set<std::string> folded;
+    at::NoGradGuard no_grad;
+    for (const auto& [name, a] : weights) {
+      if (!ends_with(name, a_tail)) continue;
+      const std::string linear = name.substr(0, name.size() - a_tail.size());
+      const auto b = index.find(linear + b_tail);
+      const auto w = index.find(linear + ".weight");
+      LOOM_CHECK_AS(CheckpointError, b != index.end() && w != index.end(), "the checkpoint has ",
+                    name, " but not ", b == index.end() ? linear + b_tail : linear + ".weight",
+                    "; it is not a whole LoRA checkpoint");
+      const at::Tensor& lora_b = weights[b->second].second;
+      const double r = static_cast<double>(a.size(0));
+      const double scaling = rslora ? alpha / std::sqrt(r) : alpha / r;
+      at::Tensor& weight = weights[w->second].second;
+      LOOM_CHECK_AS(CheckpointError,
+                    lora_b.dim() == 2 && a.dim() == 2 && lora_b.size(1) == a.size(0) &&
+                        weight.dim() == 2 && weight.size(0) == lora_b.size(0) &&
+                        weight.size(1) == a.size(1),
+                    "the checkpoint's ", linear, " adapter (A ", a.sizes(), ", B ", lora_b.sizes(),
+                    ") does not fit its weight ", weight.sizes());
+      weight = weight + (at::matmul(lora_b.to(at::kFloat), a.to(at::kFloat)) * scaling)
+                            .to(weight.scalar_type());
+      folded.insert(name);
+      folded.insert(linear + b_tail);
+    }
+    weights.erase(std::remove_if(weights.begin(), weights.end(),
+                                 [&](const auto& t) { return folded.count(t.first) > 0; }),
+                  weights.end());
+    return !folded.empty();
+  }
+
   void attach(loom::Engine& engine) override {
     engine.on(loom::Event::model_built, [this](loom::Engine& e) { inject(e); });
     engine.on(loom::Event::params_ready, [this](loom::Engine& e) { report(e); });

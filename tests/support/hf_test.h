@@ -48,6 +48,21 @@ inline void expect_close(const at::Tensor& a, const at::Tensor& b, double tol) {
   EXPECT_LE(diff, tol) << "max |difference| " << diff;
 }
 
+// transformers' logits of an exported `folder` (the reference script's `logits` mode) equal
+// the engine's model's on the same ids (below the vocabulary `vocab`) within 1e-5; `scratch`
+// holds the files between the two.
+inline void expect_export_gives_looms_logits(Engine& engine, const std::string& script,
+                                             const std::filesystem::path& folder,
+                                             const std::filesystem::path& scratch,
+                                             int64_t vocab = 64) {
+  const at::Tensor ids = (at::arange(32, at::kLong) * 5 % vocab).view({2, 16});
+  safetensors::save(scratch / "ids.safetensors", {{"input_ids", ids}});
+  run_script(script, "['logits', '" + folder.string() + "', '" +
+                         (scratch / "ids.safetensors").string() + "', '" +
+                         (scratch / "hf_logits.safetensors").string() + "']");
+  expect_close(logits_of(engine, ids), load(scratch / "hf_logits.safetensors").at("logits"), 1e-5);
+}
+
 inline void expect_same_ids(const std::vector<int64_t>& ids, const at::Tensor& expected) {
   ASSERT_EQ(static_cast<int64_t>(ids.size()), expected.numel());
   for (size_t i = 0; i < ids.size(); ++i)

@@ -21,7 +21,7 @@
 #pragma GCC visibility push(default)
 
 // Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 9u
+#define LOOM_PLUGIN_API_VERSION 10u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -102,6 +102,12 @@ class Plugin {
   virtual std::optional<pretrained::Export> export_pretrained(
       const std::string& name, const ConfigSection& table, const NamedTensors& weights,
       const std::function<std::string(const std::string&)>& resolve_path) const;
+  // Table plugins that change a model's structure, for `loom export --merge` (Note [Merged
+  // export]): fold what the plugin added into the base model's tensors, in place in `weights`
+  // (loom's names, floating ones fp32, as the checkpoint holds them; `table` the plugin's
+  // validated table), and drop the added tensors, so the model plugin's export_pretrained
+  // writes one plain model. Returns whether anything was folded. The default folds nothing.
+  virtual bool merge_for_export(const ConfigSection& table, NamedTensors& weights) const;
   // A plugin that fills Slot::step_driver: called once, after model_built and before
   // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
   virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,

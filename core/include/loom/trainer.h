@@ -89,8 +89,16 @@ void consolidate_checkpoint(const std::filesystem::path& checkpoint,
 // `loom export CKPT OUT_DIR`: a checkpoint as a folder transformers' from_pretrained loads
 // (config.json + model.safetensors), by the model plugin's Plugin::export_pretrained and the
 // job the checkpoint records. OUT_DIR must be new or empty; it appears whole or not at all.
+// Note [Merged export]: a LoRA run exports its base model (the adapter the lora plugin wrote
+// loads onto it with PEFT); with `merge` (`--merge`) the job's table plugins first fold what
+// they added into the base tensors (Plugin::merge_for_export: LoRA's scaling · B·A, as PEFT's
+// merge_and_unload), and the folder is one plain model. `merge` on a job with nothing to fold
+// is a ConfigError.
+struct ExportOptions {
+  bool merge = false;
+};
 void export_checkpoint(const std::filesystem::path& checkpoint,
-                       const std::filesystem::path& out_dir);
+                       const std::filesystem::path& out_dir, const ExportOptions& options = {});
 
 // Note [Generation]: `loom generate CKPT` continues a prompt with the checkpoint's model (a
 // loom::CausalLM: gpt, llama), decoding one token at a time with a KV cache, in fp32. The

@@ -86,16 +86,29 @@ TEST(GptHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
     const fs::path out = dir / "exported";
     export_checkpoint(summary.last_checkpoint, out);
     ASSERT_TRUE(fs::exists(out / "config.json") && fs::exists(out / "model.safetensors"));
-    const at::Tensor ids = (at::arange(32, at::kLong) * 5 % 64).view({2, 16});
-    safetensors::save(dir / "ids.safetensors", {{"input_ids", ids}});
-    python("['logits', '" + out.string() + "', '" + (dir / "ids.safetensors").string() + "', '" +
-           (dir / "hf_logits.safetensors").string() + "']");
-    expect_close(logits_of(trainer->engine(), ids),
-                 load(dir / "hf_logits.safetensors").at("logits"), 1e-5);
+    test::hf::expect_export_gives_looms_logits(trainer->engine(), "gpt/gpt_hf.py", out, dir.path());
     // An export never overwrites.
     EXPECT_THROW_WITH(export_checkpoint(summary.last_checkpoint, out), CheckpointError,
                       "exists and is not an empty folder");
   }
+}
+
+// Note [Merged export]: a LoRA run (every Linear adapted, the fused qkv included, rsLoRA's
+// scaling) exported with --merge is a plain GPT-2 whose transformers logits are loom's with its
+// adapters; without --merge the export is refused with a message naming --merge.
+TEST(GptHf, LoraRunExportedMergedGivesLoomsLogits) {
+  TempDir dir;
+  std::string job = test::tiny_gpt_job(dir.str());
+  job.replace(job.find("max_steps = 4"), 13, "max_steps = 6");
+  job += "\n[lora]\nr = 4\nlora_alpha = 16.0\nuse_rslora = true\ninit_lora_weights = false\n"
+         "target_modules = \"all-linear\"\n";
+  auto trainer = Trainer::from_text(job, dir.path());
+  const auto summary = trainer->run();
+  EXPECT_THROW_WITH(export_checkpoint(summary.last_checkpoint, dir / "plain"), CheckpointError,
+                    "adapter.lora_", "--merge");
+  const fs::path out = dir / "merged";
+  export_checkpoint(summary.last_checkpoint, out, {.merge = true});
+  test::hf::expect_export_gives_looms_logits(trainer->engine(), "gpt/gpt_hf.py", out, dir.path());
 }
 
 TEST(GptHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {

@@ -116,14 +116,14 @@ TEST(LlamaHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
     auto trainer = Trainer::from_text(scratch_job(dir.str(), extra), dir.path());
     const auto summary = trainer->run();
     const fs::path out = dir / "exported";
+    // --merge on a run without adapters: an error naming the flag, and no folder.
+    EXPECT_THROW_WITH(export_checkpoint(summary.last_checkpoint, out, {.merge = true}),
+                      ConfigError, "--merge", "no [lora] adapters");
+    EXPECT_FALSE(fs::exists(out));
     export_checkpoint(summary.last_checkpoint, out);
     ASSERT_TRUE(fs::exists(out / "config.json") && fs::exists(out / "model.safetensors"));
-    const at::Tensor ids = (at::arange(32, at::kLong) * 5 % 64).view({2, 16});
-    safetensors::save(dir / "ids.safetensors", {{"input_ids", ids}});
-    python("['logits', '" + out.string() + "', '" + (dir / "ids.safetensors").string() + "', '" +
-           (dir / "hf_logits.safetensors").string() + "']");
-    expect_close(logits_of(trainer->engine(), ids),
-                 load(dir / "hf_logits.safetensors").at("logits"), 1e-5);
+    test::hf::expect_export_gives_looms_logits(trainer->engine(), "llama/llama_hf.py", out,
+                                               dir.path());
   }
 }
 
@@ -203,6 +203,15 @@ target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
          (dir / "base.safetensors").string() + "']");
   const at::Tensor base_logits = load(dir / "base.safetensors").at("logits");
   EXPECT_GT((loom_logits - base_logits).abs().max().item<double>(), 1e-3);
+  // Note [Merged export]: with --merge the folder is one plain model (no adapter tensors) whose
+  // transformers logits are loom's with the adapter, as PEFT's merge_and_unload gives them.
+  const fs::path merged = dir / "merged";
+  export_checkpoint(summary.last_checkpoint, merged, {.merge = true});
+  for (const auto& [name, tensor] : load(merged / "model.safetensors"))
+    EXPECT_EQ(name.find("lora"), std::string::npos) << name;
+  python("['logits', '" + merged.string() + "', '" + (dir / "ids.safetensors").string() + "', '" +
+         (dir / "merged.safetensors").string() + "']");
+  expect_close(loom_logits, load(dir / "merged.safetensors").at("logits"), 1e-5);
 }
 
 TEST(LlamaHf, BadPretrainedFoldersAndJobsAreClearErrors) {
