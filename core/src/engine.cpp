@@ -129,7 +129,9 @@ class EngineImpl final : public Engine, public Trainer {
     if (merge) {
       bool merged = false;
       for (auto* plugin : resolved_.table_plugins)
-        merged = plugin->plugin->merge_for_export(resolved_.section(plugin->name), weights) ||
+        merged = plugin->plugin->merge_for_export(
+                     resolved_.section(plugin->name), weights,
+                     [this](const std::string& path) { return resolve_path(path); }) ||
                  merged;
       LOOM_CHECK_AS(ConfigError, merged, "--merge: nothing in this job folds into the base "
                     "model (no [lora] adapters); export it without --merge");

@@ -75,7 +75,10 @@ std::optional<pretrained::Export> Plugin::export_pretrained(
   return std::nullopt;
 }
 
-bool Plugin::merge_for_export(const ConfigSection&, NamedTensors&) const { return false; }
+bool Plugin::merge_for_export(const ConfigSection&, NamedTensors&,
+                              const std::function<std::string(const std::string&)>&) const {
+  return false;
+}
 
 std::unique_ptr<StepDriver> Plugin::create_step_driver(const StepDriverOptions&, Engine&) {
   throw InternalError(detail::cat("plugin '", this->name(),

@@ -222,15 +222,16 @@ class LoraPlugin final : public loom::Plugin {
 
   // Note [Merged export]: `loom export --merge` folds every adapter of the checkpoint's weights
   // into its Linear weight, W + scaling · B·A in fp32 (PEFT's merge_and_unload), and drops the
-  // adapter tensors. The scaling is the job's: lora_alpha over r (A's rows), or over sqrt(r)
-  // with use_rslora.
-  bool merge_for_export(const loom::ConfigSection& t, loom::NamedTensors& weights) const override {
-    LOOM_CHECK_AS(ConfigError, t.get_string("adapter_path").empty(), t.where("adapter_path"),
-                  ": loom export --merge takes lora_alpha and use_rslora from the job, and this "
-                  "job took its adapter's from adapter_path; export without --merge and merge "
-                  "with PEFT (PeftModel.from_pretrained(base, run).merge_and_unload())");
-    const double alpha = t.get_float("lora_alpha");
-    const bool rslora = t.get_bool("use_rslora");
+  // adapter tensors. The scaling is the run's: lora_alpha over r (A's rows), or over sqrt(r)
+  // with use_rslora, from the job, or from the adapter_config.json of the job's adapter_path
+  // (which defined the adapter the run trained on).
+  bool merge_for_export(
+      const loom::ConfigSection& t, loom::NamedTensors& weights,
+      const std::function<std::string(const std::string&)>& resolve_path) const override {
+    const std::string adapter_path = t.get_string("adapter_path");
+    const LoraOptions run = adapter_path.empty() ? opts_ : saved_config(resolve_path(adapter_path));
+    const double alpha = run.alpha;
+    const bool rslora = run.use_rslora;
     const std::string a_tail = ".adapter.lora_A", b_tail = ".adapter.lora_B";
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < weights.size(); ++i) index[weights[i].first] = i;
@@ -441,6 +442,32 @@ class LoraPlugin final : public loom::Plugin {
   // ---- adapter_path: the saved adapter_config.json defines the adapter ----
   void adopt_saved_config(loom::Engine& engine) {
     const fs::path dir = engine.resolve_path(adapter_path_);
+    const LoraOptions saved = saved_config(dir);
+    // Keys the job sets must agree with the adapter: a silent override would train another shape.
+    auto agree = [&](const char* key, bool same, const std::string& job, const std::string& file_value) {
+      LOOM_CHECK_AS(ConfigError, !table_.has(key) || same, table_.where(key), ": [lora] ", key,
+                    " = ", job, " but the adapter in ", dir.string(), " has ", key, " = ",
+                    file_value, "; remove ", key, " from [lora] (adapter_path defines the adapter)");
+    };
+    agree("r", opts_.r == saved.r, std::to_string(opts_.r), std::to_string(saved.r));
+    agree("lora_alpha", opts_.alpha == saved.alpha, Json(opts_.alpha).dump(), Json(saved.alpha).dump());
+    agree("use_rslora", opts_.use_rslora == saved.use_rslora, Json(opts_.use_rslora).dump(),
+          Json(saved.use_rslora).dump());
+    agree("bias", opts_.bias == saved.bias, opts_.bias, saved.bias);
+    auto sorted_targets = opts_.target_list;
+    std::sort(sorted_targets.begin(), sorted_targets.end());
+    agree("target_modules",
+          opts_.target_is_pattern == saved.target_is_pattern &&
+              opts_.target_pattern == saved.target_pattern && sorted_targets == saved.target_list,
+          opts_.target_json().dump(), saved.target_json().dump());
+    agree("modules_to_save", opts_.modules_to_save == saved.modules_to_save,
+          Json(opts_.modules_to_save).dump(), Json(saved.modules_to_save).dump());
+    opts_ = saved;
+  }
+
+  // The job's options with the adapter_config.json in `dir` over them (the saved adapter
+  // defines r, lora_alpha, use_rslora, bias and the targets).
+  LoraOptions saved_config(const fs::path& dir) const {
     const fs::path file = dir / kConfigFile;
     const std::string where = table_.where("adapter_path");
     LOOM_CHECK_AS(ConfigError, fs::exists(dir / kAdapterFile), where, ": [lora] adapter_path ",
@@ -503,27 +530,7 @@ class LoraPlugin final : public loom::Plugin {
     saved.modules_to_save.clear();
     if (field("modules_to_save").is_array())
       for (const auto& m : field("modules_to_save")) saved.modules_to_save.push_back(m.get<std::string>());
-
-    // Keys the job sets must agree with the adapter: a silent override would train another shape.
-    auto agree = [&](const char* key, bool same, const std::string& job, const std::string& file_value) {
-      LOOM_CHECK_AS(ConfigError, !table_.has(key) || same, table_.where(key), ": [lora] ", key,
-                    " = ", job, " but the adapter in ", dir.string(), " has ", key, " = ",
-                    file_value, "; remove ", key, " from [lora] (adapter_path defines the adapter)");
-    };
-    agree("r", opts_.r == saved.r, std::to_string(opts_.r), std::to_string(saved.r));
-    agree("lora_alpha", opts_.alpha == saved.alpha, Json(opts_.alpha).dump(), Json(saved.alpha).dump());
-    agree("use_rslora", opts_.use_rslora == saved.use_rslora, Json(opts_.use_rslora).dump(),
-          Json(saved.use_rslora).dump());
-    agree("bias", opts_.bias == saved.bias, opts_.bias, saved.bias);
-    auto sorted_targets = opts_.target_list;
-    std::sort(sorted_targets.begin(), sorted_targets.end());
-    agree("target_modules",
-          opts_.target_is_pattern == saved.target_is_pattern &&
-              opts_.target_pattern == saved.target_pattern && sorted_targets == saved.target_list,
-          opts_.target_json().dump(), saved.target_json().dump());
-    agree("modules_to_save", opts_.modules_to_save == saved.modules_to_save,
-          Json(opts_.modules_to_save).dump(), Json(saved.modules_to_save).dump());
-    opts_ = saved;
+    return saved;
   }
 
   void load_adapter(loom::Engine& engine) {

@@ -105,9 +105,12 @@ class Plugin {
   // Table plugins that change a model's structure, for `loom export --merge` (Note [Merged
   // export]): fold what the plugin added into the base model's tensors, in place in `weights`
   // (loom's names, floating ones fp32, as the checkpoint holds them; `table` the plugin's
-  // validated table), and drop the added tensors, so the model plugin's export_pretrained
-  // writes one plain model. Returns whether anything was folded. The default folds nothing.
-  virtual bool merge_for_export(const ConfigSection& table, NamedTensors& weights) const;
+  // validated table; resolve_path as for export_pretrained), and drop the added tensors, so the
+  // model plugin's export_pretrained writes one plain model. Returns whether anything was
+  // folded. The default folds nothing.
+  virtual bool merge_for_export(
+      const ConfigSection& table, NamedTensors& weights,
+      const std::function<std::string(const std::string&)>& resolve_path) const;
   // A plugin that fills Slot::step_driver: called once, after model_built and before
   // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
   virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,

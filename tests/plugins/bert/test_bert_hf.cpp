@@ -74,28 +74,37 @@ TEST(BertHf, ImportedClassifierGivesTransformersLogitsWithPadding) {
   EXPECT_LE(max_difference(logits_of(trainer->engine(), ref), ref.at("logits")), 1e-5);
 }
 
+// Also a LoRA run (every Linear but the classifier adapted, the classifier trained in full as
+// PEFT's modules_to_save), exported with --merge (Note [Merged export]).
 TEST(BertHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
-  TempDir dir;
-  auto trainer = Trainer::from_text(
-      bert_job(dir.str(),
-               "vocab_size = 120\nhidden_size = 32\nnum_hidden_layers = 2\nnum_attention_heads = "
-               "2\nintermediate_size = 64\nmax_position_embeddings = 32\nnum_labels = 3\n"
-               "hidden_dropout_prob = 0.0\nattention_probs_dropout_prob = 0.0",
-               20),
-      dir.path());
-  const auto summary = trainer->run();
-  const fs::path out = dir / "exported";
-  export_checkpoint(summary.last_checkpoint, out);
-  std::map<std::string, at::Tensor> inputs = {
-      {"input_ids", (at::arange(32, at::kLong) * 5 % 120).view({2, 16})},
-      {"attention_mask", at::ones({2, 16}, at::kLong)}};
-  inputs["attention_mask"][1].slice(0, 9).zero_();
-  safetensors::save(dir / "in.safetensors", {inputs.begin(), inputs.end()});
-  python("['logits', '" + out.string() + "', '" + (dir / "in.safetensors").string() + "', '" +
-         (dir / "hf.safetensors").string() + "']");
-  EXPECT_LE(max_difference(logits_of(trainer->engine(), inputs),
-                           load(dir / "hf.safetensors").at("logits")),
-            1e-5);
+  for (const bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "LoRA, merged" : "full");
+    TempDir dir;
+    auto trainer = Trainer::from_text(
+        bert_job(dir.str(),
+                 "vocab_size = 120\nhidden_size = 32\nnum_hidden_layers = 2\nnum_attention_heads = "
+                 "2\nintermediate_size = 64\nmax_position_embeddings = 32\nnum_labels = 3\n"
+                 "hidden_dropout_prob = 0.0\nattention_probs_dropout_prob = 0.0",
+                 20) +
+            (lora ? "\n[lora]\nr = 4\nlora_alpha = 8.0\ninit_lora_weights = false\n"
+                    "target_modules = [\"qkv\", \"proj\", \"fc_in\", \"fc_out\", \"pooler\"]\n"
+                    "modules_to_save = [\"classifier\"]\n"
+                  : ""),
+        dir.path());
+    const auto summary = trainer->run();
+    const fs::path out = dir / "exported";
+    export_checkpoint(summary.last_checkpoint, out, {.merge = lora});
+    std::map<std::string, at::Tensor> inputs = {
+        {"input_ids", (at::arange(32, at::kLong) * 5 % 120).view({2, 16})},
+        {"attention_mask", at::ones({2, 16}, at::kLong)}};
+    inputs["attention_mask"][1].slice(0, 9).zero_();
+    safetensors::save(dir / "in.safetensors", {inputs.begin(), inputs.end()});
+    python("['logits', '" + out.string() + "', '" + (dir / "in.safetensors").string() + "', '" +
+           (dir / "hf.safetensors").string() + "']");
+    EXPECT_LE(max_difference(logits_of(trainer->engine(), inputs),
+                             load(dir / "hf.safetensors").at("logits")),
+              1e-5);
+  }
 }
 
 TEST(BertHf, MaskedLmFolderStartsAClassifierWithFreshHeads) {

@@ -95,7 +95,9 @@ TEST(GptHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
 
 // Note [Merged export]: a LoRA run (every Linear adapted, the fused qkv included, rsLoRA's
 // scaling) exported with --merge is a plain GPT-2 whose transformers logits are loom's with its
-// adapters; without --merge the export is refused with a message naming --merge.
+// adapters; without --merge the export is refused with a message naming --merge. A run that
+// went on from the first one's adapter (adapter_path, whose saved lora_alpha 16 is not the
+// job's default 8) merges with the saved scaling.
 TEST(GptHf, LoraRunExportedMergedGivesLoomsLogits) {
   TempDir dir;
   std::string job = test::tiny_gpt_job(dir.str());
@@ -109,6 +111,16 @@ TEST(GptHf, LoraRunExportedMergedGivesLoomsLogits) {
   const fs::path out = dir / "merged";
   export_checkpoint(summary.last_checkpoint, out, {.merge = true});
   test::hf::expect_export_gives_looms_logits(trainer->engine(), "gpt/gpt_hf.py", out, dir.path());
+
+  TempDir next;
+  std::string more = test::tiny_gpt_job(next.str());
+  more.replace(more.find("max_steps = 4"), 13, "max_steps = 3");
+  more += "\n[lora]\nadapter_path = \"" + dir.str() + "\"\n";
+  auto continued = Trainer::from_text(more, next.path());
+  const auto continued_summary = continued->run();
+  export_checkpoint(continued_summary.last_checkpoint, next / "merged", {.merge = true});
+  test::hf::expect_export_gives_looms_logits(continued->engine(), "gpt/gpt_hf.py", next / "merged",
+                                             next.path());
 }
 
 TEST(GptHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {
