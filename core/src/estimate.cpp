@@ -22,6 +22,7 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/trainer.h"
+#include "plugin_host.h"
 
 namespace loom::estimate {
 
@@ -88,6 +89,19 @@ const ConfigValue* key_of(const Job& job, std::string_view table, std::string_vi
   return t && t->is_table() ? t->find(key) : nullptr;
 }
 
+// A setting of the job: its value, or else the default in the schema of the plugin whose table
+// it is (the plugin's own, so the estimate never repeats a plugin's defaults); nullopt where
+// the job leaves it and no plugin of that table is installed.
+std::optional<ConfigValue> setting(const Job& job, std::string_view table, std::string_view key) {
+  if (const ConfigValue* v = key_of(job, table, key)) return *v;
+  PluginHost host;
+  if (LoadedPlugin* plugin = host.find(std::string(table)))
+    for (const auto& schema : plugin->plugin->schemas())
+      if (schema.table() == table && schema.provider().empty())
+        if (const KeySpec* spec = schema.find(key)) return spec->default_value;
+  return std::nullopt;
+}
+
 // What one probe run saw: the model's counts and the peak of device memory above what was
 // live before it.
 struct ProbeResult {
@@ -133,20 +147,20 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
       state.trainable_count ? static_cast<double>(state.optimizer_bytes) /
                                   static_cast<double>(state.trainable_count)
                             : 0.0;
-  const ConfigValue* frozen = key_of(job, "precision", "frozen_weights");
+  // Frozen Linear weights in half under autocast, where [precision] frozen_weights says so.
+  const std::optional<ConfigValue> frozen = setting(job, "precision", "frozen_weights");
   const auto* frozen_mode = frozen ? std::get_if<std::string>(&frozen->value) : nullptr;
-  if (!frozen_mode || *frozen_mode != "fp32")
+  if (frozen_mode && *frozen_mode == "half")
     for (const auto& t : nn::frozen_linear_tensors(engine.model()))
       r.counts.frozen_linear_params += static_cast<double>(t.numel());
   for (const auto& p : engine.params())
     r.counts.largest_tensor_params =
         std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
   // Stage 3 shards a unit's trainable tensors of at least stage3_param_persistence_threshold
-  // elements (the zero plugin's default 1e5); smaller ones stay whole like the parameters
-  // outside units, and so do frozen ones (ZeRO's driver holds only what trains: a LoRA job's
-  // base stays whole on every rank).
-  double persistence = 1e5;
-  if (const ConfigValue* v = key_of(job, "zero", "stage3_param_persistence_threshold")) {
+  // elements; smaller ones stay whole like the parameters outside units, and so do frozen ones
+  // (ZeRO's driver holds only what trains: a LoRA job's base stays whole on every rank).
+  double persistence = 0;
+  if (const auto v = setting(job, "zero", "stage3_param_persistence_threshold")) {
     if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
     if (auto* i = std::get_if<int64_t>(&v->value)) persistence = static_cast<double>(*i);
   }

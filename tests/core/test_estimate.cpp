@@ -150,6 +150,27 @@ TEST(Estimate, StageThreeKeepsALoraJobsFrozenBaseWhole) {
   EXPECT_NEAR(row.weights, want, want * 1e-12);
 }
 
+// Settings the job leaves out come from the plugins' own schemas: [zero]'s persistence
+// threshold (1e5: every tensor of the tiny model stays whole at stage 3) and [precision]'s
+// frozen_weights ("half": the frozen Linears count at 2 B under bf16); set, the job's values.
+TEST(Estimate, SettingsTheJobLeavesOutAreThePluginsDefaults) {
+  auto counts = [](const std::string& extra) {
+    TempDir dir;
+    const std::filesystem::path job = dir.path() / "job.toml";
+    std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string())
+                       << "\n[lora]\nr = 4\ntarget_modules = \"all-linear\"\n" << extra;
+    return estimate::estimate_job(job, {}, {.probe = false}).model;
+  };
+  const estimate::ModelCounts defaults = counts("");
+  EXPECT_EQ(defaults.unit_params, 0);
+  EXPECT_GT(defaults.frozen_linear_params, 0);
+  const estimate::ModelCounts set =
+      counts("\n[zero]\nstage3_param_persistence_threshold = 0\n"
+             "\n[precision]\nmode = \"bf16\"\nfrozen_weights = \"fp32\"\n");
+  EXPECT_GT(set.unit_params, 0);
+  EXPECT_EQ(set.frozen_linear_params, 0);
+}
+
 // test::tiny_gpt_job widened, so activations are most of the peak.
 const std::vector<std::string> kShape = {
     "train.per_device_train_batch_size=12", "train.max_steps=3", "train.save_final=false",
