@@ -138,6 +138,32 @@ expect_error "export of a checkpoint without its job" "does not record its job" 
 [ ! -e "$work/from-old" ] && [ -z "$(ls -A "$work" | grep '^\.loom-')" ] &&
   ok "a failed export leaves nothing" || fail "a failed export left files"
 
+# loom export --merge (Note [Merged export]): a LoRA run of the demo exports as one plain GPT-2
+# that transformers loads; without --merge it is refused naming --merge; --merge on a run
+# without adapters, or on another command, is an error; nothing is written by a refusal.
+expect_error "export --merge without adapters" "nothing in this job folds" \
+  "$loom" export "$out/checkpoint-40" "$work/merged-none" --merge
+expect_error "--merge belongs to export" "unknown option '--merge'" \
+  "$loom" consolidate "$out/checkpoint-40" "$work/x.safetensors" --merge
+lo="$work/lora"
+if "$loom" run "$src/examples/demo.toml" --set train.max_steps=4 --set "train.output_dir=$lo" \
+     --set train.resume= --set train.save_steps=0 --set lora.r=4 \
+     --set 'lora.target_modules="all-linear"' >"$work/lora.log" 2>&1; then
+  expect_error "a LoRA run exports with --merge" "export a LoRA run with --merge" \
+    "$loom" export "$lo/checkpoint-4" "$work/lora-plain"
+  if "$loom" export "$lo/checkpoint-4" "$work/lora-merged" --merge >/dev/null 2>&1 &&
+     HF_HUB_OFFLINE=1 "$python" -c "
+import sys
+from transformers import GPT2LMHeadModel
+GPT2LMHeadModel.from_pretrained(sys.argv[1])" "$work/lora-merged" >/dev/null 2>&1; then
+    ok "export --merge of a LoRA run loads in transformers"
+  else fail "export --merge of a LoRA run"; fi
+else
+  fail "LoRA demo run: $(tail -3 "$work/lora.log")"
+fi
+[ ! -e "$work/merged-none" ] && [ ! -e "$work/lora-plain" ] && [ ! -e "$work/x.safetensors" ] &&
+  ok "refused merges write nothing" || fail "a refused merge left files"
+
 # loom estimate: the ZeRO paper's 1 T parameters on 1024 GPUs (stage 3: 15.6 GB = 14.55 GiB per
 # GPU), and the demo job probed, with the batch that fits a budget; nothing written beside it.
 est=$("$loom" estimate --params 1e12 --world-size 1024 2>&1)
