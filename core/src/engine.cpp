@@ -126,19 +126,18 @@ class EngineImpl final : public Engine, public Trainer {
   pretrained::Export to_pretrained(NamedTensors weights, bool merge) const {
     const auto& model = resolved_.model;
     LOOM_CHECK_AS(ConfigError, model.provider, "the job names no model to export");
+    const auto resolve = [this](const std::string& path) { return resolve_path(path); };
     if (merge) {
       bool merged = false;
       for (auto* plugin : resolved_.table_plugins)
-        merged = plugin->plugin->merge_for_export(
-                     resolved_.section(plugin->name), weights,
-                     [this](const std::string& path) { return resolve_path(path); }) ||
+        merged = plugin->plugin->merge_for_export(resolved_.section(plugin->name), weights,
+                                                  resolve) ||
                  merged;
       LOOM_CHECK_AS(ConfigError, merged, "--merge: nothing in this job folds into the base "
                     "model (no [lora] adapters); export it without --merge");
     }
-    auto out = model.provider->plugin->export_pretrained(
-        model.name, resolved_.section("model"), weights,
-        [this](const std::string& path) { return resolve_path(path); });
+    auto out = model.provider->plugin->export_pretrained(model.name, resolved_.section("model"),
+                                                         weights, resolve);
     LOOM_CHECK_AS(ConfigError, out.has_value(), "model '", model.name, "' (plugin ",
                   plugin_label(model.provider),
                   ") has no transformers form to export; `loom consolidate` writes its weights "

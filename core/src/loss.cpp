@@ -163,6 +163,17 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weigh
              labels.sizes(), " do not match x ", x.sizes());
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
   const at::Tensor flat_labels = labels.reshape({-1});
+  // Every CPU path names a bad label (a GPU's would need a host sync; ATen's kernel asserts).
+  if (flat_labels.is_cpu() && flat_labels.scalar_type() == at::kLong) {
+    const at::Tensor contiguous_labels = flat_labels.contiguous();
+    const int64_t* label = contiguous_labels.data_ptr<int64_t>();
+    const int64_t V = weight.size(0);
+    for (int64_t r = 0; r < contiguous_labels.numel(); ++r)
+      LOOM_CHECK(label[r] == ignore_index || (label[r] >= 0 && label[r] < V),
+                 "cross-entropy label ", label[r], " is outside the vocabulary [0, ", V,
+                 ") and is not the ignore index ", ignore_index,
+                 "; check the data's token ids against the model's vocab_size");
+  }
   const auto device_type = x.device().type();
   at::ScalarType compute = at::promote_types(x.scalar_type(), weight.scalar_type());
   if (at::autocast::is_autocast_available(device_type) &&

@@ -8,7 +8,8 @@
 
 namespace loom::nn::detail {
 
-// For each row r of `logits` (n, V), contiguous, on the CPU, fp32 or bf16: row_loss[r] = the
+// For each row r of `logits` (n, V), contiguous, on the CPU, fp32 or bf16, and labels in [0, V)
+// or ignore_index (linear_cross_entropy_sum checks them): row_loss[r] = the
 // row's cross-entropy against labels[r] (logsumexp − the label's logit; 0 where labels[r] ==
 // ignore_index), in fp32. With `write_grad`, the row is then overwritten in place by the loss's
 // gradient with respect to it, softmax − one-hot (zero on an ignored row), rounded to the

@@ -78,6 +78,11 @@ struct LoraOptions {
   }
 };
 
+// scaling · B·A, (out,in) in B's and A's dtype: what merging adds to the base weight.
+at::Tensor lora_delta(const at::Tensor& lora_b, const at::Tensor& lora_a, double scaling) {
+  return at::matmul(lora_b, lora_a) * scaling;
+}
+
 // One adapter: delta = scaling · B·A·dropout(x). A is (r,in), B is (out,r).
 class LoraAdapter final : public loom::nn::LinearAdapter {
  public:
@@ -109,7 +114,7 @@ class LoraAdapter final : public loom::nn::LinearAdapter {
   }
 
   // scaling · B·A, (out,in) in the adapter's dtype.
-  at::Tensor delta_weight() const { return at::matmul(lora_B, lora_A) * scaling_; }
+  at::Tensor delta_weight() const { return lora_delta(lora_B, lora_A, scaling_); }
 
   bool merge(loom::nn::Linear& base) {
     if (merged_) return false;
@@ -222,16 +227,14 @@ class LoraPlugin final : public loom::Plugin {
 
   // Note [Merged export]: `loom export --merge` folds every adapter of the checkpoint's weights
   // into its Linear weight, W + scaling · B·A in fp32 (PEFT's merge_and_unload), and drops the
-  // adapter tensors. The scaling is the run's: lora_alpha over r (A's rows), or over sqrt(r)
-  // with use_rslora, from the job, or from the adapter_config.json of the job's adapter_path
-  // (which defined the adapter the run trained on).
+  // adapter tensors. The scaling is the run's (LoraOptions::scaling): from the job, or from the
+  // adapter_config.json of the job's adapter_path (which defined the adapter the run trained
+  // on), with r the rows of each adapter's A.
   bool merge_for_export(
       const loom::ConfigSection& t, loom::NamedTensors& weights,
       const std::function<std::string(const std::string&)>& resolve_path) const override {
     const std::string adapter_path = t.get_string("adapter_path");
     const LoraOptions run = adapter_path.empty() ? opts_ : saved_config(resolve_path(adapter_path));
-    const double alpha = run.alpha;
-    const bool rslora = run.use_rslora;
     const std::string a_tail = ".adapter.lora_A", b_tail = ".adapter.lora_B";
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < weights.size(); ++i) index[weights[i].first] = i;
@@ -246,8 +249,6 @@ class LoraPlugin final : public loom::Plugin {
                     name, " but not ", b == index.end() ? linear + b_tail : linear + ".weight",
                     "; it is not a whole LoRA checkpoint");
       const at::Tensor& lora_b = weights[b->second].second;
-      const double r = static_cast<double>(a.size(0));
-      const double scaling = rslora ? alpha / std::sqrt(r) : alpha / r;
       at::Tensor& weight = weights[w->second].second;
       LOOM_CHECK_AS(CheckpointError,
                     lora_b.dim() == 2 && a.dim() == 2 && lora_b.size(1) == a.size(0) &&
@@ -255,7 +256,9 @@ class LoraPlugin final : public loom::Plugin {
                         weight.size(1) == a.size(1),
                     "the checkpoint's ", linear, " adapter (A ", a.sizes(), ", B ", lora_b.sizes(),
                     ") does not fit its weight ", weight.sizes());
-      weight = weight + (at::matmul(lora_b.to(at::kFloat), a.to(at::kFloat)) * scaling)
+      LoraOptions adapter = run;
+      adapter.r = a.size(0);  // the rank the tensors have
+      weight = weight + lora_delta(lora_b.to(at::kFloat), a.to(at::kFloat), adapter.scaling())
                             .to(weight.scalar_type());
       folded.insert(name);
       folded.insert(linear + b_tail);

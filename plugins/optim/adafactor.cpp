@@ -110,8 +110,8 @@ std::vector<RowGroup> row_groups(const Geometry& geo) {
 }
 
 // n doubles of `buffer` from a 64-byte boundary (a vector's own alignment, 16, splits every
-// other 64-byte access across two cache lines: the fold ran 1.2x slower into one), C at a time
-// so every group's partial starts on a boundary too when C is a multiple of 8.
+// other 64-byte access across two cache lines: the fold ran 1.2x slower into one). The groups'
+// partials, 2·C doubles apart, then start on boundaries too when C is a multiple of 4.
 double* cache_aligned(std::vector<double>& buffer, int64_t n) {
   if (static_cast<int64_t>(buffer.size()) < n + 8) buffer.resize(n + 8);
   const auto address = reinterpret_cast<uintptr_t>(buffer.data());
