@@ -17,6 +17,7 @@ install(TARGETS loom_core loom_sharding loom_offload EXPORT loomTargets
 install(TARGETS loom_torch EXPORT loomTargets)
 install(TARGETS loom loom-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY core/include/loom sharding/include/loom offload/include/loom DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES ${LOOM_SDK_DIGEST_HEADER} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/loom)
 get_property(_plugins GLOBAL PROPERTY LOOM_PLUGIN_TARGETS)
 foreach(target ${_plugins})
   install(TARGETS ${target} LIBRARY DESTINATION ${LOOM_INSTALL_PLUGINDIR})

@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -47,7 +48,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Registered {
-  int priority;
+  int position;  // the plugin's place in the resolved order (Note [Plugin order])
   size_t order;
   Engine::Handler handler;
 };
@@ -181,12 +182,14 @@ class EngineImpl final : public Engine, public Trainer {
     return std::max(1, cores / std::max(1, local_world_size));
   }
 
+  // In the order the plugins' constraints give (Note [Plugin order]); every event's handlers
+  // then run in that order, those registered later (from a handler) last.
   void attach_plugins() {
-    for (auto* plugin : resolved_.active) {
-      current_priority_ = plugin->plugin->priority();
-      plugin->plugin->attach(*this);
+    for (size_t i = 0; i < resolved_.active.size(); ++i) {
+      current_position_ = static_cast<int>(i);
+      resolved_.active[i]->plugin->attach(*this);
     }
-    current_priority_ = 1000;
+    current_position_ = std::numeric_limits<int>::max();
   }
 
   // The model, built right after seeding (its initial weights depend on the seed only), moved to
@@ -215,6 +218,9 @@ class EngineImpl final : public Engine, public Trainer {
     out << "  plugins    ";
     if (resolved_.table_plugins.empty()) out << "(none besides the above)";
     for (auto* p : resolved_.table_plugins) out << p->name << " ";
+    // Note [Plugin order]: the order of attach and of every event's handlers.
+    out << "\n  order     ";
+    for (auto* p : resolved_.active) out << " " << p->name;
     out << "\n  steps      " << train.get_int("max_steps") << " x "
         << train.get_int("per_device_train_batch_size") << " samples x "
         << train.get_int("gradient_accumulation_steps") << " micro-batches per rank\n";
@@ -552,10 +558,10 @@ class EngineImpl final : public Engine, public Trainer {
     LOOM_CHECK(event != Event::grad_ready,
                "register grad_ready handlers with on_grad_ready(): they receive the parameter");
     handlers_[static_cast<size_t>(event)].push_back(
-        {current_priority_, handler_count_++, std::move(handler)});
+        {current_position_, handler_count_++, std::move(handler)});
     auto& list = handlers_[static_cast<size_t>(event)];
     std::stable_sort(list.begin(), list.end(), [](const Registered& a, const Registered& b) {
-      return a.priority < b.priority;
+      return a.position < b.position;
     });
   }
   void on_grad_ready(GradHandler handler) override {
@@ -820,7 +826,7 @@ class EngineImpl final : public Engine, public Trainer {
   std::array<std::vector<Registered>, static_cast<size_t>(Event::teardown) + 1> handlers_;
   std::vector<GradHandler> grad_handlers_;
   std::vector<std::shared_ptr<nn::UnitInterceptor>> interceptors_;
-  int current_priority_ = 1000;
+  int current_position_ = std::numeric_limits<int>::max();
   size_t handler_count_ = 0;
   Batch batch_;
   Output output_;
@@ -918,19 +924,24 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
       out.checkpoint = newest;
   auto [job, step, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
   out.step = step;
-  // What the data was, for the prompt's encoding. Training's own tables go (optimizer,
-  // precision, ZeRO, DDP, checkpointing, preloading: none changes a weight's meaning); the model,
-  // the tables that shape it (lora, moe, a third party's) and [data] (the model checks its
-  // sequence length against it; nothing reads the data) stay.
+  // What the data was, for the prompt's encoding. Training's own tables go: the core's
+  // [optimizer] and [distributed], and every table whose plugin does not shape the model
+  // (Plugin::shapes_model: precision, ZeRO, DDP, checkpointing, preloading, a third party's EMA;
+  // none changes a weight's meaning). The model, the tables that shape it (lora, moe) and
+  // [data] (the model checks its sequence length against it; nothing reads the data) stay.
   out.data_source = "random_tokens";
   if (const ConfigValue* data = job.table("data"))
     if (const ConfigValue* source = data->find("source"))
       if (const auto* name = std::get_if<std::string>(&source->value)) out.data_source = *name;
-  static const std::set<std::string> kTrainingOnly = {
-      "optimizer", "precision", "zero", "ddp", "checkpointing", "preload", "distributed"};
+  std::set<std::string> training_only = {"optimizer", "distributed"};
+  {
+    PluginHost host;
+    for (auto* plugin : resolve(job, host).table_plugins)
+      if (!plugin->plugin->shapes_model()) training_only.insert(plugin->name);
+  }
   auto& tables = std::get<ConfigTable>(job.root.value);
   tables.erase(std::remove_if(tables.begin(), tables.end(),
-                              [](const auto& t) { return kTrainingOnly.count(t.first) > 0; }),
+                              [&](const auto& t) { return training_only.count(t.first) > 0; }),
                tables.end());
   auto engine = std::make_unique<EngineImpl>(std::move(job));
   out.model = engine->build_for_inference(weights, device,

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <set>
 
+#include "loom/log.h"
+
 namespace loom {
 namespace {
 
@@ -105,7 +107,149 @@ Schema merged(const Schema& common, const Schema& provider_schema) {
   return out;
 }
 
+
+// The slots (roles) an active plugin fills in this job: a provider's selector slot, a table
+// plugin's own.
+std::vector<Slot> roles_of(const ResolvedJob& job, LoadedPlugin* plugin) {
+  std::vector<Slot> roles;
+  if (job.model.provider == plugin) roles.push_back(Slot::model);
+  if (job.data.provider == plugin) roles.push_back(Slot::data);
+  if (job.update_rule.provider == plugin) roles.push_back(Slot::update_rule);
+  if (std::find(job.table_plugins.begin(), job.table_plugins.end(), plugin) !=
+      job.table_plugins.end())
+    for (Slot slot : plugin->plugin->slots()) roles.push_back(slot);
+  return roles;
+}
+
 }  // namespace
+
+// Note [Plugin order] (loom/plugin.h): a topological sort of the active plugins by their
+// declared constraints; among plugins free to go, the one first in the job's order goes first
+// (the providers of model, data and update rule, then the tables by name). "*" is weaker
+// than a name: it orders a plugin against every plugin that no name orders against it and
+// that does not say "*" the same way (two "first" plugins must name each other).
+std::vector<LoadedPlugin*> order_plugins(const ResolvedJob& job, PluginHost& host,
+                                         const std::string& file) {
+  std::vector<LoadedPlugin*> nodes;
+  {
+    std::vector<LoadedPlugin*> base = {job.model.provider, job.data.provider,
+                                       job.update_rule.provider};
+    base.insert(base.end(), job.table_plugins.begin(), job.table_plugins.end());
+    std::set<LoadedPlugin*> seen;
+    for (auto* p : base)
+      if (p && seen.insert(p).second) nodes.push_back(p);
+  }
+  const size_t n = nodes.size();
+  std::vector<Plugin::Order> orders(n);
+  std::vector<std::vector<Slot>> roles(n);
+  for (size_t i = 0; i < n; ++i) {
+    orders[i] = nodes[i]->plugin->order();
+    roles[i] = roles_of(job, nodes[i]);
+  }
+  auto matches = [&](size_t i, const std::string& name) {
+    if (nodes[i]->name == name) return true;
+    for (Slot slot : roles[i])
+      if (name == to_string(slot)) return true;
+    return false;
+  };
+  auto is_role = [](const std::string& name) {
+    for (Slot slot : {Slot::model, Slot::data, Slot::precision, Slot::update_rule,
+                      Slot::grad_sync, Slot::step_driver})
+      if (name == to_string(slot)) return true;
+    return false;
+  };
+  // A name that no plugin loom can find: said once (it may be a typo, or simply not installed).
+  std::vector<std::string> known = host.discoverable();
+  for (const auto& record : host.plugins()) known.push_back(record->name);
+  for (size_t i = 0; i < n; ++i)
+    for (const auto* list : {&orders[i].after, &orders[i].before})
+      for (const auto& name : *list)
+        if (name != "*" && !is_role(name) &&
+            std::find(known.begin(), known.end(), name) == known.end())
+          log::warn("plugin '", nodes[i]->name, "' orders itself ",
+                    list == &orders[i].after ? "after" : "before", " '", name,
+                    "', which names no plugin loom can find", hint(name, known),
+                    " (the constraint is ignored)");
+
+  std::vector<std::set<size_t>> next(n);  // i -> j: i runs before j
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < n; ++j) {
+      if (i == j) continue;
+      for (const auto& name : orders[i].before)
+        if (name != "*" && matches(j, name)) next[i].insert(j);
+      for (const auto& name : orders[i].after)
+        if (name != "*" && matches(j, name)) next[j].insert(i);
+    }
+  auto reaches = [&](size_t from, size_t to) {
+    std::vector<bool> seen(n);
+    std::vector<size_t> stack = {from};
+    while (!stack.empty()) {
+      const size_t at = stack.back();
+      stack.pop_back();
+      if (at == to) return true;
+      if (seen[at]) continue;
+      seen[at] = true;
+      for (size_t k : next[at]) stack.push_back(k);
+    }
+    return false;
+  };
+  auto says = [](const std::vector<std::string>& list) {
+    return std::find(list.begin(), list.end(), "*") != list.end();
+  };
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < n; ++j) {
+      if (i == j) continue;
+      if (says(orders[i].before) && !says(orders[j].before) && !reaches(j, i))
+        next[i].insert(j);
+      if (says(orders[i].after) && !says(orders[j].after) && !reaches(i, j))
+        next[j].insert(i);
+    }
+
+  std::vector<int> waiting(n, 0);
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j : next[i]) ++waiting[j];
+  std::vector<LoadedPlugin*> sorted;
+  std::vector<bool> done(n);
+  while (sorted.size() < n) {
+    size_t pick = n;
+    for (size_t i = 0; i < n && pick == n; ++i)
+      if (!done[i] && waiting[i] == 0) pick = i;
+    if (pick == n) {
+      // A cycle: walk the constraints among the plugins left until one repeats.
+      std::vector<size_t> path;
+      size_t at = 0;
+      while (done[at]) ++at;
+      std::vector<int> position(n, -1);
+      while (position[at] < 0) {
+        position[at] = static_cast<int>(path.size());
+        path.push_back(at);
+        for (size_t k : next[at])
+          if (!done[k]) {
+            at = k;
+            break;
+          }
+      }
+      // Said from its alphabetically first plugin, whichever the walk met first.
+      std::vector<std::string> members;
+      for (size_t k = static_cast<size_t>(position[at]); k < path.size(); ++k)
+        members.push_back(nodes[path[k]]->name);
+      std::rotate(members.begin(), std::min_element(members.begin(), members.end()),
+                  members.end());
+      std::string cycle;
+      for (const auto& name : members) cycle += name + " -> ";
+      cycle += members.front();
+      throw PluginError(detail::cat(
+          file,
+          ": the plugins' order constraints form a cycle: ", cycle,
+          " (each must run before the next: see each plugin's order() in `loom plugins`); "
+          "switch one of them off, or fix the plugin that names the other"));
+    }
+    done[pick] = true;
+    sorted.push_back(nodes[pick]);
+    for (size_t j : next[pick]) --waiting[j];
+  }
+  return sorted;
+}
 
 std::vector<Schema> core_schemas() {
   std::vector<Schema> schemas;
@@ -313,16 +457,7 @@ ResolvedJob resolve(const Job& job, PluginHost& host) {
     for (Slot slot : plugin->plugin->slots())
       claim(slot, plugin, "'" + plugin->name + "' ([" + plugin->name + "])");
 
-  // Active plugins by priority (stable: built-ins and providers first at equal priority).
-  std::vector<LoadedPlugin*> active = {out.model.provider, out.data.provider,
-                                       out.update_rule.provider};
-  active.insert(active.end(), out.table_plugins.begin(), out.table_plugins.end());
-  std::set<LoadedPlugin*> seen;
-  for (auto* p : active)
-    if (seen.insert(p).second) out.active.push_back(p);
-  std::stable_sort(out.active.begin(), out.active.end(), [](LoadedPlugin* a, LoadedPlugin* b) {
-    return a->plugin->priority() < b->plugin->priority();
-  });
+  out.active = order_plugins(out, host, file);
   return out;
 }
 

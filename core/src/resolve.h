@@ -24,12 +24,18 @@ struct ResolvedJob {
   std::map<std::string, ConfigSection> sections;  // every table, validated, incl. defaults
   Choice model, data, update_rule;
   std::vector<LoadedPlugin*> table_plugins;  // switched on by their own table
-  std::vector<LoadedPlugin*> active;         // all of the above, by priority, no repeats
+  std::vector<LoadedPlugin*> active;         // all of the above, no repeats, in the order
+                                             // their constraints give (Note [Plugin order])
 
   const ConfigSection& section(const std::string& name) const;
 };
 
 ResolvedJob resolve(const Job& job, PluginHost& host);
+
+// The active plugins of a resolved job in the order their Plugin::order() constraints give
+// (Note [Plugin order]); a cycle is a PluginError naming every plugin in it.
+std::vector<LoadedPlugin*> order_plugins(const ResolvedJob& job, PluginHost& host,
+                                         const std::string& file);
 
 // Validates one table against a schema (unknown key -> "did you mean", wrong type, missing
 // required key), all with file:line.

@@ -165,9 +165,13 @@ class LoraPlugin final : public loom::Plugin {
   std::string description() const override {
     return "LoRA adapters on loom::nn::Linear modules; base weights frozen; PEFT-format adapters";
   }
-  // Before plugins that act on the parameter set in model_built (dtype casts, ZeRO-3
-  // partitioning): they must see the adapters and the frozen base.
-  int priority() const override { return 20; }
+  // After MoE (its experts' Linears are adapted too) and precision (full_bf16's cast runs on the
+  // base before the adapters exist, which the adapters then follow); after ZeRO, whose teardown
+  // gathers the stage-3 weights that LoRA's teardown writes as the adapter. The parameter set
+  // (ZeRO's partitioning, the frozen weights held in half) is read later, at params_ready, when
+  // the adapters exist whatever the order.
+  Order order() const override { return {.after = {"moe", "precision", "zero"}}; }
+  bool shapes_model() const override { return true; }
 
   std::vector<loom::Schema> schemas() const override {
     loom::Schema s("lora");

@@ -310,9 +310,10 @@ class Moe final : public loom::Plugin {
   std::string description() const override {
     return "Mixture-of-Experts layers (Switch top-1, GShard top-2) with expert parallelism";
   }
-  // Before the precision plugin (10) casts weights and LoRA (20) adapts Linears: they must see
-  // the experts.
-  int priority() const override { return 5; }
+  // First of all: it changes the model's structure at model_built, and every other plugin
+  // (precision's casts, LoRA's adapters, ZeRO's partitioning) must see the experts.
+  Order order() const override { return {.before = {"*"}}; }
+  bool shapes_model() const override { return true; }
   std::vector<loom::Schema> schemas() const override {
     loom::Schema s("moe");
     s.key_int("num_experts", 8, "experts per MoE layer")

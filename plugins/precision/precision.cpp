@@ -81,9 +81,10 @@ class Precision final : public loom::Plugin {
            "weights (full_bf16/full_fp16), fp16 dynamic loss scaling";
   }
   std::vector<loom::Slot> slots() const override { return {loom::Slot::precision}; }
-  // Low: autocast is entered before other plugins' before_forward handlers, and the gradients
-  // are unscaled before anything else looks at them in before_update.
-  int priority() const override { return 10; }
+  // First but for MoE (which must build the experts it casts): autocast is entered before
+  // other plugins' before_forward handlers, and the gradients are unscaled before anything else
+  // looks at them in before_update (Note [Plugin order]).
+  Order order() const override { return {.after = {"moe"}, .before = {"*"}}; }
 
   std::vector<loom::Schema> schemas() const override {
     return {loom::Schema("precision")

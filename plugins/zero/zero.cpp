@@ -144,8 +144,10 @@ class Zero final : public loom::Plugin {
     return "ZeRO data parallelism: stage 0 (replicated), 1 (optimizer state and fp32 masters "
            "sharded), 2 (also gradients, reduce-scattered during backward)";
   }
-  // Before LoRA (20), whose teardown writes the adapter from the weights gathered here.
-  int priority() const override { return 15; }
+  // After MoE and precision (both "first"), before every other plugin: before LoRA, whose
+  // teardown writes the adapter from the weights gathered here, and before preloading, so the
+  // model-state baseline taken at setup holds no preload buffer.
+  Order order() const override { return {.after = {"moe", "precision"}, .before = {"*"}}; }
   std::vector<loom::Slot> slots() const override {
     return {loom::Slot::grad_sync, loom::Slot::step_driver};
   }

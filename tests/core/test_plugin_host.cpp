@@ -1,5 +1,6 @@
 // The plugin host: discovery, every refusal (missing, not a plugin, missing symbol, API and
 // build mismatch), and exclusive slots.
+#include <cstdlib>
 #include <filesystem>
 
 #include "loom/error.h"
@@ -58,6 +59,65 @@ TEST(PluginHost, LoadsAPluginByItsTable) {
   EXPECT_NE(trainer->describe().find("recorder"), std::string::npos);
 }
 
+// Note [Plugin order]: the order line of `loom check` (Trainer::describe).
+std::string order_of(const TempDir& dir, const std::string& tables) {
+  const std::string text = with_tables(dir, tables)->describe();
+  const size_t at = text.find("  order      ");
+  EXPECT_NE(at, std::string::npos) << text;
+  return text.substr(at + 13, text.find('\n', at) - at - 13);
+}
+
+// The in-tree plugins keep the order their priority numbers gave before (moe, precision, zero
+// first; LoRA after all three) whatever order the job writes them in; ties go by table name.
+TEST(PluginOrder, InTreePluginsOrderThemselvesByNameWhateverTheJobsOrder) {
+  TempDir dir;
+  EXPECT_EQ(order_of(dir, "[preload]\n[checkpointing]\n[lora]\ntarget_modules = [\"c_fc\"]\n"
+                          "[zero]\n[precision]\n[moe]\n"),
+            "moe precision zero gpt core checkpointing lora preload");
+  EXPECT_EQ(order_of(dir, "[moe]\n[lora]\ntarget_modules = [\"c_fc\"]\n[checkpointing]\n"),
+            "moe gpt core checkpointing lora");
+}
+
+// A role (the slot a plugin fills) orders like a name: slot_a fills the precision slot.
+TEST(PluginOrder, ARoleNamesWhicheverPluginFillsIt) {
+  TempDir dir;
+  EXPECT_EQ(order_of(dir, "[order_after_precision]\n[slot_a]\n"),
+            "gpt core slot_a order_after_precision");
+}
+
+// "*" puts a plugin first (or last) among those that no name orders against it; and every
+// event's handlers run in the resolved order (each orderer appends its name at setup).
+TEST(PluginOrder, HandlersRunInTheResolvedOrder) {
+  TempDir dir;
+  EXPECT_EQ(order_of(dir, "[order_last]\n[order_a]\n[order_first]\n"),
+            "order_first gpt core order_a order_last");
+  unsetenv("LOOM_TEST_ORDER");
+  auto trainer = with_tables(dir, "[order_last]\n[order_a]\n[order_first]\n");
+  trainer->setup();
+  const char* seen = std::getenv("LOOM_TEST_ORDER");
+  EXPECT_EQ(std::string(seen ? seen : ""), "order_first order_a order_last ");
+  unsetenv("LOOM_TEST_ORDER");
+}
+
+TEST(PluginOrder, ACycleIsAnErrorNamingEveryPluginInIt) {
+  TempDir dir;
+  EXPECT_THROW_WITH(with_tables(dir, "[order_c]\n[order_a]\n[order_b]\n"), PluginError,
+                    "form a cycle", "order_a -> order_b -> order_c -> order_a",
+                    "switch one of them off");
+}
+
+// A name no plugin has is a warning, not an error: the plugin may simply not be installed.
+TEST(PluginOrder, AnUnknownNameIsAWarning) {
+  TempDir dir;
+  testing::internal::CaptureStderr();
+  std::string order;
+  EXPECT_NO_THROW(order = order_of(dir, "[order_typo]\n"));
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(order, "gpt core order_typo");
+  EXPECT_NE(err.find("plugin 'order_typo' orders itself after 'no_such_plugin', which names no "
+                     "plugin loom can find"), std::string::npos) << err;
+}
+
 // Note [ABI record]: refused from the file, before any of the plugin's code runs (its static
 // initialiser would abort this test).
 TEST(PluginHost, RefusesAFutureApiVersionBeforeItsCodeRuns) {
@@ -72,6 +132,14 @@ TEST(PluginHost, RefusesAnotherLibTorchBuildBeforeItsCodeRuns) {
   EXPECT_THROW_WITH(with_tables(dir, "[old_torch]\n"), PluginError, "loom_old_torch.so",
                     "torch=1.13.1 cxx11abi=0", "torch=2.", "rebuild the plugin",
                     "nothing of it was run");
+}
+
+// Note [SDK digest]: the same LibTorch, API version and compiler, other SDK headers.
+TEST(PluginHost, RefusesAPluginBuiltAgainstOtherSdkHeadersBeforeLoadingIt) {
+  TempDir dir;
+  EXPECT_THROW_WITH(with_tables(dir, "[other_sdk]\n"), PluginError, "loom_other_sdk.so",
+                    "sdk=0123456789abcdef", std::string("sdk=") + LOOM_SDK_DIGEST,
+                    "rebuild the plugin", "nothing of it was run");
 }
 
 TEST(PluginHost, RefusesALibraryThatIsNoPlugin) {

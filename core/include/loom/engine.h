@@ -113,7 +113,8 @@ class Engine {
   using GradHandler = std::function<void(Engine&, const Param&)>;
   virtual ~Engine();
 
-  // Handlers of one event run in plugin-priority order, then in registration order.
+  // Handlers of one event run in the plugins' order (Note [Plugin order] in loom/plugin.h),
+  // then in registration order.
   virtual void on(Event event, Handler handler) = 0;
   // After param.grad accumulated this micro-batch's gradient (an autograd post-accumulate hook),
   // so gradient sync can start while backward goes on. Register in attach() or in a setup,

@@ -16,12 +16,18 @@
 
 #include "loom/config.h"
 #include "loom/pretrained.h"
+#include "loom/sdk_digest.h"
 
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
 #pragma GCC visibility push(default)
 
-// Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes layout.
-#define LOOM_PLUGIN_API_VERSION 10u
+// Bumped whenever a type a plugin sees (Plugin, Engine, nn, UpdateRule, ...) changes. Note [SDK
+// digest]: the build records a digest of the SDK headers (loom/sdk_digest.h, made from
+// core/include/loom/*.h less comments and spacing) in every plugin's build string, so a plugin
+// built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
+// fails when the headers change while this number does not (core/sdk_digests.txt records
+// the digest of each version).
+#define LOOM_PLUGIN_API_VERSION 11u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -34,7 +40,7 @@
 #define LOOM_BUILD_STRING                                                              \
   "torch=" LOOM_STR(TORCH_VERSION_MAJOR) "." LOOM_STR(TORCH_VERSION_MINOR) "." LOOM_STR( \
       TORCH_VERSION_PATCH) " cxx11abi=" LOOM_STR(_GLIBCXX_USE_CXX11_ABI) " device=" LOOM_BUILD_CUDA \
-      " compiler=gcc-" __VERSION__
+      " sdk=" LOOM_SDK_DIGEST " compiler=gcc-" __VERSION__
 
 namespace loom {
 
@@ -70,8 +76,25 @@ class Plugin {
   // Schema("model", "gpt"), Schema("data", "text"), Schema("optimizer", "adamw") — each makes
   // this plugin a provider of that choice for the slot model / data / update_rule.
   virtual std::vector<Schema> schemas() const { return {}; }
-  // Handlers of lower priority run first for every event.
-  virtual int priority() const { return 100; }
+  // Note [Plugin order]: where this plugin's handlers (and unit interceptors) go among the other
+  // active plugins'. Each entry names a plugin ("lora") or a role, the slot a plugin fills
+  // ("precision", "grad_sync", "step_driver", "model", "data", "update_rule"). The host sorts the
+  // active plugins so that every constraint holds (ties keep the job's order: the model, data
+  // and update-rule providers, then the tables by name), attaches them in that order, and
+  // every event's handlers run in it; a cycle is a PluginError naming every plugin in it. A name
+  // that matches no active plugin constrains nothing; one that names no plugin loom can find is
+  // a warning (a typo, or a plugin that is not installed).
+  struct Order {
+    std::vector<std::string> after;   // run after these
+    std::vector<std::string> before;  // run before these
+  };
+  virtual Order order() const { return {}; }
+  // Whether this table plugin's table matters to the model alone (`loom generate`, which
+  // rebuilds the model from a checkpoint's job): true for plugins that change the model's
+  // structure or the meaning of its weights (LoRA adapters, MoE layers); false (the default) for
+  // techniques of training only (optimizers, precision, sharding, EMA), whose tables are dropped
+  // before the model is rebuilt for inference.
+  virtual bool shapes_model() const { return false; }
   // `loom` subcommands this plugin adds (no job is involved: they run without a table).
   virtual std::vector<Command> commands() const { return {}; }
   // Switched on by its own table: receives that validated table.
