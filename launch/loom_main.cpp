@@ -30,6 +30,8 @@ usage:
       --world-size N         ranks to shard over (1)
       --batch B              per-device batch of the activations (the job's)
       --budget SIZE          also the largest batch that fits SIZE (e.g. 20GiB) per rank
+      --no-proxy             probe the whole model, not proxies of 1, 2 and 3 of its units
+                             (the default where the model has more than 3 equal units)
       --no-probe             model states only: no probe runs (the model is still built
                              once, on one rank, to count it)
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
@@ -149,6 +151,8 @@ Args parse(int argc, char** argv) {
                                 std::to_string(args.estimate.batch));
     } else if (args.command == "estimate" && a == "--budget") {
       args.estimate.budget_bytes = loom::estimate::parse_size(a, value("--budget"));
+    } else if (args.command == "estimate" && a == "--no-proxy") {
+      args.estimate.proxy = false;
     } else if (args.command == "estimate" && a == "--no-probe") {
       args.estimate.probe = false;
     } else if (args.command == "estimate" && a == "--params") {

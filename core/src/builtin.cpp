@@ -14,7 +14,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <functional>
+#include <tuple>
 #include <sstream>
 #include <thread>
 
@@ -40,6 +43,68 @@ at::Generator sample_generator(uint64_t seed, int64_t index) {
   return at::make_generator<at::CPUGeneratorImpl>(s);
 }
 
+// Note [One resolved job]: each source's checks, made by its validate() (`loom check` and
+// `loom run` alike, before anything is built) and again by the dataset itself.
+void check_random_tokens(const ConfigSection& c) {
+  const double cost = c.get_float("sample_cost_us");
+  const double ignore_fraction = c.get_float("ignore_label_fraction");
+  const int64_t low = c.get_int("vocab_low"), high = c.get_int("vocab_high");
+  LOOM_CHECK_AS(ConfigError, cost >= 0, c.where("sample_cost_us"),
+                ": [data] sample_cost_us must be >= 0, got ", cost);
+  LOOM_CHECK_AS(ConfigError, ignore_fraction >= 0 && ignore_fraction < 1,
+                c.where("ignore_label_fraction"),
+                ": [data] ignore_label_fraction must be in [0, 1), got ", ignore_fraction);
+  LOOM_CHECK_AS(ConfigError, c.get_int("num_samples") > 0 && c.get_int("seq_len") > 0,
+                c.where("num_samples"), ": [data] num_samples and seq_len must be positive");
+  LOOM_CHECK_AS(ConfigError, 0 <= low && low < high, c.where("vocab_low"),
+                ": [data] needs 0 <= vocab_low < vocab_high, got ", low, " and ", high);
+  const auto task = c.get_string("task");
+  LOOM_CHECK_AS(ConfigError, task == "lm" || task == "classification", c.where("task"),
+                ": [data] task must be \"classification\" or \"lm\", not \"", task, "\"");
+  LOOM_CHECK_AS(ConfigError, c.get_int("num_labels") >= 1, c.where("num_labels"),
+                ": [data] num_labels must be at least 1");
+}
+
+// Enough tokens for one window of seq_len + 1.
+void check_windows(int64_t total, int64_t seq_len, const std::string& what) {
+  LOOM_CHECK_AS(DataError, seq_len > 0, "[data] seq_len must be positive");
+  LOOM_CHECK_AS(DataError, total > seq_len, what, " has ", total, " tokens: too few for one sample ",
+                "of seq_len ", seq_len, " (+1); use a bigger file or a smaller seq_len");
+}
+
+using PathResolver = std::function<std::string(const std::string&)>;
+
+// The text source's files, each readable, by their resolved paths.
+std::vector<std::string> text_files(const ConfigSection& c, const PathResolver& resolve) {
+  std::vector<std::string> files;
+  for (const auto& raw : c.get_strings("path")) {
+    const std::string path = resolve(raw);
+    LOOM_CHECK_AS(DataError, std::ifstream(path, std::ios::binary).good(), c.where("path"),
+                  ": [data] path '", raw, "': cannot read '", path,
+                  "' (missing or unreadable); point path at a text file");
+    files.push_back(path);
+  }
+  LOOM_CHECK_AS(ConfigError, !files.empty(), c.where("path"),
+                ": [data] source = \"text\" needs path = \"file.txt\" (or a list of files)");
+  return files;
+}
+
+// The tokens source's one file (resolved) and its id width in bytes.
+std::pair<std::string, int> tokens_file(const ConfigSection& c, const PathResolver& resolve) {
+  const auto raw = c.get_strings("path");
+  LOOM_CHECK_AS(ConfigError, raw.size() == 1, c.where("path"),
+                ": [data] source = \"tokens\" needs one path = \"file.bin\"");
+  const std::string dtype = c.get_string("dtype");
+  LOOM_CHECK_AS(ConfigError, dtype == "uint16" || dtype == "uint32", c.where("dtype"),
+                ": [data] dtype must be \"uint16\" or \"uint32\", not \"", dtype, "\"");
+  return {resolve(raw.front()), dtype == "uint16" ? 2 : 4};
+}
+
+void check_token_bytes(const std::string& path, size_t bytes, int width, const std::string& dtype) {
+  LOOM_CHECK_AS(DataError, bytes % width == 0, "'", path, "' has ", bytes,
+                " bytes, not a multiple of ", width, " (", dtype, "); is [data] dtype right?");
+}
+
 // The benchmark's dummy data: ids uniform in [low, high), a binary (num_labels) label per
 // sample, or next-token labels for language models.
 class RandomTokens final : public Dataset {
@@ -50,20 +115,7 @@ class RandomTokens final : public Dataset {
         labels_(c.get_int("num_labels")), lm_(c.get_string("task") == "lm"),
         ignore_fraction_(c.get_float("ignore_label_fraction")),
         cost_(c.get_float("sample_cost_us")), seed_(seed) {
-    LOOM_CHECK_AS(ConfigError, cost_ >= 0, c.where("sample_cost_us"),
-                  ": [data] sample_cost_us must be >= 0, got ", cost_);
-    LOOM_CHECK_AS(ConfigError, ignore_fraction_ >= 0 && ignore_fraction_ < 1,
-                  c.where("ignore_label_fraction"),
-                  ": [data] ignore_label_fraction must be in [0, 1), got ", ignore_fraction_);
-    LOOM_CHECK_AS(ConfigError, samples_ > 0 && seq_len_ > 0, c.where("num_samples"),
-                  ": [data] num_samples and seq_len must be positive");
-    LOOM_CHECK_AS(ConfigError, 0 <= low_ && low_ < high_, c.where("vocab_low"),
-                  ": [data] needs 0 <= vocab_low < vocab_high, got ", low_, " and ", high_);
-    const auto task = c.get_string("task");
-    LOOM_CHECK_AS(ConfigError, task == "lm" || task == "classification", c.where("task"),
-                  ": [data] task must be \"classification\" or \"lm\", not \"", task, "\"");
-    LOOM_CHECK_AS(ConfigError, labels_ >= 1, c.where("num_labels"),
-                  ": [data] num_labels must be at least 1");
+    check_random_tokens(c);
   }
   int64_t size() const override { return samples_; }
   Sample get(int64_t index) const override {
@@ -123,9 +175,7 @@ class WindowedTokens : public Dataset {
     total_ = total;
     seq_len_ = seq_len;
     stride_ = stride > 0 ? stride : seq_len;
-    LOOM_CHECK_AS(DataError, seq_len_ > 0, "[data] seq_len must be positive");
-    LOOM_CHECK_AS(DataError, size() > 0, what, " has ", total, " tokens: too few for one sample ",
-                  "of seq_len ", seq_len_, " (+1); use a bigger file or a smaller seq_len");
+    check_windows(total, seq_len, what);
   }
   virtual int64_t token(int64_t i) const = 0;
   int64_t total_ = 0, seq_len_ = 0, stride_ = 0;
@@ -135,19 +185,13 @@ class WindowedTokens : public Dataset {
 class TextBytes final : public WindowedTokens {
  public:
   TextBytes(const ConfigSection& c, Engine& engine) {
-    for (const auto& raw : c.get_strings("path")) {
-      const std::string path = engine.resolve_path(raw);
+    files_ = text_files(c, [&](const std::string& p) { return engine.resolve_path(p); });
+    for (const auto& path : files_) {
       std::ifstream in(path, std::ios::binary);
-      LOOM_CHECK_AS(DataError, in.good(), c.where("path"), ": [data] path '", raw,
-                    "': cannot read '", path,
-                    "' (missing or unreadable); point path at a text file");
       std::stringstream buffer;
       buffer << in.rdbuf();
       bytes_ += buffer.str();
-      files_.push_back(path);
     }
-    LOOM_CHECK_AS(ConfigError, !files_.empty(), c.where("path"),
-                  ": [data] source = \"text\" needs path = \"file.txt\" (or a list of files)");
     init(static_cast<int64_t>(bytes_.size()), c.get_int("seq_len"), c.get_int("stride"),
          "the text");
   }
@@ -167,13 +211,9 @@ class MappedTokens final : public WindowedTokens {
  public:
   MappedTokens(const ConfigSection& c, Engine& engine) {
     const auto raw = c.get_strings("path");
-    LOOM_CHECK_AS(ConfigError, raw.size() == 1, c.where("path"),
-                  ": [data] source = \"tokens\" needs one path = \"file.bin\"");
-    path_ = engine.resolve_path(raw.front());
+    std::tie(path_, width_) =
+        tokens_file(c, [&](const std::string& p) { return engine.resolve_path(p); });
     const std::string dtype = c.get_string("dtype");
-    LOOM_CHECK_AS(ConfigError, dtype == "uint16" || dtype == "uint32", c.where("dtype"),
-                  ": [data] dtype must be \"uint16\" or \"uint32\", not \"", dtype, "\"");
-    width_ = dtype == "uint16" ? 2 : 4;
     const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     LOOM_CHECK_AS(DataError, fd >= 0, c.where("path"), ": [data] path '", raw.front(),
                   "': cannot open '", path_, "': ", std::strerror(errno));
@@ -188,9 +228,7 @@ class MappedTokens final : public WindowedTokens {
     } else {
       ::close(fd);
     }
-    LOOM_CHECK_AS(DataError, bytes_ % width_ == 0, "'", path_, "' has ", bytes_,
-                  " bytes, not a multiple of ", width_, " (", dtype,
-                  "); is [data] dtype right?");
+    check_token_bytes(path_, bytes_, width_, dtype);
     init(static_cast<int64_t>(bytes_ / width_), c.get_int("seq_len"), c.get_int("stride"),
          "'" + path_ + "'");
   }
@@ -254,6 +292,31 @@ class CorePlugin final : public Plugin {
         .key_float("eps", 1e-8, "added to the denominator")
         .key_float("weight_decay", 0.0, "decoupled weight decay (not applied to biases/norms)");
     return {random, text, tokens, adamw};
+  }
+  // Note [One resolved job]: the sources' files exist and hold at least one sample; the
+  // numbers are in range. Reads no data (a file's size, not its bytes).
+  void validate(const std::string& name, const ConfigSection& c,
+                const JobTables& job) const override {
+    if (name == "random_tokens") check_random_tokens(c);
+    if (name == "text") {
+      int64_t bytes = 0;
+      for (const auto& path : text_files(c, job.resolve_path))
+        bytes += static_cast<int64_t>(std::filesystem::file_size(path));
+      check_windows(bytes, c.get_int("seq_len"), "the text");
+    }
+    if (name == "tokens") {
+      const auto [path, width] = tokens_file(c, job.resolve_path);
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      LOOM_CHECK_AS(DataError, fd >= 0, c.where("path"), ": [data] path '",
+                    c.get_strings("path").front(), "': cannot open '", path, "': ",
+                    std::strerror(errno));
+      struct stat st {};
+      ::fstat(fd, &st);
+      ::close(fd);
+      check_token_bytes(path, static_cast<size_t>(st.st_size), width, c.get_string("dtype"));
+      check_windows(static_cast<int64_t>(st.st_size) / width, c.get_int("seq_len"),
+                    "'" + path + "'");
+    }
   }
   std::shared_ptr<const Dataset> create_dataset(const std::string& name, const ConfigSection& c,
                                                 Engine& engine) override {

@@ -1,6 +1,8 @@
-// The engine: resolves a job, builds model / data / update rule from the active plugins, runs
-// the training loop and fires the events in the order documented in loom/engine.h, and writes
-// metrics and checkpoints.
+// The engine: from a prepared job (Note [One resolved job], prepared_job.h) it builds the model,
+// the data and the step driver with the active plugins, runs the training loop, fires the
+// events in the order documented in loom/engine.h, and writes metrics and checkpoints. The
+// commands that only read a job or a checkpoint (export, generate, plugins, estimate) live in
+// commands/.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -12,9 +14,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <limits>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -22,7 +22,7 @@
 #include "checkpoint_io.h"
 #include "run_checkpoint.h"
 #include "device.h"
-#include "inference.h"
+#include "engine_factory.h"
 #include "job.h"
 #include "param_groups.h"
 #include "loom/comm.h"
@@ -38,7 +38,9 @@
 #include "loom/step_driver.h"
 #include "loom/trainer.h"
 #include "plugin_host.h"
+#include "prepared_job.h"
 #include "resolve.h"
+#include "run_output.h"
 #include "schedule.h"
 #include "step_report.h"
 
@@ -68,52 +70,14 @@ class GradReadyHook final : public torch::autograd::PostAccumulateGradHook {
 
 class EngineImpl final : public Engine, public Trainer {
  public:
-  EngineImpl(Job job) : job_(std::move(job)) {
-    resolved_ = resolve(job_, host_);
-    const auto& train = resolved_.section("train");
-    LOOM_CHECK_AS(ConfigError, train.get_int("max_steps") >= 0, train.where("max_steps"),
-                  ": [train] max_steps must be >= 0");
-    LOOM_CHECK_AS(ConfigError, train.get_int("per_device_train_batch_size") > 0,
-                  train.where("per_device_train_batch_size"),
-                  ": [train] per_device_train_batch_size must be positive");
-    LOOM_CHECK_AS(ConfigError, train.get_int("gradient_accumulation_steps") > 0,
-                  train.where("gradient_accumulation_steps"),
-                  ": [train] gradient_accumulation_steps must be positive");
-    LOOM_CHECK_AS(ConfigError, train.get_float("learning_rate") >= 0,
-                  train.where("learning_rate"), ": [train] learning_rate must be >= 0, got ",
-                  train.get_float("learning_rate"));
-    LOOM_CHECK_AS(ConfigError, train.get_float("max_grad_norm") >= 0,
-                  train.where("max_grad_norm"), ": [train] max_grad_norm must be >= 0");
-    schedule_ = make_schedule(train);
-    log_level_ = log::parse_level(train.get_string("log_level"));
-    cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
-    const auto& distributed = resolved_.section("distributed");
-    LOOM_CHECK_AS(ConfigError, distributed.get_float("timeout_seconds") > 0,
-                  distributed.where("timeout_seconds"),
-                  ": [distributed] timeout_seconds must be positive (seconds a collective may "
-                  "take before a peer counts as dead), got ",
-                  distributed.get_float("timeout_seconds"));
-    const auto& optimizer = resolved_.section("optimizer");
-    if (optimizer.schema().find("weight_decay") && optimizer.get("weight_decay"))
-      LOOM_CHECK_AS(ConfigError, optimizer.get_float("weight_decay") >= 0,
-                    optimizer.where("weight_decay"), ": [optimizer] weight_decay must be >= 0, got ",
-                    optimizer.get_float("weight_decay"));
-    // Note [One validation]: everything `loom check` can know without building is checked here,
-    // at construction, so check and run refuse the same jobs: each table plugin's configure()
-    // and each provider's validate() against the whole job.
-    const Plugin::JobTables tables = [this](const std::string& name) -> const ConfigSection* {
-      auto it = resolved_.sections.find(name);
-      return it == resolved_.sections.end() ? nullptr : &it->second;
-    };
-    const std::pair<const ResolvedJob::Choice*, const char*> selectors[] = {
-        {&resolved_.model, "model"}, {&resolved_.data, "data"},
-        {&resolved_.update_rule, "optimizer"}};
-    for (const auto& [choice, table] : selectors)
-      if (choice->provider)
-        choice->provider->plugin->validate(choice->name, resolved_.section(table), tables);
-    for (auto* plugin : resolved_.table_plugins)
-      plugin->plugin->configure(resolved_.section(plugin->name));
-  }
+  // Note [One resolved job]: the job arrives resolved, configured, validated and with its
+  // update rule built (prepared_job.h); the engine only builds and runs.
+  explicit EngineImpl(std::unique_ptr<PreparedJob> prepared)
+      : prepared_(std::move(prepared)),
+        job_(prepared_->job()),
+        resolved_(prepared_->resolved()),
+        schedule_(prepared_->schedule()),
+        log_level_(prepared_->log_level()) {}
 
   ~EngineImpl() override {
     // Plugins' handlers may hold plugin code; drop them before the host destroys plugins.
@@ -122,33 +86,7 @@ class EngineImpl final : public Engine, public Trainer {
     interceptors_.clear();
   }
 
-  // `loom export`: the model plugin's transformers form of `weights` (see export_checkpoint),
-  // with the table plugins' additions folded in first when `merge` (Note [Merged export]).
-  pretrained::Export to_pretrained(NamedTensors weights, bool merge) const {
-    const auto& model = resolved_.model;
-    LOOM_CHECK_AS(ConfigError, model.provider, "the job names no model to export");
-    const auto resolve = [this](const std::string& path) { return resolve_path(path); };
-    if (merge) {
-      bool merged = false;
-      for (auto* plugin : resolved_.table_plugins)
-        merged = plugin->plugin->merge_for_export(resolved_.section(plugin->name), weights,
-                                                  resolve) ||
-                 merged;
-      LOOM_CHECK_AS(ConfigError, merged, "--merge: nothing in this job folds into the base "
-                    "model (no [lora] adapters); export it without --merge");
-    }
-    auto out = model.provider->plugin->export_pretrained(model.name, resolved_.section("model"),
-                                                         weights, resolve);
-    LOOM_CHECK_AS(ConfigError, out.has_value(), "model '", model.name, "' (plugin ",
-                  plugin_label(model.provider),
-                  ") has no transformers form to export; `loom consolidate` writes its weights "
-                  "as one safetensors file");
-    return std::move(*out);
-  }
-
-  // `loom generate`: the model alone, on `device_name` ("auto": the job's choice), with the
-  // structure the job's plugins give it at model_built (LoRA adapters, MoE layers) and
-  // `weights` (fp32, by loom's names) in it, in eval mode. Nothing else is built.
+  // `loom generate`: see build_for_inference in engine.h. Nothing else is built.
   Model* build_for_inference(const NamedTensors& weights, const std::string& device_name,
                              const std::string& source) {
     const auto& train = resolved_.section("train");
@@ -205,33 +143,7 @@ class EngineImpl final : public Engine, public Trainer {
   }
 
   // ---- Trainer ----
-  std::string describe() const override {
-    std::ostringstream out;
-    const auto& train = resolved_.section("train");
-    out << "job " << job_.file.string() << " (config hash " << job_.hash() << ")\n";
-    out << "  model      " << resolved_.model.name << "  (plugin "
-        << plugin_label(resolved_.model.provider) << ")\n";
-    out << "  data       " << resolved_.data.name << "  (plugin "
-        << plugin_label(resolved_.data.provider) << ")\n";
-    out << "  optimizer  " << resolved_.update_rule.name << "  (plugin "
-        << plugin_label(resolved_.update_rule.provider) << ")\n";
-    out << "  plugins    ";
-    if (resolved_.table_plugins.empty()) out << "(none besides the above)";
-    for (auto* p : resolved_.table_plugins) out << p->name << " ";
-    // Note [Plugin order]: the order of attach and of every event's handlers.
-    out << "\n  order     ";
-    for (auto* p : resolved_.active) out << " " << p->name;
-    out << "\n  steps      " << train.get_int("max_steps") << " x "
-        << train.get_int("per_device_train_batch_size") << " samples x "
-        << train.get_int("gradient_accumulation_steps") << " micro-batches per rank\n";
-    for (const auto& [name, section] : resolved_.sections) {
-      if (section.values().empty()) continue;
-      out << "  [" << name << "]";
-      for (const auto& [key, value] : section.values()) out << " " << key << "=" << value.to_text();
-      out << "\n";
-    }
-    return out.str();
-  }
+  std::string describe() const override { return prepared_->describe(); }
 
   void setup() override {
     if (setup_done_) return;
@@ -259,7 +171,11 @@ class EngineImpl final : public Engine, public Trainer {
                   comm_->backend(), "\" moves CUDA tensors only, but this job trains on ",
                   device_.str(), " ([train] device = \"", device_name,
                   "\"); use backend = \"gloo\" or \"mpi\" on CPUs, or a CUDA device");
-    // Several ranks need something that keeps their replicas in step.
+    if (prepared_->data_parallel_by_default())  // Note [Data parallelism by default]
+      log::info("data parallelism by default: ", comm_->world_size(), " ranks and no [ddp] or "
+                "[zero] table, so [ddp] with its defaults (a [ddp] or [zero] table chooses)");
+    // Several ranks need something that keeps their replicas in step (a world size the
+    // launcher's environment did not say, e.g. [distributed] backend = "local" under mpirun).
     bool synced = comm_->world_size() == 1;
     for (auto* plugin : resolved_.table_plugins)
       for (Slot slot : plugin->plugin->slots()) synced |= slot == Slot::grad_sync;
@@ -322,8 +238,7 @@ class EngineImpl final : public Engine, public Trainer {
         opt.schema().find("weight_decay") ? opt.get_float("weight_decay") : 0.0;
     LOOM_CHECK_AS(ConfigError, weight_decay >= 0, opt.where("weight_decay"),
                   ": [optimizer] weight_decay must be >= 0");
-    rule_ = resolved_.update_rule.provider->plugin->create_update_rule(resolved_.update_rule.name,
-                                                                       opt);
+    rule_ = prepared_->take_update_rule();
     StepDriverOptions driver_options;
     driver_options.params = params_;
     driver_options.rule = rule_.get();
@@ -580,8 +495,7 @@ class EngineImpl final : public Engine, public Trainer {
     return resolved_.section(table);
   }
   std::string resolve_path(const std::string& path) const override {
-    std::filesystem::path p(path);
-    return (p.is_absolute() ? p : job_.dir / p).lexically_normal().string();
+    return prepared_->resolve_path(path);
   }
   c10::Device device() const override { return device_; }
   uint64_t seed() const override {
@@ -640,10 +554,6 @@ class EngineImpl final : public Engine, public Trainer {
   }
 
  private:
-  static std::string plugin_label(const LoadedPlugin* p) {
-    return p->builtin() ? "core (built in)" : p->name + " " + p->version + ", " + p->file.string();
-  }
-
   void fire(Event event) {
     for (auto& registered : handlers_[static_cast<size_t>(event)]) registered.handler(*this);
   }
@@ -728,27 +638,8 @@ class EngineImpl final : public Engine, public Trainer {
       for (const auto& name : claim_->removed_temp_folders())
         log::info("removed ", output_dir_, "/", name, ": a checkpoint save that never finished");
     }
-    std::string resume = train.get_string("resume");
-    if (resume.empty() && std::getenv("TORCHELASTIC_RESTART_COUNT") &&
-        std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) > 0) {
-      // A launcher restarted this job after a failure: carry on from where it was.
-      log::info("restart ", std::getenv("TORCHELASTIC_RESTART_COUNT"),
-                " of this job: resuming from the latest checkpoint");
-      resume = "latest";
-    }
-    std::string folder;
-    if (resume == "latest") {
-      folder = latest_checkpoint(output_dir_);
-      if (folder.empty())
-        log::info("resume = \"latest\": no checkpoint in ", output_dir_, " yet, starting fresh");
-    } else if (!resume.empty()) {
-      folder = resolve_path(resume);
-    } else if (!latest_checkpoint(output_dir_).empty()) {
-      throw ConfigError(detail::cat(
-          train.where("output_dir"), ": output_dir ", output_dir_,
-          " already holds checkpoints of an earlier run; set [train] resume = \"latest\" to "
-          "continue it, or choose another output_dir (nothing was changed)"));
-    }
+    const std::string folder = resume_folder(
+        train, output_dir_, [this](const std::string& p) { return resolve_path(p); });
     StepReport::Options report;
     report.metrics_path = output_dir_ + "/metrics.jsonl";
     report.rank = comm_->rank();
@@ -781,36 +672,19 @@ class EngineImpl final : public Engine, public Trainer {
                     job_.dir.string()};
   }
 
-  // output_dir/run.json: what ran where, and the model-state bytes, for tools and benchmarks.
+  // output_dir/run.json (run_output.h).
   void write_run_info() const {
     if (comm_->rank() != 0) return;
-    const auto ms = model_state();
-    nlohmann::ordered_json info = {
-        {"loom_version", LOOM_VERSION},
-        {"build", LOOM_BUILD_STRING},
-        {"device", device_.str()},
-        {"threads", at::get_num_threads()},
-        {"world_size", comm_->world_size()},
-        {"backend", comm_->backend()},
-        {"config_hash", job_.hash()},
-        {"model", resolved_.model.name},
-        {"optimizer", rule_->name()},
-        {"model_state",
-         {{"params", ms.param_count},
-          {"trainable_params", ms.trainable_count},
-          {"param_bytes", ms.param_bytes},
-          {"master_bytes", ms.master_bytes},
-          {"grad_bytes", ms.grad_bytes},
-          {"optimizer_bytes", ms.optimizer_bytes}}}};
-    std::ofstream(output_dir_ + "/run.json") << info.dump(2) << "\n";
+    write_run_info_file(output_dir_, {device_.str(), comm_->backend(), job_.hash(),
+                                      resolved_.model.name, rule_->name(), at::get_num_threads(),
+                                      comm_->world_size(), model_state()});
   }
 
-
-  Job job_;
-  PluginHost host_;
-  ResolvedJob resolved_;
-  Schedule schedule_;
-  log::Level log_level_ = log::Level::info;
+  std::unique_ptr<PreparedJob> prepared_;
+  const Job& job_;
+  const ResolvedJob& resolved_;
+  const Schedule& schedule_;
+  log::Level log_level_;
   std::unique_ptr<Comm> comm_;
   c10::Device device_{c10::kCPU};
   uint64_t seed_ = 0;
@@ -848,198 +722,19 @@ void GradReadyHook::operator()(const torch::autograd::Variable&) {
 
 Trainer::~Trainer() = default;
 
-std::unique_ptr<Trainer> make_trainer(Job job) {
+std::unique_ptr<Trainer> make_trainer(std::unique_ptr<PreparedJob> job) {
   return std::make_unique<EngineImpl>(std::move(job));
 }
 
-std::unique_ptr<Trainer> Trainer::from_file(const std::filesystem::path& job,
-                                            const std::vector<std::string>& overrides) {
-  return make_trainer(with_auto_batch(Job::load(job, overrides)));
+std::unique_ptr<Trainer> make_trainer(Job job) {
+  return make_trainer(std::make_unique<PreparedJob>(std::move(job)));
 }
 
-std::unique_ptr<Trainer> Trainer::from_text(const std::string& toml,
-                                            const std::filesystem::path& dir,
-                                            const std::vector<std::string>& overrides) {
-  return make_trainer(with_auto_batch(Job::parse(toml, dir / "job.toml", overrides)));
-}
-
-namespace {
-
-// The job a checkpoint records, its step, and its weights in fp32 by loom's names: consolidated
-// (any world size or ZeRO stage) into a temporary file in `scratch_dir`, then read.
-struct CheckpointModel {
-  Job job;
-  int64_t step = 0;
-  NamedTensors weights;
-};
-CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
-                                 const std::filesystem::path& scratch_dir) {
-  namespace fs = std::filesystem;
-  const CheckpointContents info = read_checkpoint_info(checkpoint.string());
-  LOOM_CHECK_AS(CheckpointError, !info.job_text.empty(), "checkpoint '",
-                checkpoint.string(), "' does not record its job (written by an older loom); "
-                "resume it for one step with this loom and use that checkpoint");
-  Job job = Job::parse(info.job_text, fs::path(info.job_dir) / "job.toml (saved in the checkpoint)");
-  const fs::path temp = scratch_dir / (".loom-weights-" + std::to_string(::getpid()) + ".safetensors");
-  std::error_code ec;
-  NamedTensors weights;
-  try {
-    consolidate_checkpoint_folder(checkpoint.string(), temp.string());
-    weights = safetensors::load(temp).tensors;
-  } catch (...) {
-    fs::remove(temp, ec);
-    throw;
-  }
-  fs::remove(temp, ec);
-  return {std::move(job), info.step, std::move(weights)};
-}
-
-}  // namespace
-
-void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir,
-                       const ExportOptions& options) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  LOOM_CHECK_AS(CheckpointError, !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
-                "'", out_dir.string(), "' exists and is not an empty folder; choose a new folder "
-                "(an export never overwrites)");
-  const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
-  LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
-                out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
-  auto [job, step, weights] = checkpoint_model(checkpoint, parent);
-  EngineImpl engine(std::move(job));  // resolved and validated; nothing is built
-  pretrained::write_folder(out_dir, engine.to_pretrained(std::move(weights), options.merge));
-}
-
-InferenceModel open_for_inference(const std::filesystem::path& path, const std::string& device) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  LOOM_CHECK_AS(CheckpointError, fs::is_directory(path, ec), "'", path.string(),
-                "' is not a folder; give a checkpoint folder (runs/x/checkpoint-300) or a run's "
-                "output_dir (its newest checkpoint is used)");
-  InferenceModel out;
-  out.checkpoint = path.string();
-  if (!fs::exists(path / "manifest.json", ec))
-    if (std::string newest = latest_checkpoint(path.string()); !newest.empty())
-      out.checkpoint = newest;
-  auto [job, step, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
-  out.step = step;
-  // What the data was, for the prompt's encoding. Training's own tables go: the core's
-  // [optimizer] and [distributed], and every table whose plugin does not shape the model
-  // (Plugin::shapes_model: precision, ZeRO, DDP, checkpointing, preloading, a third party's EMA;
-  // none changes a weight's meaning). The model, the tables that shape it (lora, moe) and
-  // [data] (the model checks its sequence length against it; nothing reads the data) stay.
-  out.data_source = "random_tokens";
-  if (const ConfigValue* data = job.table("data"))
-    if (const ConfigValue* source = data->find("source"))
-      if (const auto* name = std::get_if<std::string>(&source->value)) out.data_source = *name;
-  std::set<std::string> training_only = {"optimizer", "distributed"};
-  {
-    PluginHost host;
-    for (auto* plugin : resolve(job, host).table_plugins)
-      if (!plugin->plugin->shapes_model()) training_only.insert(plugin->name);
-  }
-  auto& tables = std::get<ConfigTable>(job.root.value);
-  tables.erase(std::remove_if(tables.begin(), tables.end(),
-                              [&](const auto& t) { return training_only.count(t.first) > 0; }),
-               tables.end());
+InferenceBuild build_for_inference(std::unique_ptr<PreparedJob> job, const NamedTensors& weights,
+                                   const std::string& device, const std::string& source) {
   auto engine = std::make_unique<EngineImpl>(std::move(job));
-  out.model = engine->build_for_inference(weights, device,
-                                          "checkpoint '" + out.checkpoint + "'");
-  out.owner = std::move(engine);
-  return out;
-}
-
-namespace {
-
-// Every command of the loadable plugins, by name; a clash is a PluginError naming both.
-std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHost& host) {
-  host.load_all();  // a plugin that does not load has no commands (`loom plugins` says why)
-  std::map<std::string, std::pair<Command, std::string>> out;
-  for (const auto& record : host.plugins()) {
-    const std::string where = record->builtin() ? "the core" : record->file.string();
-    for (auto& command : record->plugin->commands()) {
-      LOOM_CHECK_AS(PluginError, !is_own_command(command.name), "plugin '", where,
-                    "' adds the command '", command.name, "', which is one of loom's own; "
-                    "rename it");
-      auto [it, fresh] = out.emplace(command.name, std::make_pair(command, where));
-      LOOM_CHECK_AS(PluginError, fresh, "two plugins add the command '", command.name, "': ",
-                    it->second.second, " and ", where, "; remove one from the plugin search path");
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-bool is_own_command(const std::string& name) {
-  static const std::set<std::string> own = {"run", "check", "estimate", "plugins", "env",
-                                            "consolidate", "export", "generate"};
-  return own.count(name) > 0;
-}
-
-std::vector<std::string> plugin_command_usages(const std::vector<std::filesystem::path>& extra_path) {
-  PluginHost host;
-  host.prepend_search_path(extra_path);
-  std::vector<std::string> out;
-  for (const auto& [name, command] : plugin_commands(host))
-    out.push_back(command.first.usage + "  (plugin " + command.second + ")");
-  return out;
-}
-
-std::optional<int> run_plugin_command(const std::string& name, const std::vector<std::string>& args,
-                                      const std::vector<std::filesystem::path>& extra_path) {
-  PluginHost host;
-  host.prepend_search_path(extra_path);
-  auto commands = plugin_commands(host);
-  auto it = commands.find(name);
-  if (it == commands.end()) return std::nullopt;
-  return it->second.first.run(args);  // the host, and so the plugin, outlive the call
-}
-
-std::string describe_plugins(const std::vector<std::filesystem::path>& extra_path) {
-  PluginHost host;
-  host.prepend_search_path(extra_path);
-  auto failures = host.load_all();
-  std::ostringstream out;
-  out << "plugin search path:";
-  for (const auto& folder : host.search_path()) out << " " << folder.string();
-  out << "\n";
-  auto print_schema = [&](const Schema& schema) {
-    out << "    [" << schema.table() << "]";
-    if (!schema.provider().empty())
-      out << " " << (schema.table() == "model"      ? "when [train] model = \""
-                     : schema.table() == "data"     ? "when source = \""
-                                                    : "when name = \"")
-          << schema.provider() << "\"";
-    out << "\n";
-    for (const auto& key : schema.keys()) {
-      out << "      " << key.name << " (" << to_string(key.type);
-      if (key.required) out << ", required";
-      else if (key.default_value) out << ", default " << key.default_value->to_text();
-      out << "): " << key.doc << "\n";
-    }
-  };
-  out << "\ncore tables\n";
-  for (const auto& schema : core_schemas()) print_schema(schema);
-  for (const auto& record : host.plugins()) {
-    out << "\n" << record->name << " " << record->version << " — "
-        << record->plugin->description() << "\n";
-    out << "    file: " << (record->builtin() ? "(built into libloom_core)" : record->file.string())
-        << "\n";
-    auto slots = record->plugin->slots();
-    for (const auto& schema : record->plugin->schemas())
-      if (!schema.provider().empty())
-        out << "    provides " << schema.table() << " '" << schema.provider() << "'\n";
-    if (!slots.empty()) {
-      out << "    fills slot(s):";
-      for (Slot slot : slots) out << " " << to_string(slot);
-      out << "\n";
-    }
-    for (const auto& schema : record->plugin->schemas()) print_schema(schema);
-  }
-  for (const auto& failure : failures) out << "\nFAILED TO LOAD: " << failure << "\n";
-  return out.str();
+  Model* model = engine->build_for_inference(weights, device, source);
+  return {std::move(engine), model};
 }
 
 }  // namespace loom

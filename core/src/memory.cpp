@@ -203,4 +203,15 @@ void check_model_fits(double params, const std::string& where, const std::string
                                 " of memory: choose smaller sizes"));
 }
 
+ZeroModelStates zero_model_states(int stage, double world_size, double trainable, double sharded,
+                                  double weight, double master, double state) {
+  const double n = std::max(world_size, 1.0);
+  ZeroModelStates z;
+  z.weights = stage >= 3 ? weight * (trainable - sharded) + weight * sharded / n : weight * trainable;
+  z.grads = stage >= 2 ? weight * trainable / n : weight * trainable;
+  z.masters = stage >= 1 ? master * trainable / n : master * trainable;
+  z.optimizer = stage >= 1 ? state * trainable / n : state * trainable;
+  return z;
+}
+
 }  // namespace loom::memory

@@ -62,6 +62,7 @@ std::shared_ptr<const Dataset> Plugin::create_dataset(const std::string& name,
                                   "' but does not implement create_dataset"));
 }
 void Plugin::validate(const std::string&, const ConfigSection&, const JobTables&) const {}
+std::string Plugin::unit_count_key(const std::string&) const { return {}; }
 
 std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
                                                        const ConfigSection&) {

@@ -223,6 +223,7 @@ class BertPlugin final : public loom::Plugin {
                     "shape keys, and a head it lacks starts fresh");
     return {s};
   }
+  std::string unit_count_key(const std::string&) const override { return "num_hidden_layers"; }
   void validate(const std::string&, const loom::ConfigSection& t,
                 const JobTables& job) const override {
     // A pretrained model's shape is checked when the model is made (job_config).

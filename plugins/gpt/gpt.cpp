@@ -234,6 +234,7 @@ class GptPlugin final : public loom::Plugin {
                     "to start from; its config.json sets the shape keys");
     return {s};
   }
+  std::string unit_count_key(const std::string&) const override { return "n_layer"; }
   void validate(const std::string&, const loom::ConfigSection& t,
                 const JobTables& job) const override {
     // A pretrained model's shape comes from its config.json, checked when the model is made

@@ -425,6 +425,7 @@ class LlamaPlugin final : public loom::Plugin {
     return {s};
   }
 
+  std::string unit_count_key(const std::string&) const override { return "num_hidden_layers"; }
   void validate(const std::string&, const loom::ConfigSection& t,
                 const JobTables& job) const override {
     LOOM_CHECK_AS(ConfigError,

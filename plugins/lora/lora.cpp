@@ -229,6 +229,30 @@ class LoraPlugin final : public loom::Plugin {
     adapter_path_ = t.get_string("adapter_path");
   }
 
+  // Note [One resolved job]: what inject() would refuse at model_built, refused from the job.
+  void validate(const std::string&, const loom::ConfigSection& t,
+                const JobTables& job) const override {
+    if (!adapter_path_.empty()) {
+      // Both files there and the config readable; the saved adapter's config decides the
+      // targets.
+      (void)saved_config(job.resolve_path(adapter_path_));
+      return;
+    }
+    LOOM_CHECK_AS(ConfigError, opts_.target_is_pattern || !opts_.target_list.empty(),
+                  t.where("target_modules"),
+                  ": [lora] needs target_modules (e.g. [\"qkv\", \"proj\"] or \"all-linear\"), "
+                  "or adapter_path naming a saved adapter");
+    if (opts_.target_is_pattern && lower(opts_.target_pattern) != "all-linear") {
+      try {
+        std::regex(opts_.target_pattern, std::regex::ECMAScript);
+      } catch (const std::regex_error& error) {
+        throw ConfigError(loom::detail::cat(t.where("target_modules"),
+                                            ": [lora] target_modules \"", opts_.target_pattern,
+                                            "\" is not a valid regex (", error.what(), ")"));
+      }
+    }
+  }
+
   // Note [Merged export]: `loom export --merge` folds every adapter of the checkpoint's weights
   // into its Linear weight, W + scaling · B·A in fp32 (PEFT's merge_and_unload), and drops the
   // adapter tensors. The scaling is the run's (LoraOptions::scaling): from the job, or from the

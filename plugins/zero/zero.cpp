@@ -211,6 +211,28 @@ class Zero final : public loom::Plugin {
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
   }
 
+  // Note [One resolved job]: what the driver would refuse once built, refused from the job.
+  void validate(const std::string&, const loom::ConfigSection&,
+                const JobTables& job) const override {
+    if (offload_param_.device == "nvme") {
+      LOOM_CHECK_AS(ConfigError, stage_ == 3, where_offload_param_, ": [zero] offload_param "
+                    "offloads stage 3's weight shards, but stage = ", stage_, "; set stage = 3");
+      // Note [Offloaded parameters]: the shards on NVMe are the half weights, rebuilt from the
+      // fp32 masters after each update: only the precision plugin's pure half modes have both.
+      const loom::ConfigSection* precision = job("precision");
+      const std::string mode = precision ? precision->get_string("mode") : "fp32 (no [precision])";
+      LOOM_CHECK_AS(ConfigError, mode == "full_bf16" || mode == "full_fp16", where_offload_param_,
+                    ": [zero] offload_param keeps half-precision weight shards on NVMe and "
+                    "rebuilds them from the fp32 masters, but [precision] mode is ", mode,
+                    "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
+    }
+    const std::string device = job("train")->get_string("device");
+    LOOM_CHECK_AS(ConfigError, offload_param_.device != "cpu" || device.rfind("cuda", 0) != 0,
+                  where_offload_param_, ": [zero] offload_param.device = \"cpu\" on a GPU is "
+                  "not implemented yet; use device = \"nvme\" on a CPU run, or leave "
+                  "offload_param out");
+  }
+
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
                                                        loom::Engine& engine) override {
     // Every replica starts from rank 0's weights, before the driver copies its chunks.
@@ -474,20 +496,19 @@ class Zero final : public loom::Plugin {
     text.precision(3);
     text << "(stage " << stage_ << ", N = " << n << ", " << w << " B weights and grads, K = "
          << m + k << " B: ";
+    // Note [ZeRO's model states] (loom/memory.h): the formula `loom estimate` uses too.
+    bytes = loom::memory::zero_model_states(stage_, n, psi, psi - whole, w, m, k).total();
     if (stage_ == 0) {
       // Declared buffers: the gradient buckets, a second fp32 copy of the gradients.
       const double buckets = buckets_ ? static_cast<double>(buckets_->buffer_bytes()) : 0.0;
-      bytes = (2 * w + m + k) * psi + buckets;
+      bytes += buckets;
       text << 2 * w + m + k << " Psi, replicated, plus "
            << loom::memory::format_bytes(static_cast<int64_t>(buckets)) << " gradient buckets";
     } else if (stage_ == 1) {
-      bytes = 2 * w * psi + (m + k) * psi / n;
       text << 2 * w << " Psi + " << m + k << " Psi/N";
     } else if (stage_ == 2) {
-      bytes = w * psi + (w + m + k) * psi / n;
       text << w << " Psi + " << w + m + k << " Psi/N";
     } else {
-      bytes = w * whole + w * (psi - whole) / n + (w + m + k) * psi / n;
       text << 2 * w + m + k << " Psi/N, plus " << whole / psi * 100 << " % of the weights kept whole";
     }
     if (frozen > 0) text << ", plus " << loom::memory::format_bytes(static_cast<int64_t>(frozen)) << " frozen";

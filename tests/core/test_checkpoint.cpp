@@ -199,10 +199,10 @@ TEST(Checkpoint, CorruptOrTruncatedCheckpointRefusesToResume) {
   EXPECT_THROW_WITH(resume(), CheckpointError, "model.safetensors", "truncated");
   std::ofstream(dir / "checkpoint-1" / "manifest.json") << "{\"format\": \"loom-checkpo";
   EXPECT_THROW_WITH(resume(), CheckpointError, "manifest.json", "is corrupt");
+  // A resume folder that is not there: refused while the job is prepared, naming the key.
   EXPECT_THROW_WITH(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(),
-                                       {"train.resume=" + (dir / "nope").string()})
-                        ->setup(),
-                    CheckpointError, "does not exist");
+                                       {"train.resume=" + (dir / "nope").string()}),
+                    ConfigError, "[train] resume", "does not exist");
 }
 
 TEST(Checkpoint, AnotherModelShapeIsRefusedByTensorName) {

@@ -185,9 +185,9 @@ TEST(Engine, LossFallsOnLearnableData) {
 TEST(Engine, RefusesToOverwriteAnEarlierRun) {
   TempDir dir;
   Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), {"train.max_steps=1"})->run();
-  auto again = Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), {"train.max_steps=1"});
-  EXPECT_THROW_WITH(again->setup(), ConfigError, "already holds checkpoints",
-                    "resume = \"latest\"");
+  EXPECT_THROW_WITH(
+      Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), {"train.max_steps=1"}),
+      ConfigError, "already holds checkpoints", "resume = \"latest\"");
   EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-1" / "manifest.json"));
 }
 

@@ -282,6 +282,43 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
   }
 }
 
+// Note [Proxy probes]: proxies of 1, 2 and 3 units, scaled to the model's 6, give what probing the
+// whole 6-unit model gives (and the 10 % tests above run on proxies: their model has 3 units).
+TEST(Estimate, ProxyProbesOfOneTwoAndThreeUnitsScaleToTheWholeModel) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string());
+  const auto shape = with(kShape, "model.n_layer=16");
+  const estimate::Report proxied = estimate::estimate_job(job, shape, {});
+  const estimate::Report whole = estimate::estimate_job(job, shape, {.proxy = false});
+  EXPECT_EQ(proxied.units, 16);
+  EXPECT_TRUE(proxied.uniform_units);
+  for (Precision p : {Precision::fp32, Precision::bf16, Precision::full_bf16}) {
+    SCOPED_TRACE(estimate::to_string(p));
+    const auto& a = proxied.activations[static_cast<int>(p)];
+    const auto& b = whole.activations[static_cast<int>(p)];
+    ASSERT_TRUE(a.measured && b.measured) << a.note << b.note;
+    EXPECT_TRUE(a.proxied);
+    EXPECT_FALSE(b.proxied);
+    EXPECT_NEAR(a.per_sample / b.per_sample, 1.0, 0.05);
+    EXPECT_NEAR(a.setup_peak / b.setup_peak, 1.0, 0.05);
+    const auto peak = [&](const estimate::Report& r) {
+      return estimate::row(r.model, 0, Offload::none, p, 1, r.activations[static_cast<int>(p)],
+                           r.batch, true).peak;
+    };
+    std::printf("%s: proxies %.2f MiB, whole model %.2f MiB\n", estimate::to_string(p),
+                peak(proxied) / 1048576.0, peak(whole) / 1048576.0);
+    EXPECT_NEAR(peak(proxied) / peak(whole), 1.0, 0.05);
+  }
+  // A proxy that cannot be built (checkpointing names unit 5 of 16): the whole model's probes.
+  std::ofstream(job, std::ios::app) << "\n[checkpointing]\nunits = [5]\n";
+  const estimate::Report fallback = estimate::estimate_job(job, shape, {});
+  for (const auto& a : fallback.activations) {
+    EXPECT_TRUE(a.measured) << a.note;
+    EXPECT_FALSE(a.proxied);
+  }
+}
+
 TEST(Estimate, BatchPlansKeepTheSamplesPerStep) {
   auto plan = [](int64_t effective, int64_t fits) {
     const auto p = estimate::plan_batch(effective, fits);

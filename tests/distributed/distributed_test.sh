@@ -139,10 +139,17 @@ expect_error "nccl without GPUs" "needs CUDA devices" env RANK=0 WORLD_SIZE=1 \
 next_port
 expect_error "mpi without mpirun" "launch with mpirun" timeout 60 "$launch" --nproc-per-node 2 \
   --master-port $port "$loom" run "$job" --set "train.output_dir=$work/nompi" --set 'distributed.backend="mpi"'
+# Note [Data parallelism by default]: the job without its [ddp] table on 2 ranks is data
+# parallel all the same, with the same parameters as gloo2 above, bit for bit (two ranks' sums
+# do not depend on the bucket size), and says so once.
+sed '/^\[ddp\]/,$d' "$job" >"$work/noddp.toml"
 next_port
-expect_error "several ranks without [ddp]" "add a [ddp] table" timeout 60 "$launch" --nproc-per-node 2 \
-  --master-port $port "$loom" run "$src/examples/demo.toml" --set "train.output_dir=$work/noddp" \
-  --set train.resume= --set train.max_steps=2
+if timeout 300 "$launch" --nproc-per-node 2 --master-port $port "$loom" run "$work/noddp.toml" \
+    --set "train.output_dir=$work/noddp" --set 'train.log_level="info"' >"$work/noddp.log" 2>&1 &&
+   [ "$(grep -c 'data parallelism by default: 2 ranks' "$work/noddp.log")" -eq 1 ] &&
+   d=$(same_params "$work/gloo2" "$work/noddp" 0); then
+  ok "2 ranks without [ddp]: data parallel by default, the parameters of [ddp] bit for bit ($d)"
+else fail "2 ranks without [ddp]: ${d:-} $(tail -5 "$work/noddp.log")"; fi
 
 expect_error "ddp bucket size" "[ddp] reduce_bucket_size must be positive" \
   "$loom" run "$job" --set "train.output_dir=$work/bucket" --set ddp.reduce_bucket_size=0

@@ -237,8 +237,16 @@ bad_out="$work/bad-data"
 expect_error "missing data file" "cannot read '/nonexistent/text.txt'" \
   "$loom" run "$src/examples/demo.toml" --set "data.path=/nonexistent/text.txt" \
   --set "train.output_dir=$bad_out" --set train.resume=
-[ -z "$(ls -A "$bad_out" 2>/dev/null | grep -v metrics.jsonl)" ] && ok "nothing written after a bad start" \
+[ ! -e "$bad_out" ] && ok "nothing written after a bad start (not even output_dir)" \
   || fail "files left after a bad start: $(ls -A "$bad_out")"
+# Note [One resolved job]: `loom check` refuses what `loom run` refuses, with the same message.
+bad=(--set "data.path=/nonexistent/text.txt" --set "train.output_dir=$bad_out" --set train.resume=)
+check_err=$("$loom" check "$src/examples/demo.toml" "${bad[@]}" 2>&1 >/dev/null); check_code=$?
+run_err=$("$loom" run "$src/examples/demo.toml" "${bad[@]}" 2>&1 >/dev/null); run_code=$?
+if [ $check_code -eq 1 ] && [ $run_code -eq 1 ] && [ "$check_err" = "$run_err" ] &&
+   grep -q "cannot read '/nonexistent/text.txt'" <<<"$check_err"; then
+  ok "loom check and loom run refuse a missing data file with one message"
+else fail "check ($check_code) and run ($run_code) differ: '$check_err' vs '$run_err'"; fi
 # A corrupted checkpoint is refused on resume and left as it was.
 model="$out/checkpoint-40/model.safetensors"
 printf 'XXXX' | dd of="$model" bs=1 seek=200 conv=notrunc status=none

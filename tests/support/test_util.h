@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <algorithm>
 #include <vector>
 
 #include "loom/error.h"
@@ -62,6 +63,19 @@ seq_len = 16
 vocab_low = 0
 vocab_high = 64
 )";
+}
+
+// Every file and folder under `root`, relative, each file with its size: a test's "nothing was
+// written" compares two of these.
+inline std::vector<std::string> list_files(const std::filesystem::path& root) {
+  std::vector<std::string> out;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+    std::string line = std::filesystem::relative(entry.path(), root).string();
+    if (entry.is_regular_file()) line += " " + std::to_string(entry.file_size());
+    out.push_back(line);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 inline std::string read_text(const std::filesystem::path& file) {

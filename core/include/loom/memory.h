@@ -53,6 +53,22 @@ struct ModelState {
 
 std::string format_bytes(int64_t bytes);
 
+// Note [ZeRO's model states]: the one formula of what one of N ranks holds for `trainable`
+// elements at a ZeRO stage (the ZeRO paper's anatomy, loom's byte counts), used by the zero
+// plugin's measured-against-formula line and by `loom estimate`'s rows. `weight` bytes per weight
+// and per gradient element (4 fp32, 2 half), `master` bytes of fp32 master per element (0 when
+// the weights are fp32), `state` bytes of update-rule state per element (AdamW 8). Stage 1
+// divides masters and state by N, stage 2 the gradients too, stage 3 the weights too, of which
+// only `sharded` elements are cut (the rest, below the persistence threshold, stays whole on
+// every rank). What a stage adds beside the model states (stage 0's gradient buckets, stage 3's
+// gathered units) and what does not train (frozen tensors) the callers count themselves.
+struct ZeroModelStates {
+  double weights = 0, grads = 0, masters = 0, optimizer = 0;
+  double total() const { return weights + grads + masters + optimizer; }
+};
+ZeroModelStates zero_model_states(int stage, double world_size, double trainable, double sharded,
+                                  double weight, double master, double state);
+
 }  // namespace loom::memory
 
 #pragma GCC visibility pop

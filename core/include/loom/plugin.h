@@ -27,7 +27,7 @@
 // built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
 // fails when the headers change while this number does not (core/sdk_digests.txt records
 // the digest of each version).
-#define LOOM_PLUGIN_API_VERSION 11u
+#define LOOM_PLUGIN_API_VERSION 12u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -97,19 +97,32 @@ class Plugin {
   virtual bool shapes_model() const { return false; }
   // `loom` subcommands this plugin adds (no job is involved: they run without a table).
   virtual std::vector<Command> commands() const { return {}; }
-  // Switched on by its own table: receives that validated table.
+  // Switched on by its own table: receives that validated table (then validate(), below).
   virtual void configure(const ConfigSection& table);
   // Once everything is configured: register event handlers and unit interceptors.
   virtual void attach(Engine& engine);
 
-  // Providers, before anything is built — `loom check` and `loom run` alike: the chosen name's
-  // table checked against itself and the rest of the job (`job(table)`: any resolved table, or
-  // nullptr), e.g. heads dividing the width, the data's sequences fitting the positions.
-  // Throw ConfigError naming the key and what to change. Default: nothing more to check.
-  using JobTables = std::function<const ConfigSection*(const std::string& table)>;
+  // The job as validate() sees it: any resolved table by name (`job("data")`, nullptr when the
+  // job has none) and the job's paths made absolute (relative to the job file's folder).
+  struct JobTables {
+    std::function<const ConfigSection*(const std::string& table)> table;
+    std::function<std::string(const std::string& path)> resolve_path;
+    const ConfigSection* operator()(const std::string& name) const { return table(name); }
+  };
+  // Note [One resolved job]: before anything is built, `loom check` and `loom run` alike, every
+  // active plugin's table is checked against itself and the rest of the job: a provider's with
+  // the chosen `name` (heads dividing the width, the data's sequences fitting the positions, the
+  // data's files readable), a table plugin's with its own name, after configure() (cross-table
+  // rules: ZeRO's offload_param needs [precision]'s half weights). Throw ConfigError naming the
+  // key and what to change. Whatever can be refused here must be: `loom check` says "ok" only
+  // for jobs `loom run` builds. Default: nothing more to check.
   virtual void validate(const std::string& name, const ConfigSection& table,
                         const JobTables& job) const;
 
+  // Model providers, for `loom estimate` (Note [Proxy probes]): the key of the model's table
+  // that sets how many units its UnitList holds (gpt: "n_layer"), so the estimate can probe
+  // models of 1, 2 and 3 units and scale; empty (the default): the whole model is probed.
+  virtual std::string unit_count_key(const std::string& name) const;
   // Providers: called with the chosen name and its validated selector table.
   virtual std::shared_ptr<Model> create_model(const std::string& name,
                                               const ConfigSection& table, Engine& engine);

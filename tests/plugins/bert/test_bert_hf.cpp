@@ -126,10 +126,11 @@ TEST(BertHf, MaskedLmFolderStartsAClassifierWithFreshHeads) {
   EXPECT_EQ(params.at("classifier.weight").size(0), 3);
   EXPECT_EQ(folder.count("bert.pooler.dense.weight"), 0u);  // BertForMaskedLM has no pooler
   trainer->run();  // and it trains
+  TempDir other;  // a fresh output_dir: `dir` now holds the run's checkpoints
   EXPECT_THROW_WITH(
-      Trainer::from_text(bert_job(dir.str(), "from_pretrained = \"" + hf.string() +
-                                                 "\"\nhidden_size = 64"),
-                         dir.path())
+      Trainer::from_text(bert_job(other.str(), "from_pretrained = \"" + hf.string() +
+                                                   "\"\nhidden_size = 64"),
+                         other.path())
           ->setup(),
       ConfigError, "hidden_size = 64 but the pretrained model's", "has 48");
 }

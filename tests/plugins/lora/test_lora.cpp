@@ -319,8 +319,8 @@ TEST(Lora, TargetsThatMatchNothingListTheLinears) {
   EXPECT_THROW_WITH(save->setup(), ConfigError, "[lora] modules_to_save entry 'score'",
                     "matches no module", "ln_f");
   TempDir missing;
-  auto none = make(lora_job(missing, "r = 4"), missing);
-  EXPECT_THROW_WITH(none->setup(), ConfigError, "[lora] needs target_modules");
+  EXPECT_THROW_WITH(make(lora_job(missing, "r = 4"), missing), ConfigError,
+                    "[lora] needs target_modules");
 }
 
 TEST(Lora, RankMustBePositive) {
@@ -363,10 +363,9 @@ TEST(Lora, AdapterForAnotherModelShapeNamesTheTensor) {
                       "has r = 8", "remove r from [lora]");
   }
   {
-    TempDir dir;
-    auto trainer = make(lora_job(dir, "adapter_path = \"no/such/folder\""), dir);
-    EXPECT_THROW_WITH(trainer->setup(), ConfigError, "[lora] adapter_path",
-                      "holds no adapter_model.safetensors");
+    TempDir dir;  // refused while the job is prepared (Note [One resolved job])
+    EXPECT_THROW_WITH(make(lora_job(dir, "adapter_path = \"no/such/folder\""), dir), ConfigError,
+                      "[lora] adapter_path", "holds no adapter_model.safetensors");
   }
 }
 

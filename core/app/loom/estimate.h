@@ -59,6 +59,7 @@ struct Activations {
   double per_sample = 0, fixed = 0;  // bytes
   double update = 0;                 // the update's peak above the model states
   double setup_peak = 0;             // building the model (before sharding), bytes
+  bool proxied = false;              // measured on proxies of 1, 2 and 3 units (Note [Proxy probes])
   std::string note;                  // why not measured
 };
 
@@ -85,6 +86,8 @@ struct Options {
   double budget_bytes = 0;      // > 0: also the largest batch that fits (auto_find_batch_size)
   int buffer_count = 4;         // NVMe offload buffers
   bool job_precision_only = false;  // probe the job's own precision only (auto_find_batch_size)
+  bool proxy = true;            // probe proxies of 1, 2 and 3 units where the model allows (Note
+                                // [Proxy probes]); false: the whole model
 };
 
 struct Report {
@@ -99,6 +102,8 @@ struct Report {
   Offload job_offload = Offload::none;
   bool job_offload_params_only = false;  // offload_param without the optimizer state on NVMe
   Precision job_precision = Precision::fp32;
+  int64_t units = 0;            // the model's units (its UnitLists' children)
+  bool uniform_units = true;    // each of them holds as many elements
   std::vector<Row> rows;        // stages 0-3 x offload x precision
 };
 

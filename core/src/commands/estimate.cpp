@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +24,7 @@
 #include "loom/nn.h"
 #include "loom/trainer.h"
 #include "plugin_host.h"
+#include "resolve.h"
 
 namespace loom::estimate {
 
@@ -109,10 +111,16 @@ struct ProbeResult {
   // Absolute peaks of device memory: building the model, forward + backward, the update.
   double setup_peak = 0, backward_peak = 0, update_peak = 0;
   c10::Device device = c10::Device(c10::kCPU);
+  // The units of the model's UnitLists, and whether they all hold as many elements (Note
+  // [Proxy probes]).
+  int64_t units = 0;
+  bool uniform_units = true;
+  double params_per_unit = 0;  // every parameter of the first unit
 };
 
+// `run` false: the model set up and counted, no step run.
 ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t batch,
-                  bool has_zero, const std::filesystem::path& out) {
+                  bool has_zero, const std::filesystem::path& out, bool run = true) {
   overrides.insert(overrides.begin(), job.overrides.begin(), job.overrides.end());
   // One process of its own, whatever launched this one (Note [Solo probes]); and no auto batch
   // inside a probe.
@@ -164,8 +172,14 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
     if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
     if (auto* i = std::get_if<int64_t>(&v->value)) persistence = static_cast<double>(*i);
   }
+  double first_unit = -1;
   for (nn::UnitList* list : engine.unit_lists())
     for (const auto& unit : list->children()) {
+      double all = 0;
+      for (const auto& p : unit->parameters(/*recurse=*/true)) all += static_cast<double>(p.numel());
+      if (first_unit < 0) first_unit = r.params_per_unit = all;
+      r.uniform_units = r.uniform_units && all == first_unit;
+      ++r.units;
       double n = 0;
       for (const auto& p : unit->parameters(/*recurse=*/true))
         if (p.requires_grad() && static_cast<double>(p.numel()) >= persistence)
@@ -174,6 +188,7 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
       r.counts.unit_params += n;
     }
   r.setup_peak = static_cast<double>(memory::device_stats(r.device).peak_bytes);
+  if (!run) return r;
   // Each phase's own peak: building the model may peak higher than the step (a half-precision
   // model is built in fp32 first), and the update's peak does not grow with the batch.
   const c10::Device device = r.device;
@@ -203,22 +218,19 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   r.stage = stage;
   r.offload = offload;
   r.precision = precision;
-  r.weights = m.params * b.weight;
-  if (precision == Precision::bf16) r.weights -= m.frozen_linear_params * (b.weight - 2);
-  const double whole_weights = r.weights;
-  r.grads = m.trainable * b.grad;
-  r.masters = m.trainable * b.master;
-  r.optimizer = m.trainable * m.optimizer_per_trainable;
-  if (stage >= 1) {
-    r.masters /= N;
-    r.optimizer /= N;
-  }
-  if (stage >= 2) r.grads /= N;
-  // Stage 3: the units' sharded tensors leave 1/N on each rank, and two units are gathered
-  // whole (the one computing, the next one prefetched); the rest stays whole.
+  // Note [ZeRO's model states] (loom/memory.h): the trainable elements by the one formula the
+  // zero plugin checks its measured state against; what does not train is held whole.
+  const memory::ZeroModelStates z = memory::zero_model_states(
+      stage, N, m.trainable, m.unit_params, b.weight, b.master, m.optimizer_per_trainable);
+  double whole_weights = m.params * b.weight;  // every weight, before any sharding
+  if (precision == Precision::bf16) whole_weights -= m.frozen_linear_params * (b.weight - 2);
+  r.weights = whole_weights - m.trainable * b.weight + z.weights;
+  r.grads = z.grads;
+  r.masters = z.masters;
+  r.optimizer = z.optimizer;
+  // Stage 3 gathers two units whole (the one computing, the next one prefetched).
   const double unit_bytes = m.unit_params * b.weight;
-  if (stage >= 3 && N > 1)
-    r.weights = r.weights - unit_bytes + unit_bytes / N + 2 * m.largest_unit_params * b.weight;
+  if (stage >= 3 && N > 1) r.weights += 2 * m.largest_unit_params * b.weight;
   r.activations_measured = activations.measured;
   if (activations.measured) {
     r.activations = activations.per_sample * static_cast<double>(batch);
@@ -340,45 +352,167 @@ Report estimate_loaded(const Job& job, const Options& options) {
   if (const ConfigValue* v = key_of(job, "train", "model"))
     if (auto* s = std::get_if<std::string>(&v->value)) report.model_name = *s;
 
+  // The model plugin's key for its unit count (Note [Proxy probes]), from the job resolved as
+  // `loom check` resolves it: a bad job fails here.
+  std::string unit_key;
+  {
+    PluginHost host;
+    const ResolvedJob resolved = resolve(job, host);
+    unit_key = resolved.model.provider->plugin->unit_count_key(resolved.model.name);
+  }
   ScratchDir scratch;
   memory::install_cpu_tracker();
   std::optional<c10::Device> device;  // known after the first probe
   bool counted = false;
-  // Without probes one setup counts the model; with them, batches 1 and 2 in every precision.
-  const int passes = options.probe && !options.job_precision_only ? 3 : 1;
-  const std::vector<int64_t> batches = options.probe ? std::vector<int64_t>{1, 2}
-                                                     : std::vector<int64_t>{1};
-  for (int pass = 0; pass < passes; ++pass) {
-    // auto_find_batch_size probes the job's own precision only (mode "auto" included: the
-    // probe chooses as the run will), kept in its precision's slot.
-    const int i = options.job_precision_only ? static_cast<int>(report.job_precision) : pass;
-    const Precision precision = kPrecisions[i];
-    Activations& a = report.activations[i];
+  // Progress on stderr (the table goes to stdout), from rank 0 alone when every rank probes
+  // (auto_find_batch_size): each probe builds the model and runs it, seconds to minutes apiece.
+  const bool speak = detect_dist_env().rank == 0;
+  int done = 0, planned = 1;
+  // One probe, its peaks made relative to what was live before it.
+  auto run_probe = [&](const std::string& what, const std::vector<std::string>& with,
+                       int64_t b, bool run) {
+    const c10::Device on = device.value_or(c10::Device(c10::kCPU));
+    const auto before = memory::device_stats(on).current_bytes;
+    memory::reset_cpu_peak();  // the setup's peak: on the CPU until the device is known
+    memory::reset_device_peak(on);
+    if (speak) {
+      std::fprintf(stderr, "loom estimate: probe %d of %d: %s, batch %lld...\n", done + 1,
+                   std::max(planned, done + 1), what.c_str(), static_cast<long long>(b));
+      std::fflush(stderr);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    ProbeResult r = probe(job, with, b, has_zero, scratch.path() / "run", run);
+    ++done;
+    if (speak)
+      std::fprintf(stderr, "loom estimate: probe %d of %d done in %.1f s\n", done,
+                   std::max(planned, done),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (r.device == on)
+      for (double* p : {&r.setup_peak, &r.backward_peak, &r.update_peak})
+        *p -= static_cast<double>(before);
+    device = r.device;
+    report.device = r.device.is_cpu() ? "cpu" : r.device.str();
+    return r;
+  };
+  auto precision_of = [&](int pass) {
+    return options.job_precision_only ? static_cast<int>(report.job_precision) : pass;
+  };
+  auto overrides_for = [&](Precision precision) {
     std::vector<std::string> with;
     if (!options.job_precision_only)
       with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
+    return with;
+  };
+
+  double per_unit = 0;
+  // The whole model set up once (no step): its counts, its units, its setup peak in the first
+  // precision probed. Without probes that is all.
+  const int passes = options.probe && !options.job_precision_only ? 3 : 1;
+  {
+    const Precision first = kPrecisions[precision_of(0)];
+    const ProbeResult whole = run_probe(std::string("the whole model set up, ") + to_string(first),
+                                        overrides_for(first), 1, false);
+    report.model = whole.counts;
+    counted = true;
+    report.activations[precision_of(0)].setup_peak = whole.setup_peak;
+    report.units = whole.units;
+    report.uniform_units = whole.uniform_units;
+    per_unit = whole.params_per_unit;
+  }
+  // Note [Proxy probes]: a model whose plugin names the key of its unit count and whose units
+  // (more than 3) hold as many elements each is probed as proxies of 1, 2 and 3 units; what the
+  // probes measure grows by one unit's activations (and its share of the half copies and of the
+  // update's temporaries) per unit, so the whole model is a point on the line through them.
+  // The proxies are trusted only where their peaks lie on that line and rise with each unit
+  // (checked at both batches): a peak that a fixed spike sets (the loss's workspace over a large
+  // vocabulary) is flat over a few units and left behind by the whole model's stack, and such
+  // a precision, like units of different sizes (MoE every k-th layer) or a proxy that cannot be
+  // built (a checkpointing list naming later units, a pretrained folder), takes the whole
+  // model's probes (`--no-proxy` asks for them everywhere).
+  // They pay where they cost less: per precision six passes of what lies outside the units
+  // (embeddings, the head over the vocabulary) and twelve unit passes, against two and twice
+  // the unit count, each taken as proportional to its parameters.
+  const double outside = report.model.params - static_cast<double>(report.units) * per_unit;
+  const bool cheaper =
+      4 * outside < (2 * static_cast<double>(report.units) - 12) * per_unit;
+  bool proxies = options.probe && options.proxy && !unit_key.empty() && report.units > 3 &&
+                 report.uniform_units && cheaper;
+  auto plan = [&] { planned = 1 + passes * (proxies ? 7 : 2) - (proxies ? 1 : 0); };
+  if (options.probe) plan();
+  for (int pass = 0; pass < passes && options.probe; ++pass) {
+    // auto_find_batch_size probes the job's own precision only (mode "auto" included: the
+    // probe chooses as the run will), kept in its precision's slot.
+    const int i = precision_of(pass);
+    const Precision precision = kPrecisions[i];
+    Activations& a = report.activations[i];
+    const std::vector<std::string> with = overrides_for(precision);
+    const std::string name = to_string(precision);
     try {
+      if (proxies) {
+        bool built = false;  // a proxy ran (if none could be built, no precision's will)
+        try {
+          if (pass > 0)  // the setup peak of the whole model in this precision
+            a.setup_peak = run_probe("the whole model set up, " + name, with, 1, false).setup_peak;
+          // above[u][b]: the peaks above the proxy's own model states, units u + 1, batch b + 1.
+          double above[3][2], update[3] = {0, 0, 0};
+          // Batch 1 first, and out as soon as a second unit adds nothing (a flat peak: below).
+          for (int64_t b = 1; b <= 2; ++b)
+            for (int u = 1; u <= 3; ++u) {
+              std::vector<std::string> proxy = with;
+              proxy.push_back("model." + unit_key + "=" + std::to_string(u));
+              const ProbeResult r = run_probe(
+                  "two steps of a " + std::to_string(u) + "-unit proxy, " + name, proxy, b, true);
+              LOOM_CHECK(r.units == u, "the proxy has ", r.units, " units, not ", u);
+              built = true;
+              const double states =
+                  row(r.counts, 0, Offload::none, precision, 1, {}, 0, true).model_states();
+              above[u - 1][b - 1] = r.backward_peak - states;
+              update[u - 1] = std::max(update[u - 1], r.update_peak - states);
+              if (u == 2)
+                LOOM_CHECK(above[1][b - 1] > above[0][b - 1], "a second unit adds nothing to "
+                           "the peak at batch ", b, " (", above[0][b - 1] / 1048576,
+                           " MiB above the model states): a fixed spike sets it");
+            }
+          // Each unit must add to the peak, and the same each time: a peak that some fixed
+          // spike sets (GPT-2's fp32 loss workspace at a 50k vocabulary, above a few units'
+          // activations) is flat here and would be left behind by the whole model's stack.
+          for (int b = 0; b < 2; ++b) {
+            const double one = above[1][b] - above[0][b], two = above[2][b] - above[1][b];
+            LOOM_CHECK(one > 0 && two > 0 && std::abs(two - one) <= 0.1 * std::max(one, two),
+                       "their peaks at batch ", b + 1, " are not on a line (",
+                       above[0][b] / 1048576, ", ", above[1][b] / 1048576, ", ",
+                       above[2][b] / 1048576, " MiB above the model states)");
+          }
+          const double extra = static_cast<double>(report.units - 1);
+          auto whole = [&](const double at[3]) { return at[0] + extra * (at[2] - at[0]) / 2; };
+          const double first[3] = {above[0][0], above[1][0], above[2][0]};
+          const double second[3] = {above[0][1], above[1][1], above[2][1]};
+          const double peak1 = whole(first), peak2 = whole(second);
+          a.per_sample = std::max(0.0, peak2 - peak1);
+          a.fixed = std::max(0.0, peak1 - a.per_sample);
+          a.update = std::max(0.0, whole(update));
+          a.measured = true;
+          a.proxied = true;
+          continue;
+        } catch (const std::exception& error) {
+          if (speak)
+            std::fprintf(stderr, "loom estimate: proxies of 1, 2 and 3 units do not stand for "
+                         "the model in %s: %s; probing the whole model\n", name.c_str(),
+                         error.what());
+          planned += 2;  // this precision's whole-model probes
+          if (!built) {
+            proxies = false;
+            plan();
+          }
+        }
+      }
       double peaks[2] = {0, 0}, update_peaks[2] = {0, 0};
-      for (int64_t b : batches) {
-        const c10::Device on = device.value_or(c10::Device(c10::kCPU));
-        const auto before = memory::device_stats(on).current_bytes;
-        memory::reset_cpu_peak();  // the setup's peak: on the CPU until the device is known
-        memory::reset_device_peak(on);
-        ProbeResult r = probe(job, with, b, has_zero, scratch.path() / "run");
-        if (r.device == on)
-          for (double* p : {&r.setup_peak, &r.backward_peak, &r.update_peak})
-            *p -= static_cast<double>(before);
-        device = r.device;
+      for (int64_t b = 1; b <= 2; ++b) {
+        const ProbeResult r = run_probe("two steps of the whole model, " + name, with, b, true);
         a.setup_peak = std::max(a.setup_peak, r.setup_peak);
         update_peaks[b - 1] = r.update_peak;
-        report.device = r.device.is_cpu() ? "cpu" : r.device.str();
-        if (!counted) {
-          report.model = r.counts;
-          counted = true;
-        }
         peaks[b - 1] = r.backward_peak;
       }
-      if (!options.probe) break;
       const Row states = row(report.model, 0, Offload::none, precision, 1, {}, 0, true);
       a.measured = true;
       a.per_sample = std::max(0.0, peaks[1] - peaks[0]);
@@ -387,8 +521,10 @@ Report estimate_loaded(const Job& job, const Options& options) {
     } catch (const ConfigError&) {
       throw;  // the job itself is wrong: say so, as loom check would
     } catch (const std::exception& error) {
+      if (speak)
+        std::fprintf(stderr, "loom estimate: %s not measured: %s\n", name.c_str(), error.what());
       a.note = error.what();
-      if ((!counted && pass == passes - 1) || options.job_precision_only) throw;
+      if (options.job_precision_only) throw;
     }
   }
   LOOM_CHECK(counted, "no probe of '", job.file.string(), "' ran");
@@ -507,6 +643,9 @@ std::string format(const Report& r) {
         out << gib(a.per_sample) << " " << unit << " per sample + " << gib(a.fixed) << " "
             << unit << " fixed in forward and backward; the update adds " << gib(a.update) << " "
             << unit << "; building the model peaks at " << gib(a.setup_peak) << " " << unit
+            << (a.proxied ? " (on proxies of 1, 2 and 3 units, scaled to " +
+                                std::to_string(r.units) + ")"
+                          : std::string())
             << "\n";
       else
         out << (a.note.empty() ? "not probed (--no-probe)" : "probe failed: " + a.note) << "\n";

@@ -1,0 +1,175 @@
+// Note [One resolved job] (prepared_job.h): a job resolved, configured, validated and its
+// update rule built, once, before anything of the run is built or written.
+#include "prepared_job.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include "checkpoint_io.h"
+#include "dist_env.h"
+#include "loom/cpu.h"
+#include "loom/error.h"
+
+namespace loom {
+
+std::string plugin_label(const LoadedPlugin* p) {
+  return p->builtin() ? "core (built in)" : p->name + " " + p->version + ", " + p->file.string();
+}
+
+PreparedJob::PreparedJob(Job job, Purpose purpose)
+    : job_(std::move(job)), purpose_(purpose) {
+  resolved_ = resolve(job_, host_);
+  if (purpose_ == Purpose::train) add_default_data_parallelism();
+  const auto& train = section("train");
+  LOOM_CHECK_AS(ConfigError, train.get_int("max_steps") >= 0, train.where("max_steps"),
+                ": [train] max_steps must be >= 0");
+  LOOM_CHECK_AS(ConfigError, train.get_int("per_device_train_batch_size") > 0,
+                train.where("per_device_train_batch_size"),
+                ": [train] per_device_train_batch_size must be positive");
+  LOOM_CHECK_AS(ConfigError, train.get_int("gradient_accumulation_steps") > 0,
+                train.where("gradient_accumulation_steps"),
+                ": [train] gradient_accumulation_steps must be positive");
+  LOOM_CHECK_AS(ConfigError, train.get_float("learning_rate") >= 0, train.where("learning_rate"),
+                ": [train] learning_rate must be >= 0, got ", train.get_float("learning_rate"));
+  LOOM_CHECK_AS(ConfigError, train.get_float("max_grad_norm") >= 0, train.where("max_grad_norm"),
+                ": [train] max_grad_norm must be >= 0");
+  LOOM_CHECK_AS(ConfigError, train.get_int("num_threads") >= 0, train.where("num_threads"),
+                ": [train] num_threads must be >= 0 (0 = all cores)");
+  LOOM_CHECK_AS(ConfigError, train.get_int("save_steps") >= 0, train.where("save_steps"),
+                ": [train] save_steps must be >= 0 (0 = only at the end)");
+  LOOM_CHECK_AS(ConfigError, train.get_int("save_total_limit") >= 0,
+                train.where("save_total_limit"),
+                ": [train] save_total_limit must be >= 0 (0 = keep all)");
+  schedule_ = make_schedule(train);
+  log_level_ = log::parse_level(train.get_string("log_level"));
+  cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
+  const auto& distributed = section("distributed");
+  LOOM_CHECK_AS(ConfigError, distributed.get_float("timeout_seconds") > 0,
+                distributed.where("timeout_seconds"),
+                ": [distributed] timeout_seconds must be positive (seconds a collective may "
+                "take before a peer counts as dead), got ",
+                distributed.get_float("timeout_seconds"));
+  // The half of the engine's device check that the job alone decides.
+  const std::string device = train.get_string("device");
+  LOOM_CHECK_AS(ConfigError, !(distributed.get_string("backend") == "nccl" && device == "cpu"),
+                distributed.where("backend"), ": [distributed] backend = \"nccl\" moves CUDA "
+                "tensors only, but this job trains on cpu ([train] device = \"cpu\"); use "
+                "backend = \"gloo\" or \"mpi\" on CPUs, or a CUDA device");
+  const auto& optimizer = section("optimizer");
+  if (optimizer.schema().find("weight_decay") && optimizer.get("weight_decay"))
+    LOOM_CHECK_AS(ConfigError, optimizer.get_float("weight_decay") >= 0,
+                  optimizer.where("weight_decay"), ": [optimizer] weight_decay must be >= 0, got ",
+                  optimizer.get_float("weight_decay"));
+
+  // Every table plugin's own table, then every active plugin against the whole job.
+  for (auto* plugin : resolved_.table_plugins) plugin->plugin->configure(section(plugin->name));
+  Plugin::JobTables tables;
+  tables.table = [this](const std::string& name) -> const ConfigSection* {
+    auto it = resolved_.sections.find(name);
+    return it == resolved_.sections.end() ? nullptr : &it->second;
+  };
+  tables.resolve_path = [this](const std::string& path) { return resolve_path(path); };
+  const std::pair<const ResolvedJob::Choice*, const char*> selectors[] = {
+      {&resolved_.model, "model"}, {&resolved_.data, "data"},
+      {&resolved_.update_rule, "optimizer"}};
+  for (const auto& [choice, table] : selectors) {
+    if (purpose_ == Purpose::inference && std::string(table) == "data") continue;
+    choice->provider->plugin->validate(choice->name, section(table), tables);
+  }
+  for (auto* plugin : resolved_.table_plugins)
+    plugin->plugin->validate(plugin->name, section(plugin->name), tables);
+
+  // Built now, so every value the rule takes is checked before anything else is; it holds no
+  // state until the engine hands it parameters.
+  rule_ = resolved_.update_rule.provider->plugin->create_update_rule(resolved_.update_rule.name,
+                                                                     optimizer);
+  LOOM_INTERNAL_ASSERT(rule_, "plugin ", resolved_.update_rule.provider->name,
+                       " made no update rule '", resolved_.update_rule.name, "'");
+  if (purpose_ == Purpose::train) check_output_dir();
+}
+
+// Note [Data parallelism by default]: a job launched on several ranks with no plugin in the
+// grad_sync slot ([ddp], [zero]) would train one model per rank; torchrun with the Trainer, and
+// Accelerate, make that data parallelism unless told otherwise, and so does loom: [ddp] with
+// its defaults (the engine says so in one info line). Only the tables resolution reads gain it:
+// the job, and so the config hash its checkpoints record, stays as written, and the same job
+// on one rank resumes them without a warning. The launcher's environment gives the world size
+// (dist_env.h); the estimator's solo probes see one rank and get none.
+void PreparedJob::add_default_data_parallelism() {
+  for (auto* plugin : resolved_.table_plugins)
+    for (Slot slot : plugin->plugin->slots())
+      if (slot == Slot::grad_sync) return;
+  if (section("distributed").get_string("backend") == "local" || detect_dist_env().world_size <= 1)
+    return;
+  Job with_ddp = job_;
+  ConfigValue ddp;
+  ddp.value = ConfigTable{};
+  ddp.where = job_.file.string() + " (no [ddp] or [zero] on several ranks: [ddp] by default)";
+  std::get<ConfigTable>(with_ddp.root.value).emplace_back("ddp", std::move(ddp));
+  resolved_ = resolve(with_ddp, host_);
+  default_ddp_ = true;
+}
+
+std::string PreparedJob::resolve_path(const std::string& path) const {
+  std::filesystem::path p(path);
+  return (p.is_absolute() ? p : job_.dir / p).lexically_normal().string();
+}
+
+std::unique_ptr<UpdateRule> PreparedJob::take_update_rule() {
+  LOOM_INTERNAL_ASSERT(rule_, "the prepared job's update rule was taken already");
+  return std::move(rule_);
+}
+
+// What the engine's output folder will refuse at setup, refused before anything is written.
+void PreparedJob::check_output_dir() const {
+  const auto& train = section("train");
+  const std::string output_dir = resolve_path(train.get_string("output_dir"));
+  std::string resume = train.get_string("resume");
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (resume.empty() && restarts && std::atoi(restarts) > 0) return;  // resumes "latest"
+  if (resume.empty()) {
+    if (!latest_checkpoint(output_dir).empty())
+      throw ConfigError(detail::cat(
+          train.where("output_dir"), ": output_dir ", output_dir,
+          " already holds checkpoints of an earlier run; set [train] resume = \"latest\" to "
+          "continue it, or choose another output_dir (nothing was changed)"));
+  } else if (resume != "latest") {
+    const std::string folder = resolve_path(resume);
+    std::error_code ec;
+    LOOM_CHECK_AS(ConfigError, std::filesystem::is_directory(folder, ec), train.where("resume"),
+                  ": [train] resume = \"", resume, "\": checkpoint folder '", folder,
+                  "' does not exist; give a checkpoint folder (output_dir/checkpoint-N), "
+                  "\"latest\", or \"\" for a fresh run");
+  }
+}
+
+std::string PreparedJob::describe() const {
+  std::ostringstream out;
+  const auto& train = section("train");
+  out << "job " << job_.file.string() << " (config hash " << job_.hash() << ")\n";
+  out << "  model      " << resolved_.model.name << "  (plugin "
+      << plugin_label(resolved_.model.provider) << ")\n";
+  out << "  data       " << resolved_.data.name << "  (plugin "
+      << plugin_label(resolved_.data.provider) << ")\n";
+  out << "  optimizer  " << resolved_.update_rule.name << "  (plugin "
+      << plugin_label(resolved_.update_rule.provider) << ")\n";
+  out << "  plugins    ";
+  if (resolved_.table_plugins.empty()) out << "(none besides the above)";
+  for (auto* p : resolved_.table_plugins) out << p->name << " ";
+  // Note [Plugin order]: the order of attach and of every event's handlers.
+  out << "\n  order     ";
+  for (auto* p : resolved_.active) out << " " << p->name;
+  out << "\n  steps      " << train.get_int("max_steps") << " x "
+      << train.get_int("per_device_train_batch_size") << " samples x "
+      << train.get_int("gradient_accumulation_steps") << " micro-batches per rank\n";
+  for (const auto& [name, section] : resolved_.sections) {
+    if (section.values().empty()) continue;
+    out << "  [" << name << "]";
+    for (const auto& [key, value] : section.values()) out << " " << key << "=" << value.to_text();
+    out << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace loom

@@ -1,0 +1,145 @@
+// Note [One resolved job]: `loom check` accepts exactly what `loom run` accepts. Each job of the
+// table is refused while it is prepared, by the path `loom check` takes (the Trainer's
+// construction, then describe()) and by the path `loom run` takes (construction, then run()),
+// with one message, naming the key; and nothing is written to its output_dir.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "loom/error.h"
+#include "loom/trainer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using test::TempDir;
+
+// The tiny GPT job of test_util.h, with `data` in place of its [data] table when not empty, and
+// `extra` after it.
+std::string job_text(const std::string& output_dir, const std::string& data,
+                     const std::string& extra) {
+  std::string job = test::tiny_gpt_job(output_dir);
+  if (!data.empty()) job = job.substr(0, job.find("[data]")) + data;
+  return job + "\n" + extra;
+}
+
+struct Refused {
+  const char* name;
+  std::string data;   // the [data] table ("": the tiny job's own)
+  std::string extra;  // tables after it
+  std::vector<std::string> message;  // parts of the one message
+};
+
+// The message of the loom::Error `make` throws, or "" when it throws none.
+template <typename F>
+std::string error_of(F&& make) {
+  try {
+    make();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
+  const std::vector<Refused> table = {
+      // The four `loom check` used to accept and `loom run` refused.
+      {"missing data file", "[data]\nsource = \"text\"\npath = \"missing.txt\"\nseq_len = 16\n", "",
+       {"[data] path 'missing.txt': cannot read", "missing or unreadable"}},
+      {"offload_param without half weights", "",
+       "[zero]\nstage = 3\noffload_param = { device = \"nvme\", nvme_path = \"nvme\" }\n",
+       {"offload_param keeps half-precision weight shards", "[precision] mode is fp32",
+        "full_bf16"}},
+      {"lora without target_modules", "", "[lora]\nr = 4\n",
+       {"[lora] needs target_modules", "adapter_path"}},
+      {"beta2 >= 1", "", "[optimizer]\nbeta2 = 1.0\n", {"beta2 must be in [0, 1), got 1"}},
+      // Keys, types, names.
+      {"misspelt key", "", "", {"unknown key 'max_step' in [train]", "did you mean 'max_steps'"}},
+      {"wrong type", "", "", {"[train] max_steps must be"}},
+      {"unknown model", "", "", {"no plugin provides model 'gtp'"}},
+      {"unknown table", "", "[lorra]\n", {"[lorra] names no known plugin", "lora"}},
+      {"two plugins in one slot", "", "[zero]\n[ddp]\n", {"claimed twice", "ddp", "zero"}},
+      // The core's ranges.
+      {"negative learning rate", "", "", {"learning_rate must be >= 0"}},
+      {"unknown schedule", "", "", {"lr_scheduler_type", "cosine"}},
+      {"negative threads", "", "", {"num_threads must be >= 0"}},
+      {"unknown cpu_isa", "", "", {"cpu_isa", "avx2"}},
+      {"zero timeout", "", "[distributed]\ntimeout_seconds = 0\n",
+       {"timeout_seconds must be positive"}},
+      {"nccl on a cpu", "", "[distributed]\nbackend = \"nccl\"\n",
+       {"backend = \"nccl\" moves CUDA tensors only", "gloo"}},
+      // Data sources.
+      {"vocab range",
+       "[data]\nsource = \"random_tokens\"\nseq_len = 16\nvocab_low = 9\nvocab_high = 9\n", "",
+       {"0 <= vocab_low < vocab_high"}},
+      {"text shorter than a sample", "[data]\nsource = \"text\"\npath = \"short.txt\"\nseq_len = 16\n",
+       "", {"too few for one sample", "seq_len 16"}},
+      {"tokens of odd length", "[data]\nsource = \"tokens\"\npath = \"odd.bin\"\nseq_len = 16\n", "",
+       {"odd.bin' has 3 bytes, not a multiple of 2"}},
+      // Model, optimizer and table plugins, validated against the whole job.
+      {"heads not dividing the width", "", "", {"n_head"}},
+      {"sequences longer than the positions",
+       "[data]\nsource = \"random_tokens\"\ntask = \"lm\"\nseq_len = 32\nvocab_high = 64\n", "",
+       {"n_positions"}},
+      {"adafactor clip threshold", "", "[optimizer]\nname = \"adafactor\"\nclip_threshold = 0\n",
+       {"clip_threshold"}},
+      {"zero stage 5", "", "[zero]\nstage = 5\n", {"stage must be 0, 1, 2 or 3"}},
+      {"offload_param below stage 3", "",
+       "[precision]\nmode = \"full_bf16\"\n[zero]\nstage = 2\n"
+       "offload_param = { device = \"nvme\", nvme_path = \"nvme\" }\n",
+       {"offload_param offloads stage 3's weight shards, but stage = 2"}},
+      {"lora regex", "", "[lora]\ntarget_modules = \"([\"\n", {"is not a valid regex"}},
+      {"lora adapter folder", "", "[lora]\nadapter_path = \"no_adapter\"\n",
+       {"[lora] adapter_path", "no_adapter holds no adapter_model.safetensors"}},
+      {"unknown precision mode", "", "[precision]\nmode = \"fp8\"\n", {"mode", "fp8"}},
+      // The output folder.
+      {"an earlier run's checkpoints", "", "",
+       {"already holds checkpoints of an earlier run", "resume = \"latest\""}},
+      {"a resume folder that is not there", "", "",
+       {"resume = \"nowhere\": checkpoint folder", "does not exist"}},
+  };
+  ASSERT_GE(table.size(), 20u);
+  for (const auto& job : table) {
+    SCOPED_TRACE(job.name);
+    TempDir dir;
+    const std::string out = (dir / "out").string();
+    std::string text = job_text(out, job.data, job.extra);
+    std::vector<std::string> set;
+    const std::string name = job.name;
+    if (name == "misspelt key") set = {"train.max_step=3"};
+    if (name == "wrong type") set = {"train.max_steps=\"ten\""};
+    if (name == "unknown model") set = {"train.model=\"gtp\""};
+    if (name == "negative learning rate") set = {"train.learning_rate=-1.0"};
+    if (name == "unknown schedule") set = {"train.lr_scheduler_type=\"cosinus\""};
+    if (name == "negative threads") set = {"train.num_threads=-1"};
+    if (name == "unknown cpu_isa") set = {"train.cpu_isa=\"avx9000\""};
+    if (name == "nccl on a cpu") set = {"train.device=\"cpu\""};
+    if (name == "heads not dividing the width") set = {"model.n_head=5"};
+    if (name == "a resume folder that is not there") set = {"train.resume=\"nowhere\""};
+    if (name == "text shorter than a sample") std::ofstream(dir / "short.txt") << "too short";
+    if (name == "tokens of odd length") std::ofstream(dir / "odd.bin") << "abc";
+    if (name == "an earlier run's checkpoints") {
+      std::filesystem::create_directories(dir / "out/checkpoint-3");
+      std::ofstream(dir / "out/checkpoint-3/manifest.json") << "{}";
+    }
+    const auto before = test::list_files(dir.path());
+    const std::string check = error_of([&] {
+      auto trainer = Trainer::from_text(text, dir.path(), set);
+      (void)trainer->describe();
+    });
+    const std::string run = error_of([&] { Trainer::from_text(text, dir.path(), set)->run(); });
+    ASSERT_FALSE(check.empty()) << "loom check accepted it";
+    EXPECT_EQ(check, run);
+    for (const auto& part : job.message)
+      EXPECT_NE(check.find(part), std::string::npos) << "message lacks \"" << part << "\": "
+                                                     << check;
+    EXPECT_EQ(test::list_files(dir.path()), before) << "something was written";
+  }
+}
+
+}  // namespace
+}  // namespace loom
