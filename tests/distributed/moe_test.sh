@@ -17,7 +17,6 @@ work=$(mktemp -d)
 trap cleanup_work EXIT  # testlib.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export LOOM_PLUGIN_PATH=$build/tests/plugins
-port=$((20000 + RANDOM % 20000))
 # shellcheck source=testlib.sh
 source "$src/tests/distributed/testlib.sh"
 

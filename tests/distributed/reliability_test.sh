@@ -16,7 +16,6 @@ job=$src/tests/distributed/ddp_job.toml
 work=$(mktemp -d)
 trap cleanup_work EXIT  # testlib.sh
 export LOOM_PLUGIN_PATH=$build/tests/plugins
-port=$((20000 + RANDOM % 20000))
 # shellcheck source=testlib.sh
 source "$src/tests/distributed/testlib.sh"
 

@@ -1,6 +1,10 @@
 # Shared by the multi-process test scripts (sourced): counting results, a bad input's check, runs
 # of N ranks and the comparison of their final weights.
 passed=0 failed=0
+# The first master port of a script's loom-launch runs (each run takes the next): below the
+# kernel's ephemeral range (32768 and up here, ip_local_port_range), where the ranks' own
+# outgoing connections take their ports and a master port chosen there can be found in use.
+port=$((10000 + RANDOM % 20000))
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
 # The EXIT trap's cleanup: the temporary folder $work goes, but after a failure its runs' logs
