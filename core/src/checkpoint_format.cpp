@@ -5,9 +5,11 @@
 #include "checkpoint_format.h"
 
 #include <algorithm>
+#include <boost/crc.hpp>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "loom/error.h"
 
@@ -90,15 +92,43 @@ struct Fields {
   }
 };
 
+// A name given twice in one JSON object: nlohmann keeps the last silently, and two readers
+// could then see two different files (the reference safetensors reader refuses it).
+struct DuplicateKey {
+  std::string key;
+};
+
 json parse_json(std::string_view text, const Fields& fields) {
+  std::vector<std::set<std::string>> open;  // the keys of each object being parsed
+  const json::parser_callback_t refuse_duplicates = [&open](int, json::parse_event_t event,
+                                                            json& parsed) {
+    if (event == json::parse_event_t::object_start) open.emplace_back();
+    if (event == json::parse_event_t::object_end && !open.empty()) open.pop_back();
+    if (event == json::parse_event_t::key && !open.empty() &&
+        !open.back().insert(parsed.get<std::string>()).second)
+      throw DuplicateKey{parsed.get<std::string>()};
+    return true;
+  };
   try {
-    return json::parse(text.begin(), text.end());
+    return json::parse(text.begin(), text.end(), refuse_duplicates);
+  } catch (const DuplicateKey& duplicate) {
+    fields.fail("it names '" + duplicate.key + "' twice in one object");
   } catch (const json::exception& error) {
     std::string what = error.what();
     const auto bracket = what.find("] ");
     fields.fail("not valid JSON (" + (bracket == std::string::npos ? what : what.substr(bracket + 2)) +
                 ")");
   }
+}
+
+constexpr const char* kManifestChecksum = "manifest_crc32";
+
+uint32_t content_checksum(json doc) {
+  doc.erase(kManifestChecksum);
+  boost::crc_32_type crc;
+  const std::string canonical = doc.dump();  // compact, keys sorted (nlohmann::json's map)
+  crc.process_bytes(canonical.data(), canonical.size());
+  return crc.checksum();
 }
 
 // The checkpoint folder's own files only: a name, never a path.
@@ -190,22 +220,54 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, uint64_t file_
     LOOM_CHECK_AS(CheckpointError, entries[i - 1].end <= entries[i].begin, "'", file,
                   "' is corrupt: tensors '", entries[i - 1].name, "' and '", entries[i].name,
                   "' overlap");
+  // The data section is the tensors' bytes and nothing else, as the reference reader requires:
+  // no gap before or between them, no byte after the last.
+  uint64_t expected = 0;
+  for (const auto& entry : entries) {
+    LOOM_CHECK_AS(CheckpointError, entry.begin == expected, "'", file, "' is corrupt: ",
+                  entry.begin - expected, " bytes before tensor '", entry.name,
+                  "' belong to no tensor");
+    expected = entry.end;
+  }
+  LOOM_CHECK_AS(CheckpointError, expected == data_size, "'", file, "' is corrupt: ",
+                data_size - expected, " bytes after the last tensor belong to no tensor (the "
+                "file was appended to, or its header was edited)");
   return out;
+}
+
+uint32_t manifest_checksum(std::string_view text, const std::string& path) {
+  const Fields fields{"'" + path + "' is corrupt: ", ""};
+  return content_checksum(parse_json(text, fields));
 }
 
 Manifest parse_manifest(std::string_view text, const std::string& path) {
   const Fields fields{"'" + path + "' is corrupt: ",
                       "; resume from an earlier checkpoint or delete this one"};
   const json doc = parse_json(text, fields);
+  // Note [Manifest checksum]: first, wherever it is present (a flipped version number must not
+  // switch it off); then required from format 3 on.
+  const bool has_checksum = doc.is_object() && doc.contains(kManifestChecksum);
+  if (has_checksum) {
+    const uint64_t stored = fields.unsigned_integer(doc[kManifestChecksum], kManifestChecksum,
+                                                    UINT32_MAX);
+    const uint32_t content = content_checksum(doc);
+    LOOM_CHECK_AS(CheckpointError, stored == content, "'", path, "' is corrupt: its content does "
+                  "not match its own checksum (manifest_crc32 ", stored, ", the content's ",
+                  content, "): it was edited or damaged; resume from an earlier checkpoint or "
+                  "delete this one");
+  }
   LOOM_CHECK_AS(CheckpointError,
                 doc.is_object() && doc.contains("format") && doc["format"] == kManifestFormat,
                 "'", path, "' is not a loom checkpoint manifest");
   Manifest m;
   const json& version = fields.at(doc, "format_version", "");
-  LOOM_CHECK_AS(CheckpointError, version == 1 || version == kManifestVersion, "'", path,
-                "' has format version ", version.dump(), "; this loom reads versions 1 and ",
-                kManifestVersion);
+  LOOM_CHECK_AS(CheckpointError, version == 1 || version == 2 || version == kManifestVersion,
+                "'", path, "' has format version ", version.dump(),
+                "; this loom reads versions 1 to ", kManifestVersion);
   m.version = version.get<int>();
+  LOOM_CHECK_AS(CheckpointError, m.version < 3 || has_checksum, "'", path, "' is corrupt: a "
+                "format ", m.version, " manifest without its manifest_crc32; resume from an "
+                "earlier checkpoint or delete this one");
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   auto integer = [&](const json& object, const char* key, const std::string& where, int64_t min,
                      int64_t max) {

@@ -40,7 +40,15 @@ SafetensorsHeader parse_safetensors_header(std::string_view json, uint64_t file_
 // ---- manifest.json ------------------------------------------------------------------------
 
 constexpr const char* kManifestFormat = "loom-checkpoint";
-constexpr int kManifestVersion = 2;
+constexpr int kManifestVersion = 3;
+
+// Note [Manifest checksum]: manifest.json carries the checksums of the checkpoint's other files,
+// and since format 3 one of its own, "manifest_crc32": crc32 (IEEE) of its canonical content,
+// every other field as a compact JSON dump with sorted keys, so an edit or a flipped byte in any
+// field (one loom does not read included) is refused before any field is read; spacing and key
+// order are not content. The checksum of a manifest's JSON text (a "manifest_crc32" in it left
+// out); a CheckpointError naming `path` if the text is not JSON.
+uint32_t manifest_checksum(std::string_view text, const std::string& path);
 
 struct ListedFile {
   std::string name;  // a .safetensors file of the checkpoint's folder, no path

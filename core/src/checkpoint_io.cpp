@@ -45,8 +45,10 @@ std::vector<std::pair<int64_t, std::filesystem::path>> checkpoints_in(const std:
   if (!std::filesystem::is_directory(dir, ec)) return found;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const int64_t step = step_of(entry.path());
-    if (step >= 0 && entry.is_directory() &&
-        std::filesystem::exists(entry.path() / "manifest.json"))
+    std::error_code manifest_error;  // a looping link is no checkpoint, not a crash here
+    if (step >= 0 && entry.is_directory(manifest_error) &&
+        std::filesystem::exists(std::filesystem::symlink_status(entry.path() / "manifest.json",
+                                                                manifest_error)))
       found.emplace_back(step, entry.path());
   }
   std::sort(found.begin(), found.end());
@@ -370,6 +372,9 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
                           {"crc32", static_cast<uint32_t>(status[3 * r + 2].item<int64_t>())}});
       manifest["files"] = listing;
       manifest["optimizer_shards"] = shards;
+      // Note [Manifest checksum] (checkpoint_format.h): its own, of everything above.
+      manifest["manifest_crc32"] =
+          format::manifest_checksum(manifest.dump(), (temp_dir / "manifest.json").string());
       fsutil::write_file_atomic(temp_dir / "manifest.json", manifest.dump(2) + "\n");
       fsutil::fsync_dir(temp_dir);
       if (fs::exists(final_dir)) fs::remove_all(final_dir);
@@ -475,10 +480,26 @@ OutputDirClaim::~OutputDirClaim() {
 
 namespace {
 
-// A FIFO would block the read forever and /dev/zero never end: a checkpoint holds regular
-// files only (a symlink to one is fine).
+// Whether `file` exists as a name in its folder, not following a symbolic link (a loop of
+// links would make std::filesystem::exists throw a message that names no checkpoint).
+bool present(const std::filesystem::path& file) {
+  std::error_code ec;
+  return std::filesystem::exists(std::filesystem::symlink_status(file, ec));
+}
+
+// A checkpoint holds its own regular files: a FIFO would block the read forever and /dev/zero
+// never end, and a symbolic link (a loop of them included) would make the checkpoint another
+// file's, which can change or vanish under it.
 void require_regular_file(const std::filesystem::path& file) {
   std::error_code ec;
+  if (std::filesystem::is_symlink(std::filesystem::symlink_status(file, ec))) {
+    std::error_code ignored;
+    const auto target = std::filesystem::read_symlink(file, ignored);
+    throw CheckpointError(detail::cat(
+        "checkpoint file '", file.string(), "' is a symbolic link (to '", target.string(),
+        "'); a checkpoint holds its own files, never links: copy the file itself in its place "
+        "(cp --dereference), or resume from another checkpoint"));
+  }
   const auto status = std::filesystem::status(file, ec);
   LOOM_CHECK_AS(CheckpointError, !ec && std::filesystem::is_regular_file(status),
                 "checkpoint file '", file.string(), "' is not a regular file (",
@@ -494,9 +515,10 @@ void require_regular_file(const std::filesystem::path& file) {
 ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   namespace fs = std::filesystem;
   const fs::path manifest_path = fs::path(folder) / "manifest.json";
-  LOOM_CHECK_AS(CheckpointError, fs::is_directory(folder), "checkpoint folder '", folder,
+  std::error_code folder_error;
+  LOOM_CHECK_AS(CheckpointError, fs::is_directory(folder, folder_error), "checkpoint folder '", folder,
                 "' does not exist (check the path, or [train] resume)");
-  LOOM_CHECK_AS(CheckpointError, fs::exists(manifest_path), "'", manifest_path.string(),
+  LOOM_CHECK_AS(CheckpointError, present(manifest_path), "'", manifest_path.string(),
                 "' is missing: '", folder, "' is not a complete loom checkpoint");
   require_regular_file(manifest_path);
   // A manifest is a few kilobytes; a huge one is not one (and is not read into memory).
@@ -534,7 +556,7 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   std::optional<ShardedStateReader::File> model_file;
   for (const auto& [name, bytes, crc] : manifest.files) {
     const fs::path file = fs::path(folder) / name;
-    LOOM_CHECK_AS(CheckpointError, fs::exists(file), "checkpoint file '", file.string(),
+    LOOM_CHECK_AS(CheckpointError, present(file), "checkpoint file '", file.string(),
                   "' is missing; the checkpoint is incomplete");
     require_regular_file(file);
     const auto d = fsutil::digest(file);
@@ -565,7 +587,7 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   // Shards: present and of the right size now (a missing or truncated one fails before any
   // state changes); their crc32 when a rank first reads from them.
   for (const auto& shard : shards) {
-    LOOM_CHECK_AS(CheckpointError, fs::exists(shard.path), "optimizer shard '",
+    LOOM_CHECK_AS(CheckpointError, present(shard.path), "optimizer shard '",
                   shard.path.string(), "' is missing; the checkpoint is incomplete");
     require_regular_file(shard.path);
     const auto size = fs::file_size(shard.path);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint_format.h"
 #include "loom/safetensors.h"
@@ -174,6 +175,43 @@ TEST(Checkpoint, FolderHoldsManifestAndPythonReadableWeights) {
   EXPECT_NE(out.find("wte (64, 32)"), std::string::npos) << out;
   auto model = safetensors::load(folder / "model.safetensors").tensors;
   EXPECT_NE(out.find("count " + std::to_string(model.size())), std::string::npos) << out;
+}
+
+// Note [Manifest checksum]: the checksum covers content, not form: the manifest re-indented
+// with its keys in the reverse order still reads; one value changed, even one loom never reads,
+// does not.
+TEST(Checkpoint, ManifestChecksumCoversContentNotForm) {
+  TempDir dir;
+  auto summary =
+      Trainer::from_text(tiny_gpt_job(dir.str()), dir.path(), {"train.max_steps=1"})->run();
+  const std::string text =
+      test::read_text(std::filesystem::path(summary.last_checkpoint) / "manifest.json");
+  EXPECT_NE(text.find("\"format_version\": 3"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"manifest_crc32\""), std::string::npos) << text;
+  const auto doc = nlohmann::ordered_json::parse(text);
+  nlohmann::ordered_json reversed = nlohmann::ordered_json::object();
+  std::vector<std::string> keys;
+  for (const auto& item : doc.items()) keys.push_back(item.key());
+  for (auto key = keys.rbegin(); key != keys.rend(); ++key) reversed[*key] = doc[*key];
+  EXPECT_EQ(format::parse_manifest(reversed.dump(7), "m.json").step, 1);
+  reversed["loom_version"] = "0.0.0";
+  EXPECT_THROW_WITH(format::parse_manifest(reversed.dump(), "m.json"), CheckpointError,
+                    "'m.json' is corrupt: its content does not match its own checksum");
+}
+
+// As the reference reader: a name twice in the header, or data bytes that belong to no tensor.
+TEST(Safetensors, DuplicateNamesAndBytesOutsideTheTensorsAreRefused) {
+  const std::string twice = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                            R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  EXPECT_THROW_WITH(format::parse_safetensors_header(twice, 8 + twice.size() + 8, "x.st"),
+                    CheckpointError, "'x.st' has a corrupt header: it names 'a' twice in one object");
+  const std::string one = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  EXPECT_EQ(format::parse_safetensors_header(one, 8 + one.size() + 4, "x.st").entries.size(), 1u);
+  EXPECT_THROW_WITH(format::parse_safetensors_header(one, 8 + one.size() + 6, "x.st"),
+                    CheckpointError, "'x.st' is corrupt: 2 bytes after the last tensor");
+  const std::string gap = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  EXPECT_THROW_WITH(format::parse_safetensors_header(gap, 8 + gap.size() + 8, "x.st"),
+                    CheckpointError, "'x.st' is corrupt: 4 bytes before tensor 'a'");
 }
 
 TEST(Checkpoint, CorruptOrTruncatedCheckpointRefusesToResume) {

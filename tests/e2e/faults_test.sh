@@ -25,8 +25,15 @@ import json, os, sys, zlib
 ck = sys.argv[1]
 def manifest():
     return json.load(open(ck + "/manifest.json"))
-def write(m):
+def seal(m):  # Note [Manifest checksum]: crc32 of the rest, compact, keys sorted
+    rest = {k: v for k, v in m.items() if k != "manifest_crc32"}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return zlib.crc32(text.encode())
+def write_raw(m):  # an edit that leaves the manifest's own checksum as it was
     json.dump(m, open(ck + "/manifest.json", "w"), indent=2)
+def write(m):  # a careful editor: the manifest's own checksum made to match
+    m["manifest_crc32"] = seal(m)
+    write_raw(m)
 def fix_manifest():
     m = manifest()
     for name in m["files"]:
@@ -47,26 +54,65 @@ expect_error "model.safetensors replaced by a FIFO: refused, no hang" \
   "model.safetensors' is not a regular file (a FIFO)" resume fifo
 damage zero 'os.remove(ck + "/model.safetensors"); os.symlink("/dev/zero", ck + "/model.safetensors")'
 expect_error "model.safetensors linked to /dev/zero: refused, no hang" \
-  "model.safetensors' is not a regular file (a device)" resume zero
+  "model.safetensors' is a symbolic link (to '/dev/zero')" resume zero
+damage loop 'os.remove(ck + "/model.safetensors"); os.symlink(ck + "/model.safetensors", ck + "/model.safetensors")'
+expect_error "model.safetensors a symbolic link to itself (a loop): named" \
+  "model.safetensors' is a symbolic link" resume loop
+damage elsewhere 'os.rename(ck + "/model.safetensors", ck + "/../model-copy.safetensors"); os.symlink(ck + "/../model-copy.safetensors", ck + "/model.safetensors")'
+expect_error "model.safetensors a symbolic link to a good copy elsewhere: refused by name" \
+  "model.safetensors' is a symbolic link" resume elsewhere
+# Note [Manifest checksum]: any edit of manifest.json that does not also make its own checksum
+# match, a field loom never reads included, is refused before any field is read.
+damage edited 'm = manifest(); m["loom_version"] = "9.9.9"; write_raw(m)'
+expect_error "manifest.json edited (a field loom does not read)" \
+  "manifest.json' is corrupt: its content does not match its own checksum" resume edited
+damage flipped '
+p = ck + "/manifest.json"
+data = bytearray(open(p, "rb").read())
+at = data.index(b"config_hash") + len(b"config_hash\": \"")
+data[at] ^= 0x01  # one bit of the config hash
+open(p, "wb").write(data)'
+expect_error "one bit flipped in manifest.json" \
+  "manifest.json' is corrupt: its content does not match its own checksum" resume flipped
+damage unsealed 'm = manifest(); del m["manifest_crc32"]; write_raw(m)'
+expect_error "a format 3 manifest without its own checksum" "without its manifest_crc32" \
+  resume unsealed
+# safetensors refused as the reference reader refuses them, even with every checksum matching.
+damage trailing 'open(ck + "/model.safetensors", "ab").write(b"\0" * 16); fix_manifest()'
+expect_error "bytes appended after the last tensor of model.safetensors" \
+  "model.safetensors' is corrupt: 16 bytes after the last tensor belong to no tensor" resume trailing
+damage twice '
+p = ck + "/model.safetensors"
+data = bytearray(open(p, "rb").read())
+n = int.from_bytes(data[:8], "little")
+text = data[8:8 + n].decode()
+header = json.loads(text)
+first, second = sorted((k for k in header if k != "__metadata__"), key=len)[:2]
+# the second tensor entry renamed to the first: one name, two entries (same header length)
+assert len(first) <= len(second)
+renamed = text.replace("\"" + second + "\"", "\"" + first + " " * (len(second) - len(first)) + "\"", 1)
+renamed = renamed.replace(first + " " * (len(second) - len(first)) + "\"", first + "\"" + " " * (len(second) - len(first)), 1)
+assert len(renamed) == n
+data[8:8 + n] = renamed.encode()
+open(p, "wb").write(data)
+fix_manifest()'
+expect_error "one tensor name twice in model.safetensors' header" "twice in one object" resume twice
 damage dir 'os.remove(ck + "/trainer.safetensors"); os.mkdir(ck + "/trainer.safetensors")'
 expect_error "a directory in place of trainer.safetensors" \
   "trainer.safetensors' is not a regular file (a directory)" resume dir
 for to in I32 BF16 F16; do
   damage "dtype$to" "
+import safetensors.torch as st, torch
 p = ck + '/model.safetensors'
-data = bytearray(open(p, 'rb').read())
-n = int.from_bytes(data[:8], 'little')
-header = json.loads(data[8:8 + n])
+with open(p, 'rb') as f:
+    n = int.from_bytes(f.read(8), 'little'); header = json.loads(f.read(n))
 name = next(k for k in header if k != '__metadata__')
-header[name]['dtype'] = '$to'
-if '$to' != 'I32':  # half the bytes: the offsets shrink with the dtype
-    begin, end = header[name]['data_offsets']
-    header[name]['data_offsets'] = [begin, begin + (end - begin) // 2]
-text = json.dumps(header, separators=(',', ':')).encode()
-text += b' ' * (n - len(text)) if len(text) <= n else b''
-assert len(text) == n, 'header grew'
-data[8:8 + n] = text
-open(p, 'wb').write(data)
+# A well-formed file (the reference writer's) whose one tensor has another dtype: I32 keeps
+# the bytes, the half types the values.
+tensors = st.load_file(p)
+tensors[name] = {'I32': lambda t: t.view(torch.int32), 'BF16': lambda t: t.to(torch.bfloat16),
+                 'F16': lambda t: t.to(torch.float16)}['$to'](tensors[name])
+st.save_file(tensors, p, metadata=header.get('__metadata__'))
 fix_manifest()"
   expect_error "a tensor's dtype changed to $to in model.safetensors" "but the model holds Float" \
     resume "dtype$to"
