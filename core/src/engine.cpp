@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "checkpoint_io.h"
+#include "evaluation/evaluator.h"
 #include "run_checkpoint.h"
 #include "device.h"
 #include "engine_factory.h"
@@ -220,8 +221,23 @@ class EngineImpl final : public Engine, public Trainer {
     sampler.seed = seed_;
     sampler.rank = comm_->rank();
     sampler.world_size = comm_->world_size();
-    auto dataset = resolved_.data.provider->plugin->create_dataset(
+    std::shared_ptr<const Dataset> dataset = resolved_.data.provider->plugin->create_dataset(
         resolved_.data.name, resolved_.section("data"), *this);
+    // Note [Evaluation]: the evaluation set, a share held out of [data] or [eval_data]'s own.
+    std::shared_ptr<const Dataset> eval_set;
+    if (const double split = resolved_.section("data").get_float("validation_split"); split > 0) {
+      SplitDatasets parts = split_for_validation(std::move(dataset), split, seed_);
+      dataset = std::move(parts.train);
+      eval_set = std::move(parts.eval);
+    } else if (resolved_.eval_data.provider) {
+      eval_set = resolved_.eval_data.provider->plugin->create_dataset(
+          resolved_.eval_data.name, resolved_.section("eval_data"), *this);
+    }
+    if (eval_set)
+      evaluator_ = std::make_unique<Evaluator>(
+          std::move(eval_set),
+          Evaluator::Options{train.get_int("per_device_eval_batch_size"), comm_->rank(),
+                             comm_->world_size()});
     data_ = std::make_unique<SampledSource>(std::move(dataset), sampler);
     fire(Event::setup);
 
@@ -255,6 +271,8 @@ class EngineImpl final : public Engine, public Trainer {
               state_.accumulation_steps, " micro-batches x ", comm_->world_size(),
               " rank(s) = ", sampler.batch_size * state_.accumulation_steps * comm_->world_size(),
               " samples per step");
+    if (evaluator_)
+      log::info("eval data ", evaluator_->describe(), "; ", eval_when(train));
     log::info("optimizer ", rule_->name(), ", lr ", train.get_float("learning_rate"), " (",
               schedule_.describe(), "), max_grad_norm ", train.get_float("max_grad_norm"));
     setup_done_ = true;
@@ -265,6 +283,7 @@ class EngineImpl final : public Engine, public Trainer {
     if (state_.step >= state_.max_steps) return false;
     const auto start = Clock::now();
     const auto& train = resolved_.section("train");
+    const int64_t epoch_before = epoch_of_next_batch();
     state_.lr = schedule_.lr(state_.step);
     driver_->zero_grad();
     state_.metrics.clear();
@@ -398,6 +417,7 @@ class EngineImpl final : public Engine, public Trainer {
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     report_->report(state_, seconds, samples, tokens);
     fire(Event::step_end);
+    if (evaluation_due(train, epoch_before)) evaluate();
     const int64_t every = train.get_int("save_steps");
     if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps)
       save_checkpoint();
@@ -410,6 +430,7 @@ class EngineImpl final : public Engine, public Trainer {
       setup();
       const auto start = Clock::now();
       const int64_t first = state_.step;
+      if (evaluator_ && resolved_.section("train").get_bool("eval_on_start")) evaluate();
       while (!stop_signal_ && step()) {
       }
       if (report_) report_->end_progress();
@@ -464,6 +485,44 @@ class EngineImpl final : public Engine, public Trainer {
     saved_step_ = state_.step;
     saved_folder_ = folder;
     return folder;
+  }
+
+  // Note [Evaluation] (evaluation/evaluator.h).
+  std::vector<std::pair<std::string, double>> evaluate() override {
+    setup();
+    LOOM_CHECK_AS(ConfigError, evaluator_, "this job has no evaluation set: add an [eval_data] "
+                  "table (any data source) or [data] validation_split");
+    Evaluator::Metrics metrics;
+    {
+      // Back to training however the evaluation ends.
+      struct TrainAgain {
+        EngineImpl& engine;
+        ~TrainAgain() {
+          engine.state_.evaluating = false;
+          engine.model_->train();
+        }
+      } train_again{*this};
+      state_.evaluating = true;
+      model_->eval();
+      at::NoGradGuard no_grad;
+      metrics = evaluator_->run(
+          [this](const Batch& host) {
+            batch_ = device_.is_cuda() ? host.pinned().to(device_, /*non_blocking=*/true)
+                                       : host.to(device_);
+            fire(Event::before_forward);
+            nn::detail::reset_aux_losses();
+            output_ = model_->forward(batch_);
+            fire(Event::after_forward);
+            Output out = std::move(output_);
+            output_ = Output{};
+            return out;
+          },
+          comm_.get());
+    }
+    state_.eval_metrics = metrics;
+    report_->report_eval(state_.step, metrics);
+    fire(Event::evaluate);
+    return metrics;
   }
 
   Engine& engine() override { return *this; }
@@ -588,6 +647,37 @@ class EngineImpl final : public Engine, public Trainer {
     apply_param_groups(resolved_.section("optimizer"), params_);
   }
 
+  // eval_strategy's moments: every eval_steps steps (0: logging_steps, as the Trainer), or the
+  // step that took an epoch's last batch.
+  int64_t eval_every(const ConfigSection& train) const {
+    const int64_t steps = train.get_int("eval_steps");
+    return steps > 0 ? steps : std::max<int64_t>(1, train.get_int("logging_steps"));
+  }
+  std::string eval_when(const ConfigSection& train) const {
+    const std::string strategy = train.get_string("eval_strategy");
+    std::string when = strategy == "steps"   ? detail::cat("every ", eval_every(train), " steps")
+                       : strategy == "epoch" ? std::string("at the end of every epoch")
+                                             : std::string("never during training");
+    if (train.get_bool("eval_on_start")) when += ", and before the first step";
+    return "evaluated " + when;
+  }
+  bool evaluation_due(const ConfigSection& train, int64_t epoch_before) const {
+    if (!evaluator_) return false;
+    const std::string strategy = train.get_string("eval_strategy");
+    if (strategy == "steps") return state_.step % eval_every(train) == 0;
+    return strategy == "epoch" && epoch_of_next_batch() > epoch_before;
+  }
+  // The data position is of the next batch, and an epoch whose last batch was taken rolls over
+  // only when the next is drawn: {e, end of e} is the start of e + 1.
+  int64_t epoch_of_next_batch() const {
+    const DataPosition next = data_->position();
+    const Sampler& sampler = data_->sampler();
+    const int64_t per_rank = sampler.samples_per_rank(), batch = sampler.options().batch_size;
+    const bool finished = next.cursor >= per_rank ||
+                          (sampler.options().drop_last && next.cursor + batch > per_rank);
+    return finished ? next.epoch + 1 : next.epoch;
+  }
+
   // The plugin filling Slot::step_driver makes the driver; else the core's default one.
   std::unique_ptr<StepDriver> make_driver(const StepDriverOptions& options) {
     for (auto* plugin : resolved_.table_plugins)
@@ -706,6 +796,7 @@ class EngineImpl final : public Engine, public Trainer {
   Output output_;
   CheckpointData checkpoint_;
   std::unique_ptr<StepReport> report_;
+  std::unique_ptr<Evaluator> evaluator_;  // null: no evaluation set
   std::string output_dir_;
   std::unique_ptr<OutputDirClaim> claim_;  // rank 0: Note [One run per output_dir]
   bool setup_done_ = false;

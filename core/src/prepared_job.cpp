@@ -41,6 +41,7 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   LOOM_CHECK_AS(ConfigError, train.get_int("save_total_limit") >= 0,
                 train.where("save_total_limit"),
                 ": [train] save_total_limit must be >= 0 (0 = keep all)");
+  check_evaluation();
   schedule_ = make_schedule(train);
   log_level_ = log::parse_level(train.get_string("log_level"));
   cpu::parse_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
@@ -77,6 +78,9 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
     if (purpose_ == Purpose::inference && std::string(table) == "data") continue;
     choice->provider->plugin->validate(choice->name, section(table), tables);
   }
+  if (resolved_.eval_data.provider && purpose_ != Purpose::inference)
+    resolved_.eval_data.provider->plugin->validate(resolved_.eval_data.name, section("eval_data"),
+                                                   tables);
   for (auto* plugin : resolved_.table_plugins)
     plugin->plugin->validate(plugin->name, section(plugin->name), tables);
 
@@ -109,6 +113,37 @@ void PreparedJob::add_default_data_parallelism() {
   std::get<ConfigTable>(with_ddp.root.value).emplace_back("ddp", std::move(ddp));
   resolved_ = resolve(with_ddp, host_);
   default_ddp_ = true;
+}
+
+// Note [Evaluation]: when and on what, checked before anything is built.
+void PreparedJob::check_evaluation() const {
+  const auto& train = section("train");
+  const std::string strategy = train.get_string("eval_strategy");
+  LOOM_CHECK_AS(ConfigError, strategy == "no" || strategy == "steps" || strategy == "epoch",
+                train.where("eval_strategy"), ": [train] eval_strategy = \"", strategy,
+                "\" is unknown; use \"no\", \"steps\" or \"epoch\"");
+  LOOM_CHECK_AS(ConfigError, train.get_int("eval_steps") >= 0, train.where("eval_steps"),
+                ": [train] eval_steps must be >= 0 (0 = logging_steps), got ",
+                train.get_int("eval_steps"));
+  LOOM_CHECK_AS(ConfigError, train.get_int("per_device_eval_batch_size") > 0,
+                train.where("per_device_eval_batch_size"),
+                ": [train] per_device_eval_batch_size must be positive, got ",
+                train.get_int("per_device_eval_batch_size"));
+  const auto& data = section("data");
+  const double split = data.get_float("validation_split");
+  LOOM_CHECK_AS(ConfigError, split >= 0 && split < 1, data.where("validation_split"),
+                ": [data] validation_split must be in [0, 1) (the share held out), got ", split);
+  const bool table = resolved_.eval_data.provider != nullptr;
+  LOOM_CHECK_AS(ConfigError, !(table && split > 0), data.where("validation_split"),
+                ": [data] validation_split = ", split, " and an [eval_data] table both give an "
+                "evaluation set; keep one of them");
+  const bool evaluates = strategy != "no" || train.get_bool("eval_on_start");
+  LOOM_CHECK_AS(ConfigError, !evaluates || table || split > 0,
+                train.where(strategy != "no" ? "eval_strategy" : "eval_on_start"),
+                ": [train] ", strategy != "no" ? "eval_strategy = \"" + strategy + "\""
+                                               : std::string("eval_on_start = true"),
+                " needs evaluation data: an [eval_data] table (any data source) or [data] "
+                "validation_split = 0.1 (a share of [data] held out)");
 }
 
 std::string PreparedJob::resolve_path(const std::string& path) const {
@@ -152,6 +187,9 @@ std::string PreparedJob::describe() const {
       << plugin_label(resolved_.model.provider) << ")\n";
   out << "  data       " << resolved_.data.name << "  (plugin "
       << plugin_label(resolved_.data.provider) << ")\n";
+  if (resolved_.eval_data.provider)
+    out << "  eval data  " << resolved_.eval_data.name << "  (plugin "
+        << plugin_label(resolved_.eval_data.provider) << ")\n";
   out << "  optimizer  " << resolved_.update_rule.name << "  (plugin "
       << plugin_label(resolved_.update_rule.provider) << ")\n";
   out << "  plugins    ";

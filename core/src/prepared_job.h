@@ -55,6 +55,7 @@ class PreparedJob {
 
  private:
   void check_output_dir() const;
+  void check_evaluation() const;
   void add_default_data_parallelism();
 
   Job job_;

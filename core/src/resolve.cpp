@@ -297,7 +297,15 @@ std::vector<Schema> core_schemas() {
       .key_int("logging_steps", 10, "log a line every N steps (metrics.jsonl gets every step)")
       .key_string("log_level", "info", "debug | info | warn | error")
       .key_bool("log_all_ranks", false, "let every rank log, not only rank 0")
-      .key_bool("progress_bar", true, "show a progress bar when stderr is a terminal");
+      .key_bool("progress_bar", true, "show a progress bar when stderr is a terminal")
+      .key_string("eval_strategy", "no",
+                  "when to evaluate (Note [Evaluation]): no | steps (every eval_steps) | epoch "
+                  "(when [data] starts a new epoch); needs [eval_data] or [data] validation_split")
+      .key_int("eval_steps", 0, "evaluate every N steps with eval_strategy = \"steps\" (0 = "
+               "logging_steps, as Hugging Face's Trainer)")
+      .key_int("per_device_eval_batch_size", 8, "samples per evaluation batch on each rank")
+      .key_bool("eval_on_start", false,
+                "evaluate once before the first step of this run (a sanity check)");
   schemas.push_back(train);
   Schema plugins("plugins");
   plugins.key_optional("path", ValueType::Any,
@@ -310,8 +318,16 @@ std::vector<Schema> core_schemas() {
   Schema data("data");
   data.key_string("source", "random_tokens", "the data source: random_tokens | text | tokens")
       .key_bool("shuffle", true, "shuffle the samples every epoch (seeded)")
-      .key_bool("drop_last", true, "drop the last incomplete batch of an epoch");
+      .key_bool("drop_last", true, "drop the last incomplete batch of an epoch")
+      .key_float("validation_split", 0.0,
+                 "a share of the samples (0 <= x < 1) held out as the evaluation set instead "
+                 "of an [eval_data] table: a seeded ([train] seed) choice, never trained on");
   schemas.push_back(data);
+  Schema eval_data("eval_data");
+  eval_data.key_string("source", "",
+                       "the evaluation set (Note [Evaluation]): any [data] source with its keys; "
+                       "\"\" = [data]'s source. Read in order, whole, split over the ranks");
+  schemas.push_back(eval_data);
   Schema optimizer("optimizer");
   optimizer.key_string("name", "adamw", "the update rule: adamw (core) or a plugin's")
       .key_optional("param_groups", ValueType::Array,
@@ -413,6 +429,24 @@ ResolvedJob resolve(const Job& job, PluginHost& host) {
     const Schema& schema = schema_for(*picked.provider, table, picked.name, storage);
     out.sections[table] = validate(table, values, merged(core[table], schema), file);
     (table == "data" ? out.data : out.update_rule) = picked;
+  }
+  // [eval_data]: a second data source, of any provider, with that provider's keys.
+  if (const ConfigValue* values = job.table("eval_data")) {
+    LOOM_CHECK_AS(ConfigError, values->is_table(), values->where, ": 'eval_data' must be a table");
+    std::string choice = out.data.name, where = file + " [eval_data] (default: [data]'s source)";
+    if (const ConfigValue* chosen = values->find("source")) {
+      const auto* name = std::get_if<std::string>(&chosen->value);
+      LOOM_CHECK_AS(ConfigError, name, chosen->where, ": [eval_data] source must be a string");
+      if (!name->empty()) {
+        choice = *name;
+        where = chosen->where;
+      }
+    }
+    out.eval_data = choose(host, "data", choice, where, "data source");
+    std::vector<Schema> storage;
+    const Schema& schema = schema_for(*out.eval_data.provider, "data", out.eval_data.name, storage);
+    out.sections["eval_data"] =
+        validate("eval_data", values, merged(core["eval_data"], schema), file);
   }
 
   // Every other table switches on the plugin of that name.

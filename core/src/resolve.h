@@ -23,6 +23,8 @@ struct ResolvedJob {
   };
   std::map<std::string, ConfigSection> sections;  // every table, validated, incl. defaults
   Choice model, data, update_rule;
+  // [eval_data]'s source (Note [Evaluation]): provider null when the job has no such table.
+  Choice eval_data;
   std::vector<LoadedPlugin*> table_plugins;  // switched on by their own table
   std::vector<LoadedPlugin*> active;         // all of the above, no repeats, in the order
                                              // their constraints give (Note [Plugin order])

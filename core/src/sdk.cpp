@@ -41,6 +41,7 @@ const char* to_string(Event event) {
     case Event::before_update: return "before_update";
     case Event::after_update: return "after_update";
     case Event::step_end: return "step_end";
+    case Event::evaluate: return "evaluate";
     case Event::save: return "save";
     case Event::load: return "load";
     case Event::teardown: return "teardown";

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "loom/error.h"
 #include "loom/log.h"
 #include "loom/memory.h"
 
@@ -88,6 +89,20 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
               " grad_norm ", state.grad_norm, " ", samples_per_s, " samples/s ", tokens_per_s,
               " tokens/s, memory ", memory::format_bytes(memory_now.current_bytes), " (peak ",
               memory::format_bytes(memory_now.peak_bytes), ")");
+}
+
+void StepReport::report_eval(int64_t step,
+                             const std::vector<std::pair<std::string, double>>& metrics) {
+  if (options_.rank == 0) {
+    nlohmann::ordered_json line = {{"step", step}};
+    for (const auto& [key, value] : metrics) line[key] = value;
+    std::ofstream out(options_.metrics_path, std::ios::app);
+    out << line.dump() << "\n";
+  }
+  std::string text;
+  for (const auto& [key, value] : metrics) text += detail::cat(" ", key, " ", value);
+  log::end_status();  // the evaluation's line below the progress bar, not over it
+  log::info("eval at step ", step, ":", text);
 }
 
 void StepReport::end_progress() { log::end_status(); }

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "loom/engine.h"
 
@@ -28,6 +30,9 @@ class StepReport {
   void start_fresh() const;
   // After step state.step: `seconds` it took, `samples` and `tokens` this rank trained.
   void report(const TrainState& state, double seconds, int64_t samples, int64_t tokens);
+  // After an evaluation at step `step`: its metrics as one line of metrics.jsonl (rank 0) and
+  // one log line.
+  void report_eval(int64_t step, const std::vector<std::pair<std::string, double>>& metrics);
   // Ends the progress bar's line, if one is shown.
   void end_progress();
 

@@ -448,6 +448,7 @@ class Moe final : public loom::Plugin {
   }
 
   void collect(loom::Engine& engine) {
+    if (engine.state().evaluating) return;  // the training window's statistics only
     if (engine.state().micro_step == 0) window_ = {};
     for (const auto& layer : layers_) {
       const LayerStats& s = layer->stats();

@@ -96,6 +96,25 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
       {"lora adapter folder", "", "[lora]\nadapter_path = \"no_adapter\"\n",
        {"[lora] adapter_path", "no_adapter holds no adapter_model.safetensors"}},
       {"unknown precision mode", "", "[precision]\nmode = \"fp8\"\n", {"mode", "fp8"}},
+      // Evaluation (Note [Evaluation]).
+      {"unknown eval_strategy", "", "", {"eval_strategy = \"step\" is unknown", "\"steps\""}},
+      {"evaluation without data", "", "",
+       {"eval_strategy = \"steps\" needs evaluation data", "[eval_data]", "validation_split"}},
+      {"two evaluation sets",
+       "[data]\nsource = \"random_tokens\"\ntask = \"lm\"\nseq_len = 16\nvocab_high = 64\n"
+       "validation_split = 0.1\n",
+       "[eval_data]\nseq_len = 16\n", {"validation_split = 0.1 and an [eval_data] table"}},
+      {"validation_split of everything",
+       "[data]\nsource = \"random_tokens\"\ntask = \"lm\"\nseq_len = 16\nvocab_high = 64\n"
+       "validation_split = 1.0\n",
+       "", {"validation_split must be in [0, 1)"}},
+      {"eval batch of zero", "", "[eval_data]\nseq_len = 16\n",
+       {"per_device_eval_batch_size must be positive"}},
+      {"eval data source unknown", "", "[eval_data]\nsource = \"jsonll\"\n",
+       {"no plugin provides data source 'jsonll'"}},
+      {"eval data file missing", "",
+       "[eval_data]\nsource = \"text\"\npath = \"held_out.txt\"\nseq_len = 16\n",
+       {"path 'held_out.txt': cannot read"}},
       // The output folder.
       {"an earlier run's checkpoints", "", "",
        {"already holds checkpoints of an earlier run", "resume = \"latest\""}},
@@ -120,6 +139,9 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
     if (name == "nccl on a cpu") set = {"train.device=\"cpu\""};
     if (name == "heads not dividing the width") set = {"model.n_head=5"};
     if (name == "a resume folder that is not there") set = {"train.resume=\"nowhere\""};
+    if (name == "unknown eval_strategy") set = {"train.eval_strategy=\"step\""};
+    if (name == "evaluation without data") set = {"train.eval_strategy=\"steps\""};
+    if (name == "eval batch of zero") set = {"train.per_device_eval_batch_size=0"};
     if (name == "text shorter than a sample") std::ofstream(dir / "short.txt") << "too short";
     if (name == "tokens of odd length") std::ofstream(dir / "odd.bin") << "abc";
     if (name == "an earlier run's checkpoints") {

@@ -3,7 +3,8 @@
 # Slurm's variables): N ranks with batch b end with the parameters of 1 process with batch N*b
 # (20 steps, accumulation 2, clipping), for adamw, adafactor and adam8bit at N = 1, 2, 4 and sgd
 # and lion at N = 2; bf16 weights (fp32 masters sharded), fp16 with the loss scaler, activation
-# checkpointing and LoRA under stage 3 equal plain data parallelism; the communication volume
+# checkpointing and LoRA under stage 3 equal plain data parallelism; evaluation under stage 3
+# changes no weight and its eval_loss is one process's; the communication volume
 # per step; a 4-rank stage-3 checkpoint resumes on 2 and 3 ranks (weights and optimizer state
 # resharded) to the uninterrupted run's parameters, and `loom consolidate` of it is the
 # single-process model in a file Python reads; a missing or foreign shard, bad [zero] keys and
@@ -107,6 +108,26 @@ compose() {  # NAME SETS...
 compose fp16 --set 'precision.mode="fp16"'
 compose checkpointing --set checkpointing.every=1
 compose lora --set lora.r=4 --set 'lora.target_modules=["qkv","fc_in"]'
+
+# --- Note [Evaluation] under stage 3: every rank gathers each unit for the evaluation's
+# forwards together (7 samples on 2 ranks in batches of 2: one rank's last batch is a filler).
+# Evaluating changes no weight (bitwise the same run without), and the step-0 eval_loss of 2
+# ranks is one process's (sums, not means of means).
+eval_job=$work/eval_job.toml
+{ cat "$job"; printf '\n[eval_data]\nnum_samples = 7\nseq_len = 16\nvocab_low = 0\nvocab_high = 64\ntask = "lm"\n'; } >"$eval_job"
+evaluating=(--set 'train.eval_strategy="steps"' --set train.eval_steps=5 --set train.eval_on_start=true
+            --set train.per_device_eval_batch_size=2)
+first_eval_loss() { "$python" -c "import json,sys; print(next(json.loads(l)['eval_loss'] for l in open(sys.argv[1]) if 'eval_loss' in l))" "$1/metrics.jsonl"; }
+if job=$eval_job ranks mpi 2 "$work/eval-s3" --set optimizer.eps=1e-5 --set zero.stage=3 "${evaluating[@]}" &&
+   d=$(same_params "$work/adamw-s3-n2" "$work/eval-s3" 0) &&
+   [ "$(grep -c eval_loss "$work/eval-s3/metrics.jsonl")" -eq 5 ]; then
+  ok "stage 3 on 2 ranks evaluating at steps 0, 5, 10, 15, 20 == the same run without ($d)"
+else fail "stage 3 with evaluation: ${d:-} $(grep -v '^\s*$' "$work/eval-s3.log" | tail -3)"; fi
+if job=$eval_job ranks none 1 "$work/eval-one" --set train.max_steps=0 "${evaluating[@]}" &&
+   "$python" -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1e-6 * abs(a))" \
+     "$(first_eval_loss "$work/eval-one")" "$(first_eval_loss "$work/eval-s3")"; then
+  ok "step-0 eval_loss on 2 ranks (stage 3) == 1 process's ($(first_eval_loss "$work/eval-s3"))"
+else fail "eval_loss over ranks: $(first_eval_loss "$work/eval-one" 2>&1) vs $(first_eval_loss "$work/eval-s3" 2>&1)"; fi
 
 # --- communication per step: reduce-scatter + all-gather of the padded flat groups (2 Psi at
 # stage 1; stage 2 reduce-scatters each of the 2 micro-steps: 3 Psi).

@@ -28,27 +28,32 @@ for job in "$src"/examples/*.toml; do
   "$loom" check "$job" >/dev/null && ok "check $(basename "$job")" || fail "check $job"
 done
 
-# The demo job, shortened.
+# The demo job, shortened, evaluating its held-out 5 % every 20 steps.
 out="$work/demo"
 if "$loom" run "$src/examples/demo.toml" --set train.max_steps=40 --set "train.output_dir=$out" \
-     --set train.resume= --set train.save_steps=0 >"$work/demo.log" 2>&1; then
+     --set train.resume= --set train.save_steps=0 --set train.eval_steps=20 >"$work/demo.log" 2>&1; then
   ok "demo runs"
 else
   fail "demo runs: $(tail -5 "$work/demo.log")"
 fi
 grep -q "intra-op threads" "$work/demo.log" && ok "header prints the thread count" \
   || fail "header prints the thread count"
-lines=$(wc -l <"$out/metrics.jsonl" 2>/dev/null || echo 0)
-[ "$lines" -eq 40 ] && ok "metrics.jsonl has 40 lines" || fail "metrics.jsonl has $lines lines"
-"$python" - "$out/metrics.jsonl" <<'PY' && ok "loss falls and metrics have every field" || fail "loss falls"
-import json, sys
+lines=$(grep -c '"loss"' "$out/metrics.jsonl" 2>/dev/null || echo 0)
+[ "$lines" -eq 40 ] && ok "metrics.jsonl has 40 step lines" || fail "metrics.jsonl has $lines step lines"
+"$python" - "$out/metrics.jsonl" <<'PY' && ok "loss falls, metrics have every field, eval_loss at steps 20 and 40 falls" || fail "loss falls"
+import json, math, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
+steps = [r for r in rows if "loss" in r]
+evals = [r for r in rows if "eval_loss" in r]
 need = {"step", "loss", "lr", "samples_per_s", "tokens_per_s", "mem_current_bytes", "mem_peak_bytes"}
-assert all(need <= set(r) for r in rows), rows[0]
-first = sum(r["loss"] for r in rows[:5]) / 5
-last = sum(r["loss"] for r in rows[-5:]) / 5
+assert all(need <= set(r) for r in steps), steps[0]
+first = sum(r["loss"] for r in steps[:5]) / 5
+last = sum(r["loss"] for r in steps[-5:]) / 5
 print(f"loss {first:.3f} -> {last:.3f}")
 assert last < first - 1.0, (first, last)
+assert [r["step"] for r in evals] == [20, 40], evals
+assert evals[1]["eval_loss"] < evals[0]["eval_loss"], evals
+assert abs(evals[0]["eval_perplexity"] - math.exp(evals[0]["eval_loss"])) < 1e-9 * evals[0]["eval_perplexity"]
 PY
 [ -f "$out/checkpoint-40/manifest.json" ] && ok "final checkpoint written" || fail "final checkpoint"
 

@@ -61,6 +61,10 @@ class Trainer {
   virtual RunSummary run() = 0;
   // Writes a checkpoint of the current step now; returns its folder.
   virtual std::string save_checkpoint() = 0;
+  // Note [Evaluation]: the evaluation set ([eval_data] or [data] validation_split) through the
+  // model now, on every rank together; the metrics ("eval_loss", ...), also written to
+  // metrics.jsonl and the log. A ConfigError when the job has no evaluation set.
+  virtual std::vector<std::pair<std::string, double>> evaluate() = 0;
   virtual Engine& engine() = 0;
 };
 

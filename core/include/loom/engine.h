@@ -7,7 +7,9 @@
 //   per optimizer step:
 //     per micro-batch k = 0..A-1:  batch → before_forward → after_forward
 //                                  → before_backward → grad_ready(param)* → after_backward
-//     before_update → (update, unless skipped) → after_update → step_end → [save]
+//     before_update → (update, unless skipped) → after_update → step_end
+//     → [evaluation: per eval batch before_forward → after_forward (state.evaluating), then
+//        evaluate] → [save]
 //   teardown (also after an error, best effort)
 #pragma once
 
@@ -41,7 +43,8 @@ class UnitList;
 
 enum class Event {
   setup, model_built, params_ready, batch, before_forward, after_forward, before_backward,
-  grad_ready, after_backward, before_update, after_update, step_end, save, load, teardown
+  grad_ready, after_backward, before_update, after_update, step_end, evaluate, save, load,
+  teardown
 };
 const char* to_string(Event event);
 
@@ -61,6 +64,11 @@ struct TrainState {
   bool skip_update = false;         // set in before_update to skip this update
   bool grads_scaled = false;        // grads are still multiplied by loss_scale
   bool sync_grads = true;           // false on micro-steps where grad_sync must not communicate
+  // Note [Evaluation]: true during an evaluation's forwards (model in eval mode, no gradients,
+  // no backward or update follows; before_forward and after_forward fire for each eval batch).
+  bool evaluating = false;
+  // The last evaluation's numbers ("eval_loss", ...), from the evaluate event on.
+  std::vector<std::pair<std::string, double>> eval_metrics;
   // Extra numbers of this step for metrics.jsonl (plugins add; cleared when a step starts).
   std::vector<std::pair<std::string, double>> metrics;
   bool is_last_micro_step() const { return micro_step + 1 == accumulation_steps; }

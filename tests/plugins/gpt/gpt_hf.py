@@ -6,6 +6,9 @@ reference. usage:
   gpt_hf.py train DIR BATCHES OUT        5 steps of torch AdamW on BATCHES (input_ids, labels
                                          per step) from DIR: the losses
   gpt_hf.py generate DIR IDS N OUT       greedy generate() of N new tokens after IDS' input_ids
+  gpt_hf.py eval DIR TOKENS SEQ OUT [DIR2...]  the mean next-token loss (loss.0, loss.1...) of
+                                         each folder over every target of the windows of SEQ + 1
+                                         ids (stride SEQ) of the uint16 file TOKENS
 """
 import sys
 
@@ -62,3 +65,19 @@ elif mode == "generate":
         top2 = model(out).logits[0, ids.size(1) - 1:-1].topk(2, dim=-1).values
         assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4, "a near tie: the test is not sharp"
     save_file({"ids": out[0].contiguous()}, sys.argv[5])
+elif mode == "eval":
+    import numpy as np
+    ids = torch.from_numpy(np.fromfile(sys.argv[3], dtype=np.uint16).astype(np.int64))
+    seq = int(sys.argv[4])
+    windows = [ids[s:s + seq + 1] for s in range(0, len(ids) - seq, seq)]
+    out = {"windows": torch.tensor([len(windows)])}
+    for i, path in enumerate([folder] + sys.argv[6:]):
+        model = GPT2LMHeadModel.from_pretrained(path).eval()
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for w in windows:
+                logits = model(w[:-1].unsqueeze(0)).logits[0]
+                total += torch.nn.functional.cross_entropy(logits.float(), w[1:],
+                                                           reduction="sum").double()
+        out[f"loss.{i}"] = (total / (seq * len(windows))).reshape(1)
+    save_file(out, sys.argv[5])

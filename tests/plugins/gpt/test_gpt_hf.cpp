@@ -4,6 +4,7 @@
 // transformers + torch AdamW on the same batches; bad folders are clear errors.
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -71,6 +72,45 @@ TEST(GptHf, ImportedModelsGiveTransformersLogits) {
     const auto ref = load(hf / "ref.safetensors");
     expect_close(logits_of(trainer->engine(), ref.at("input_ids")), ref.at("logits"), 1e-5);
   }
+}
+
+// Note [Evaluation]: eval_loss of an imported model, before the first step and after a
+// fine-tune (exported), is transformers' mean loss over the same evaluation windows.
+TEST(GptHf, EvalLossIsTransformersLossBeforeAndAfterFineTuning) {
+  TempDir dir;
+  const fs::path hf = dir / "hf";
+  python("['make', '" + hf.string() + "']");
+  {
+    std::ofstream tokens(dir / "eval.bin", std::ios::binary);
+    for (uint16_t i = 0; i < 5 * 16 + 1; ++i) {  // 5 windows of 16 (+1)
+      const uint16_t id = static_cast<uint16_t>((i * 13 + 5) % 96);
+      tokens.write(reinterpret_cast<const char*>(&id), sizeof id);
+    }
+  }
+  const std::string job = import_job(
+      dir.str(), hf.string(), 4,
+      "[eval_data]\nsource = \"tokens\"\npath = \"eval.bin\"\nseq_len = 16\n");
+  auto trainer = Trainer::from_text(
+      job, dir.path(),
+      {"train.eval_strategy=\"steps\"", "train.eval_steps=4", "train.eval_on_start=true",
+       "train.per_device_eval_batch_size=2", "train.save_final=true"});
+  const auto summary = trainer->run();
+  std::vector<double> eval_loss;
+  std::ifstream metrics(dir / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    if (const auto at = line.find("\"eval_loss\":"); at != std::string::npos)
+      eval_loss.push_back(std::stod(line.substr(at + 12)));
+  ASSERT_EQ(eval_loss.size(), 2u);
+  const fs::path exported = dir / "exported";
+  export_checkpoint(summary.last_checkpoint, exported);
+  python("['eval', '" + hf.string() + "', '" + (dir / "eval.bin").string() + "', '16', '" +
+         (dir / "ref_eval.safetensors").string() + "', '" + exported.string() + "']");
+  const auto ref = load(dir / "ref_eval.safetensors");
+  ASSERT_EQ(ref.at("windows").item<int64_t>(), 5);
+  EXPECT_NEAR(eval_loss[0], ref.at("loss.0").item<double>(), 1e-5) << "before the first step";
+  EXPECT_NEAR(eval_loss[1], ref.at("loss.1").item<double>(), 1e-5) << "after 4 steps";
+  // Four steps at lr 1e-3 moved the model: the second comparison is not the first again.
+  EXPECT_GT(std::abs(eval_loss[0] - eval_loss[1]), 1e-3);
 }
 
 TEST(GptHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
