@@ -252,7 +252,7 @@ std::string non_finite_problem(const CheckpointContents& c) {
 }
 
 std::string write_checkpoint_folder(const std::string& output_dir, const CheckpointContents& c,
-                                    int64_t keep, Comm& comm) {
+                                    int64_t keep, Comm& comm, int64_t protect_step) {
   namespace fs = std::filesystem;
   const int rank = comm.rank(), world = comm.world_size();
   const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(c.step));
@@ -393,8 +393,16 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
                 " failed on rank 0", error.empty() ? std::string() : ": " + error,
                 "; the previous checkpoints are intact");
   if (rank == 0 && keep > 0) {
-    auto all = checkpoints_in(output_dir);
-    for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i].second);
+    // Note [Best model]: the protected checkpoint stays and counts as one of the kept; the
+    // newest always stays too.
+    std::vector<std::pair<int64_t, fs::path>> others;
+    for (auto& entry : checkpoints_in(output_dir))
+      if (entry.first != protect_step || protect_step == c.step) others.push_back(std::move(entry));
+    const fs::path best = fs::path(output_dir) / ("checkpoint-" + std::to_string(protect_step));
+    // The newest protected is plain rotation; an older one takes one of the places.
+    const bool protecting = protect_step >= 0 && protect_step != c.step && fs::exists(best);
+    const size_t room = static_cast<size_t>(std::max<int64_t>(1, keep - (protecting ? 1 : 0)));
+    for (size_t i = 0; i + room < others.size(); ++i) fs::remove_all(others[i].second);
   }
   return final_dir.string();
 }
@@ -402,9 +410,9 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
 }  // namespace
 
 std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
-                             int64_t keep, Comm& comm) {
+                             int64_t keep, Comm& comm, int64_t protect_step) {
   try {
-    return write_checkpoint_folder(output_dir, c, keep, comm);
+    return write_checkpoint_folder(output_dir, c, keep, comm, protect_step);
   } catch (...) {
     // Whatever failed (a peer gone mid-save included), no half-written folder stays behind.
     if (comm.rank() == 0) {

@@ -42,9 +42,10 @@ struct CheckpointContents {
 class Comm;
 
 // Every rank calls it. Writes <output_dir>/checkpoint-<step>; keeps only the newest `keep`
-// (0 = all). Returns the folder (on every rank).
+// (0 = all), never deleting checkpoint-<protect_step> (Note [Best model]: the best checkpoint,
+// which counts as one of them). Returns the folder (on every rank).
 std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& contents,
-                             int64_t keep, Comm& comm);
+                             int64_t keep, Comm& comm, int64_t protect_step = -1);
 
 struct ReadCheckpoint {
   CheckpointContents contents;  // all but `optimizer`, which `state` reads on demand

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "checkpoint_io.h"
+#include "evaluation/best_model.h"
 #include "evaluation/evaluator.h"
 #include "run_checkpoint.h"
 #include "device.h"
@@ -238,6 +239,21 @@ class EngineImpl final : public Engine, public Trainer {
           std::move(eval_set),
           Evaluator::Options{train.get_int("per_device_eval_batch_size"), comm_->rank(),
                              comm_->world_size()});
+    best_ = BestModel(BestModel::options_from(train));  // Note [Best model]
+    if (best_.tracking() && evaluator_) {
+      // The metrics a classifier's evaluation gives differ from a language model's: said now,
+      // not at the first evaluation.
+      const std::string& metric = best_.options().metric;
+      const bool classifies = evaluator_->classifies();
+      const bool needs_classes = metric == "eval_accuracy" || metric == "eval_f1";
+      LOOM_CHECK_AS(ConfigError, !(metric == "eval_perplexity" && classifies),
+                    train.where("metric_for_best_model"), ": [train] metric_for_best_model '",
+                    metric, "' is never computed: the evaluation set holds classification labels "
+                    "(eval_loss, eval_accuracy, eval_f1)");
+      LOOM_CHECK_AS(ConfigError, !needs_classes || classifies, train.where("metric_for_best_model"),
+                    ": [train] metric_for_best_model '", metric, "' is never computed: the "
+                    "evaluation set holds next-token labels (eval_loss, eval_perplexity)");
+    }
     data_ = std::make_unique<SampledSource>(std::move(dataset), sampler);
     fire(Event::setup);
 
@@ -417,7 +433,16 @@ class EngineImpl final : public Engine, public Trainer {
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     report_->report(state_, seconds, samples, tokens);
     fire(Event::step_end);
-    if (evaluation_due(train, epoch_before)) evaluate();
+    if (evaluation_due(train, epoch_before)) {
+      best_.observe(state_.step, evaluate());
+      if (best_.should_stop() && !early_stopped_) {
+        early_stopped_ = true;
+        log::info("early stopping after step ", state_.step, ": ", best_.options().metric,
+                  " has not improved by more than ", best_.options().threshold, " in ",
+                  best_.patience_count(), " evaluations (best ", best_.best_value(), " at step ",
+                  best_.best_step(), ")");
+      }
+    }
     const int64_t every = train.get_int("save_steps");
     if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps)
       save_checkpoint();
@@ -431,7 +456,7 @@ class EngineImpl final : public Engine, public Trainer {
       const auto start = Clock::now();
       const int64_t first = state_.step;
       if (evaluator_ && resolved_.section("train").get_bool("eval_on_start")) evaluate();
-      while (!stop_signal_ && step()) {
+      while (!stop_signal_ && !early_stopped_ && step()) {
       }
       if (report_) report_->end_progress();
       const auto& train = resolved_.section("train");
@@ -456,6 +481,21 @@ class EngineImpl final : public Engine, public Trainer {
                 state_.step - first, " steps in ", seconds, " s, peak memory ",
                 memory::format_bytes(memory::device_stats(device_).peak_bytes), " (peak RSS ",
                 memory::format_bytes(memory::peak_rss_bytes()), ")");
+      summary.steps = state_.step;
+      summary.final_loss = state_.loss;
+      if (best_.best_checkpoint_step() >= 0) {
+        summary.best_checkpoint =
+            output_dir_ + "/checkpoint-" + std::to_string(best_.best_checkpoint_step());
+        summary.best_metric = best_.best_value();
+        log::info("best checkpoint ", summary.best_checkpoint, " (", best_.options().metric, " ",
+                  best_.best_value(), " at step ", best_.best_step(), ")");
+        // Note [Best model]: the run ends holding the best checkpoint's state, as if resumed
+        // from it.
+        if (best_.options().load_at_end && best_.best_checkpoint_step() != state_.step) {
+          log::info("load_best_model_at_end: loading ", summary.best_checkpoint);
+          load_checkpoint(summary.best_checkpoint);
+        }
+      }
       fire(Event::teardown);
     } catch (...) {
       if (report_) report_->end_progress();
@@ -466,8 +506,6 @@ class EngineImpl final : public Engine, public Trainer {
       }
       throw;
     }
-    summary.steps = state_.step;
-    summary.final_loss = state_.loss;
     summary.output_dir = output_dir_;
     summary.peak_memory_bytes = memory::device_stats(device_).peak_bytes;
     return summary;
@@ -477,10 +515,14 @@ class EngineImpl final : public Engine, public Trainer {
     setup();
     checkpoint_ = CheckpointData{};
     fire(Event::save);
+    best_.saving(state_.step);  // Note [Best model]: this one may hold the best evaluation
+    best_.save(checkpoint_.values);
     const CheckpointContents contents = checkpoint_contents(run_parts(), checkpoint_);
     // Every rank takes part: sharded optimizer state is written by the ranks that hold it.
-    const std::string folder = write_checkpoint(
-        output_dir_, contents, resolved_.section("train").get_int("save_total_limit"), *comm_);
+    const std::string folder =
+        write_checkpoint(output_dir_, contents,
+                         resolved_.section("train").get_int("save_total_limit"), *comm_,
+                         best_.best_checkpoint_step());
     log::info("saved checkpoint ", folder);
     saved_step_ = state_.step;
     saved_folder_ = folder;
@@ -751,6 +793,7 @@ class EngineImpl final : public Engine, public Trainer {
       log::warn("checkpoint ", folder, " was written by a job with another configuration (hash ",
                 read.contents.config_hash, ", now ", job_.hash(), "); continuing with the new one");
     checkpoint_ = restore_run(run_parts(), read, folder);
+    best_.load(checkpoint_.values);
     fire(Event::load);
     log::info("resumed from ", folder, " at step ", state_.step, " (epoch ",
               read.contents.data.epoch, ", sample ", read.contents.data.cursor, ")");
@@ -797,6 +840,8 @@ class EngineImpl final : public Engine, public Trainer {
   CheckpointData checkpoint_;
   std::unique_ptr<StepReport> report_;
   std::unique_ptr<Evaluator> evaluator_;  // null: no evaluation set
+  BestModel best_;                        // Note [Best model]
+  bool early_stopped_ = false;
   std::string output_dir_;
   std::unique_ptr<OutputDirClaim> claim_;  // rank 0: Note [One run per output_dir]
   bool setup_done_ = false;

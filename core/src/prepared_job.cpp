@@ -2,11 +2,13 @@
 // update rule built, once, before anything of the run is built or written.
 #include "prepared_job.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
 
 #include "checkpoint_io.h"
+#include "evaluation/best_model.h"
 #include "dist_env.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
@@ -138,6 +140,43 @@ void PreparedJob::check_evaluation() const {
                 ": [data] validation_split = ", split, " and an [eval_data] table both give an "
                 "evaluation set; keep one of them");
   const bool evaluates = strategy != "no" || train.get_bool("eval_on_start");
+  // Note [Best model].
+  LOOM_CHECK_AS(ConfigError, train.get_int("early_stopping_patience") >= 0,
+                train.where("early_stopping_patience"),
+                ": [train] early_stopping_patience must be >= 0 (0 = never stop early)");
+  LOOM_CHECK_AS(ConfigError, train.get_float("early_stopping_threshold") >= 0,
+                train.where("early_stopping_threshold"),
+                ": [train] early_stopping_threshold must be >= 0");
+  const BestModel::Options best = BestModel::options_from(train);
+  if (!best.metric.empty()) {
+    const char* key = best.load_at_end            ? "load_best_model_at_end"
+                      : best.patience > 0         ? "early_stopping_patience"
+                                                  : "metric_for_best_model";
+    LOOM_CHECK_AS(ConfigError, strategy != "no", train.where(key), ": [train] ", key,
+                  " ranks evaluations, but eval_strategy = \"no\" evaluates none; set "
+                  "eval_strategy = \"steps\" (with eval_steps) or \"epoch\"");
+  }
+  if (!best.metric.empty()) {
+    const std::vector<std::string> known = {"eval_loss", "eval_perplexity", "eval_accuracy",
+                                            "eval_f1", "eval_runtime", "eval_samples_per_second",
+                                            "eval_steps_per_second"};
+    std::string listed;
+    for (const auto& name : known) listed += (listed.empty() ? "" : ", ") + name;
+    LOOM_CHECK_AS(ConfigError, std::find(known.begin(), known.end(), best.metric) != known.end(),
+                  train.where("metric_for_best_model"), ": [train] metric_for_best_model '",
+                  train.get_string("metric_for_best_model"), "' names no metric an evaluation "
+                  "computes; use one of ", listed, " (the eval_ prefix may be left out)");
+  }
+  if (best.load_at_end) {
+    const int64_t every = train.get_int("eval_steps") > 0 ? train.get_int("eval_steps")
+                                                          : train.get_int("logging_steps");
+    const int64_t save = train.get_int("save_steps");
+    LOOM_CHECK_AS(ConfigError, strategy == "steps" && save > 0 && every > 0 && save % every == 0,
+                  train.where("load_best_model_at_end"), ": [train] load_best_model_at_end needs "
+                  "a checkpoint at evaluation steps: eval_strategy = \"steps\" and save_steps a "
+                  "multiple of eval_steps (now eval_strategy = \"", strategy, "\", save_steps = ",
+                  save, ", evaluations every ", every, " steps)");
+  }
   LOOM_CHECK_AS(ConfigError, !evaluates || table || split > 0,
                 train.where(strategy != "no" ? "eval_strategy" : "eval_on_start"),
                 ": [train] ", strategy != "no" ? "eval_strategy = \"" + strategy + "\""

@@ -305,7 +305,22 @@ std::vector<Schema> core_schemas() {
                "logging_steps, as Hugging Face's Trainer)")
       .key_int("per_device_eval_batch_size", 8, "samples per evaluation batch on each rank")
       .key_bool("eval_on_start", false,
-                "evaluate once before the first step of this run (a sanity check)");
+                "evaluate once before the first step of this run (a sanity check)")
+      .key_string("metric_for_best_model", "",
+                  "the evaluation metric that ranks checkpoints (Note [Best model]): loss, "
+                  "perplexity, accuracy, f1 (the eval_ prefix may be left out); \"\" = eval_loss "
+                  "when load_best_model_at_end or early stopping needs one")
+      .key_optional("greater_is_better", ValueType::Bool,
+                    "whether a larger metric_for_best_model is better (default: false for a "
+                    "loss or a perplexity, true otherwise)")
+      .key_bool("load_best_model_at_end", false,
+                "end the run by loading the best checkpoint (needs eval_strategy = \"steps\" and "
+                "save_steps a multiple of the evaluation interval); save_total_limit keeps it")
+      .key_int("early_stopping_patience", 0,
+               "stop after this many evaluations in a row without an improvement of more than "
+               "early_stopping_threshold (0 = never)")
+      .key_float("early_stopping_threshold", 0.0,
+                 "how much metric_for_best_model must improve to reset the patience count");
   schemas.push_back(train);
   Schema plugins("plugins");
   plugins.key_optional("path", ValueType::Any,

@@ -4,12 +4,15 @@
 // metrics.jsonl at the steps eval_strategy names.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "evaluation/best_model.h"
 #include "evaluation/evaluator.h"
+#include "loom/safetensors.h"
 #include "loom/engine.h"
 #include "loom/model.h"
 #include "loom/trainer.h"
@@ -251,6 +254,124 @@ TEST(Evaluation, EpochStrategyEvaluatesWhenAnEpochEnds) {
     EXPECT_EQ(line["eval_samples"], 16);
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{12, 24}));
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// Note [Best model]: early stopping as transformers' EarlyStoppingCallback (the threshold
+// against the best before this evaluation), the best updated by any margin.
+TEST(BestModel, PatienceCountsEvaluationsWithoutAnImprovementAboveTheThreshold) {
+  BestModel best({"eval_loss", /*greater_is_better=*/false, /*patience=*/2, /*threshold=*/0.05,
+                  /*load_at_end=*/false});
+  const std::vector<std::pair<double, int64_t>> seen = {
+      {3.0, 0}, {2.5, 0}, {2.6, 1}, {2.49, 2}};  // value, the patience count after it
+  int64_t step = 0;
+  for (const auto& [value, count] : seen) {
+    best.observe(step += 10, {{"eval_runtime", 1.0}, {"eval_loss", value}});
+    EXPECT_EQ(best.patience_count(), count) << value;
+  }
+  EXPECT_TRUE(best.should_stop());
+  EXPECT_EQ(best.best_value(), 2.49);  // better by less than the threshold: still the best
+  EXPECT_EQ(best.best_step(), 40);
+  best.saving(30);
+  EXPECT_EQ(best.best_checkpoint_step(), -1);  // step 30 holds no best evaluation
+  best.saving(40);
+  EXPECT_EQ(best.best_checkpoint_step(), 40);
+  // The manifest's record brings it all back, exactly.
+  std::map<std::string, std::string> values;
+  best.save(values);
+  BestModel resumed({"eval_loss", false, 2, 0.05, false});
+  resumed.load(values);
+  EXPECT_EQ(resumed.best_value(), 2.49);
+  EXPECT_EQ(resumed.best_step(), 40);
+  EXPECT_EQ(resumed.best_checkpoint_step(), 40);
+  EXPECT_EQ(resumed.patience_count(), 2);
+  // Another metric's record is not this one's.
+  BestModel other({"eval_accuracy", true, 2, 0.0, false});
+  other.load(values);
+  EXPECT_FALSE(other.has_best());
+  EXPECT_THROW_WITH(other.observe(50, {{"eval_loss", 1.0}}), ConfigError,
+                    "metric_for_best_model 'eval_accuracy' is not among the evaluation's metrics");
+}
+
+// A job that evaluates a held-out share every 2 steps and saves with every evaluation, at a
+// learning rate under which this tiny model's eval_loss rises (so the best checkpoint is an
+// early one), with a threshold no change reaches: every evaluation after the first counts for
+// patience.
+std::string best_job(const std::string& out, int64_t max_steps, int64_t patience) {
+  std::string job = tiny_gpt_job(out);
+  job.replace(job.find("max_steps = 4"), 13,
+              "max_steps = " + std::to_string(max_steps) +
+                  "\neval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 2\n"
+                  "save_total_limit = 1\nload_best_model_at_end = true\n"
+                  "metric_for_best_model = \"loss\"\n"
+                  "early_stopping_threshold = 10.0\nearly_stopping_patience = " +
+                  std::to_string(patience));
+  job.replace(job.find("source = \"random_tokens\""), 24,
+              "source = \"random_tokens\"\nvalidation_split = 0.25");
+  return job;
+}
+
+std::map<int64_t, double> eval_losses(const std::filesystem::path& metrics) {
+  std::map<int64_t, double> out;
+  for (const auto& line : eval_lines(metrics)) out[line["step"]] = line["eval_loss"];
+  return out;
+}
+
+int64_t smallest(const std::map<int64_t, double>& losses) {
+  int64_t best = -1;
+  for (const auto& [step, loss] : losses)
+    if (best < 0 || loss < losses.at(best)) best = step;
+  return best;
+}
+
+std::vector<std::string> checkpoint_names(const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().filename().string().rfind("checkpoint-", 0) == 0)
+      names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(BestModel, EarlyStoppingKeepsAndLoadsTheBestCheckpointAndResumesItsCount) {
+  TempDir dir;
+  // Patience 3: evaluations at 2 (the first: count 0), 4, 6 (count 2); the run ends at its
+  // max_steps 6 without stopping early.
+  auto first = Trainer::from_text(best_job(dir.str(), 6, 3), dir.path());
+  const auto one = first->run();
+  EXPECT_EQ(one.steps, 6);
+  const auto losses = eval_losses(dir / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), 3u);
+  const int64_t best_step = smallest(losses);
+  ASSERT_LT(best_step, 6) << "the test needs a best checkpoint older than the last";
+  const std::string best_name = "checkpoint-" + std::to_string(best_step);
+  EXPECT_EQ(one.best_checkpoint, (dir / best_name).string());
+  EXPECT_EQ(one.best_metric, losses.at(best_step));
+  // save_total_limit = 1 keeps the best and the newest.
+  EXPECT_EQ(checkpoint_names(dir.path()), (std::vector<std::string>{best_name, "checkpoint-6"}));
+  // load_best_model_at_end: the run ends with the best checkpoint's weights.
+  const auto saved = safetensors::load(dir / best_name / "model.safetensors").tensors;
+  for (const auto& p : first->engine().params()) {
+    const auto it = std::find_if(saved.begin(), saved.end(),
+                                 [&](const auto& named) { return named.first == p.name; });
+    ASSERT_NE(it, saved.end()) << p.name;
+    EXPECT_TRUE(at::equal(p.tensor, it->second)) << p.name;
+  }
+  // Resumed (from the newest, step 6) with room for 14 more steps: the count (2) carried over,
+  // so the next evaluation (step 8) reaches the patience of 3 and the run stops there; the best
+  // is the best of all four evaluations, the first run's included.
+  auto second = Trainer::from_text(best_job(dir.str(), 20, 3), dir.path(),
+                                   {"train.resume=\"latest\""});
+  const auto two = second->run();
+  EXPECT_EQ(two.steps, 8);
+  const auto all = eval_losses(dir / "metrics.jsonl");
+  ASSERT_EQ(all.size(), 4u);
+  EXPECT_EQ(two.best_checkpoint, (dir / ("checkpoint-" + std::to_string(smallest(all)))).string());
 }
 
 }  // namespace

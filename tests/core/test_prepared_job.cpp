@@ -115,6 +115,14 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
       {"eval data file missing", "",
        "[eval_data]\nsource = \"text\"\npath = \"held_out.txt\"\nseq_len = 16\n",
        {"path 'held_out.txt': cannot read"}},
+      // Best model and early stopping (Note [Best model]).
+      {"metric never computed", "", "[eval_data]\nseq_len = 16\n",
+       {"metric_for_best_model 'bleu' names no metric", "eval_loss", "eval_f1"}},
+      {"early stopping without evaluation", "", "",
+       {"early_stopping_patience ranks evaluations, but eval_strategy = \"no\""}},
+      {"best model without a checkpoint at evaluations", "", "[eval_data]\nseq_len = 16\n",
+       {"load_best_model_at_end needs a checkpoint at evaluation steps", "save_steps = 3",
+        "every 2 steps"}},
       // The output folder.
       {"an earlier run's checkpoints", "", "",
        {"already holds checkpoints of an earlier run", "resume = \"latest\""}},
@@ -142,6 +150,12 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
     if (name == "unknown eval_strategy") set = {"train.eval_strategy=\"step\""};
     if (name == "evaluation without data") set = {"train.eval_strategy=\"steps\""};
     if (name == "eval batch of zero") set = {"train.per_device_eval_batch_size=0"};
+    if (name == "metric never computed")
+      set = {"train.eval_strategy=\"steps\"", "train.metric_for_best_model=\"bleu\""};
+    if (name == "early stopping without evaluation") set = {"train.early_stopping_patience=2"};
+    if (name == "best model without a checkpoint at evaluations")
+      set = {"train.eval_strategy=\"steps\"", "train.eval_steps=2", "train.save_steps=3",
+             "train.load_best_model_at_end=true"};
     if (name == "text shorter than a sample") std::ofstream(dir / "short.txt") << "too short";
     if (name == "tokens of odd length") std::ofstream(dir / "odd.bin") << "abc";
     if (name == "an earlier run's checkpoints") {

@@ -24,6 +24,9 @@ struct RunSummary {
   std::string last_checkpoint;    // folder, or empty
   int64_t peak_memory_bytes = 0;  // device peak (tracked allocator on CPU)
   int stopped_by_signal = 0;      // SIGTERM/SIGINT that ended the run early, else 0
+  // Note [Best model]: the checkpoint of the best evaluation (empty: none), and its metric.
+  std::string best_checkpoint;
+  double best_metric = 0.0;
 };
 
 // Note [Graceful stop]: pre-emption (Slurm, Kubernetes) sends SIGTERM, a terminal SIGINT.

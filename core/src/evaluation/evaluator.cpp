@@ -72,6 +72,8 @@ std::string Evaluator::describe() const {
                      " per rank");
 }
 
+bool Evaluator::classifies() const { return dataset_->get(0).labels.dim() == 0; }
+
 Batch Evaluator::batch(int64_t k) const {
   const int64_t n = dataset_->size(), rank = options_.rank, world = options_.world_size;
   const int64_t share = n > rank ? (n - rank + world - 1) / world : 0;

@@ -53,6 +53,8 @@ class Evaluator {
   // Forwards per rank: the same on every rank.
   int64_t batches() const { return batches_; }
   std::string describe() const;
+  // Whether the set holds one label per sample (a classifier's), judged by its first sample.
+  bool classifies() const;
   // Every batch of this rank's share through `forward`; every rank must call it together.
   // `comm` may be null for one process.
   Metrics run(const Forward& forward, Comm* comm) const;
