@@ -1,4 +1,4 @@
-// The `loom` command: run, check, estimate, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
+// The `loom` command: run, check, estimate, eval, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
 #include <algorithm>
 #include <cstdio>
@@ -34,6 +34,12 @@ usage:
                              (the default where the model has more than 3 equal units)
       --no-probe             model states only: no probe runs (the model is still built
                              once, on one rank, to count it)
+  loom eval CHECKPOINT|OUTPUT_DIR [JOB.toml] [--set ...]
+                                                   the checkpoint's model over the job's
+                                                   evaluation set ([eval_data] or [data]
+                                                   validation_split; the job the checkpoint
+                                                   records unless JOB.toml is given): one JSON
+                                                   line of eval_loss, ... on stdout
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
@@ -166,7 +172,9 @@ Args parse(int argc, char** argv) {
       args.command = a;
     } else if (args.job.empty()) {
       args.job = a;
-    } else if ((args.command == "consolidate" || args.command == "export") && args.out.empty()) {
+    } else if ((args.command == "consolidate" || args.command == "export" ||
+                args.command == "eval") &&
+               args.out.empty()) {
       args.out = a;
     } else {
       throw loom::ConfigError("unexpected argument '" + a + "'; see loom --help");
@@ -209,7 +217,7 @@ int main(int argc, char** argv) {
       const std::vector<std::string> rest(argv + 2, argv + argc);
       if (auto rc = loom::run_plugin_command(argv[1], rest)) return *rc;
       throw loom::ConfigError(std::string("unknown command '") + argv[1] +
-                              "'; use run, check, estimate, plugins, env, consolidate, export, generate "
+                              "'; use run, check, estimate, eval, plugins, env, consolidate, export, generate "
                               "or a plugin's command (loom --help lists them)");
     }
     Args args = parse(argc, argv);
@@ -257,6 +265,26 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (args.command == "eval") {
+      if (args.job.empty())
+        throw loom::ConfigError(
+            "loom eval needs a checkpoint (or a run's output_dir): loom eval "
+            "runs/demo/checkpoint-300 [JOB.toml]");
+      const loom::CheckpointEvaluation result =
+          loom::evaluate_checkpoint(args.job, args.out, args.overrides);
+      if (result.rank == 0) {
+        // One JSON object, as metrics.jsonl's evaluation lines, with the checkpoint named.
+        std::string line = "{\"checkpoint\":\"" + result.checkpoint + "\",\"step\":" +
+                           std::to_string(result.step);
+        char number[40];
+        for (const auto& [name, value] : result.metrics) {
+          std::snprintf(number, sizeof number, "%.17g", value);
+          line += ",\"" + name + "\":" + number;
+        }
+        std::cout << line << "}\n";
+      }
+      return 0;
+    }
     if (args.command == "estimate") {
       if (args.params > 0 && !args.job.empty())
         throw loom::ConfigError("loom estimate takes a job file or --params N, not both");
@@ -295,7 +323,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, estimate, plugins, env, consolidate, export or generate (loom --help)");
+                            "'; use run, check, estimate, eval, plugins, env, consolidate, export or generate (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

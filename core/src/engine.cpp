@@ -531,9 +531,13 @@ class EngineImpl final : public Engine, public Trainer {
 
   // Note [Evaluation] (evaluation/evaluator.h).
   std::vector<std::pair<std::string, double>> evaluate() override {
+    // Said before anything is built (a checkpoint read).
+    LOOM_CHECK_AS(ConfigError,
+                  resolved_.eval_data.provider ||
+                      resolved_.section("data").get_float("validation_split") > 0,
+                  "this job has no evaluation set: add an [eval_data] table (any data source) or "
+                  "[data] validation_split");
     setup();
-    LOOM_CHECK_AS(ConfigError, evaluator_, "this job has no evaluation set: add an [eval_data] "
-                  "table (any data source) or [data] validation_split");
     Evaluator::Metrics metrics;
     {
       // Back to training however the evaluation ends.

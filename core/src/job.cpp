@@ -203,11 +203,22 @@ std::string Job::canonical_text() const {
 }
 
 std::string Job::hash() const {
-  // FNV-1a 64: a fingerprint to notice a changed job on resume, not a security hash.
+  // FNV-1a 64: a fingerprint to notice a changed job on resume, not a security hash. Where the
+  // run writes, what it resumes and how it reports change nothing it trains: a checkpoint
+  // resumed into another folder (or evaluated alone by `loom eval`) is the same job.
+  static const char* const kNotTrained[] = {"train.output_dir = ", "train.resume = ",
+                                            "train.progress_bar = ", "train.log_level = ",
+                                            "train.log_all_ranks = "};
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : canonical_text()) {
-    h ^= c;
-    h *= 1099511628211ull;
+  std::istringstream lines(canonical_text());
+  for (std::string line; std::getline(lines, line);) {
+    bool skip = false;
+    for (const char* prefix : kNotTrained) skip |= line.rfind(prefix, 0) == 0;
+    if (skip) continue;
+    for (unsigned char c : line + "\n") {
+      h ^= c;
+      h *= 1099511628211ull;
+    }
   }
   char buffer[17];
   std::snprintf(buffer, sizeof buffer, "%016llx", static_cast<unsigned long long>(h));

@@ -28,7 +28,9 @@ struct Job {
 
   const ConfigValue* table(std::string_view name) const { return root.find(name); }
   std::vector<std::string> table_names() const;
-  // Canonical text of all values (sorted), hashed into checkpoints' config_hash.
+  // Canonical text of all values (sorted), hashed into checkpoints' config_hash (less the keys
+  // that change nothing trained: [train] output_dir, resume, progress_bar, log_level,
+  // log_all_ranks).
   std::string canonical_text() const;
   std::string hash() const;  // 16 hex digits
 };

@@ -56,6 +56,24 @@ assert evals[1]["eval_loss"] < evals[0]["eval_loss"], evals
 assert abs(evals[0]["eval_perplexity"] - math.exp(evals[0]["eval_loss"])) < 1e-9 * evals[0]["eval_perplexity"]
 PY
 [ -f "$out/checkpoint-40/manifest.json" ] && ok "final checkpoint written" || fail "final checkpoint"
+# loom eval: the checkpoint alone over the job's held-out share gives the run's own step-40
+# evaluation, to the last bit; the run's folder is not written to.
+before=$(find "$out" -type f -printf '%p %s %T@\n' | sort)
+if ev=$("$loom" eval "$out" 2>"$work/eval.log") &&
+   "$python" - "$out/metrics.jsonl" "$ev" <<'PY'; then
+import json, sys
+run = [json.loads(l) for l in open(sys.argv[1]) if '"eval_loss"' in l][-1]
+alone = json.loads(sys.argv[2])
+assert alone["step"] == 40 and alone["checkpoint"].endswith("checkpoint-40"), alone
+assert alone["eval_loss"] == run["eval_loss"], (alone, run)
+assert alone["eval_samples"] == run["eval_samples"], (alone, run)
+PY
+  ok "loom eval of the run's folder repeats its step-40 evaluation exactly"
+else fail "loom eval: $ev $(tail -3 "$work/eval.log")"; fi
+[ "$before" = "$(find "$out" -type f -printf '%p %s %T@\n' | sort)" ] &&
+  ok "loom eval wrote nothing in the run's folder" || fail "loom eval changed the run's folder"
+expect_error "loom eval of a job without an evaluation set" "this job has no evaluation set" \
+  "$loom" eval "$out/checkpoint-40" --set data.validation_split=0.0 --set 'train.eval_strategy="no"'
 
 # On a terminal (script(1) gives the run a pseudo-terminal): the bar shows elapsed<remaining as
 # tqdm does, and the log lines of checkpoint saves start on a line of their own, never inside

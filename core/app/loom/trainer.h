@@ -134,6 +134,21 @@ struct Generation {
   std::string text() const;  // the bytes as text (byte-level jobs)
 };
 
+// `loom eval` (Note [Evaluation]): the model of the checkpoint at `path` (a checkpoint folder,
+// or a run's output_dir: its newest) over its job's evaluation set, on every rank of the
+// launch together; the job is `job` when given, else the one the checkpoint records, with
+// `overrides` (--set). The checkpoint is resumed into a scratch output_dir that is removed
+// afterwards: nothing is written anywhere else.
+struct CheckpointEvaluation {
+  std::string checkpoint;
+  int64_t step = 0;
+  std::vector<std::pair<std::string, double>> metrics;
+  int rank = 0;  // of this process (rank 0 prints)
+};
+CheckpointEvaluation evaluate_checkpoint(const std::filesystem::path& path,
+                                         const std::filesystem::path& job = {},
+                                         const std::vector<std::string>& overrides = {});
+
 // `path`: a checkpoint folder, or a run's output_dir (its newest checkpoint). Bad options, a
 // model that cannot decode, or a prompt longer than the model takes: ConfigError saying so.
 Generation generate(const std::filesystem::path& path, const GenerateOptions& options);

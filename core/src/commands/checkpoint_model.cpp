@@ -8,6 +8,17 @@
 
 namespace loom {
 
+std::string checkpoint_of(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  LOOM_CHECK_AS(CheckpointError, fs::is_directory(path, ec), "'", path.string(),
+                "' is not a folder; give a checkpoint folder (runs/x/checkpoint-300) or a run's "
+                "output_dir (its newest checkpoint is used)");
+  if (!fs::exists(path / "manifest.json", ec))
+    if (std::string newest = latest_checkpoint(path.string()); !newest.empty()) return newest;
+  return path.string();
+}
+
 CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
                                  const std::filesystem::path& scratch_dir) {
   namespace fs = std::filesystem;

@@ -9,6 +9,10 @@
 
 namespace loom {
 
+// What the commands that read a checkpoint accept: a checkpoint folder, or a run's output_dir
+// (its newest checkpoint); a CheckpointError when `path` is no folder.
+std::string checkpoint_of(const std::filesystem::path& path);
+
 // The job a checkpoint records, its step, and its weights in fp32 by loom's names: consolidated
 // (any world size or ZeRO stage) into a temporary file in `scratch_dir`, then read.
 struct CheckpointModel {

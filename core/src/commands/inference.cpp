@@ -15,15 +15,8 @@ namespace loom {
 
 InferenceModel open_for_inference(const std::filesystem::path& path, const std::string& device) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  LOOM_CHECK_AS(CheckpointError, fs::is_directory(path, ec), "'", path.string(),
-                "' is not a folder; give a checkpoint folder (runs/x/checkpoint-300) or a run's "
-                "output_dir (its newest checkpoint is used)");
   InferenceModel out;
-  out.checkpoint = path.string();
-  if (!fs::exists(path / "manifest.json", ec))
-    if (std::string newest = latest_checkpoint(path.string()); !newest.empty())
-      out.checkpoint = newest;
+  out.checkpoint = checkpoint_of(path);
   auto [job, step, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
   out.step = step;
   // What the data was, for the prompt's encoding. Training's own tables go: the core's

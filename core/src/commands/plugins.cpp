@@ -36,7 +36,7 @@ std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHos
 
 bool is_own_command(const std::string& name) {
   static const std::set<std::string> own = {"run", "check", "estimate", "plugins", "env",
-                                            "consolidate", "export", "generate"};
+                                            "consolidate", "export", "generate", "eval"};
   return own.count(name) > 0;
 }
 
