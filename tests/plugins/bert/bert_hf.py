@@ -4,6 +4,8 @@
                               attention_mask (the second sample padded) and the classifier's logits
   bert_hf.py logits DIR IN OUT  logits of DIR (BertForSequenceClassification.from_pretrained)
                               for IN's input_ids and attention_mask
+  bert_hf.py metrics DIR IN OUT  DIR's mean cross-entropy, accuracy and macro F1 (scikit-learn's
+                              definition, computed here class by class) on IN's input_ids and labels
 """
 import sys
 
@@ -38,3 +40,25 @@ elif mode == "logits":
     with torch.no_grad():
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     save_file({"logits": logits.contiguous()}, sys.argv[4])
+elif mode == "metrics":
+    model = BertForSequenceClassification.from_pretrained(folder).eval()
+    inputs = load_file(sys.argv[3])
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.double()
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    guess = logits.argmax(-1).tolist()
+    truth = labels.tolist()
+    f1s = []
+    for c in sorted(set(truth) | set(guess)):
+        tp = sum(g == c and t == c for g, t in zip(guess, truth))
+        fp = sum(g == c and t != c for g, t in zip(guess, truth))
+        fn = sum(g != c and t == c for g, t in zip(guess, truth))
+        p = tp / (tp + fp) if tp + fp else 0.0
+        r = tp / (tp + fn) if tp + fn else 0.0
+        f1s.append(2 * p * r / (p + r) if p + r else 0.0)
+    accuracy = sum(g == t for g, t in zip(guess, truth)) / len(truth)
+    save_file({"loss": loss.reshape(1), "accuracy": torch.tensor([accuracy], dtype=torch.float64),
+               "f1": torch.tensor([sum(f1s) / len(f1s)], dtype=torch.float64),
+               "margin": (logits.topk(2, -1).values[:, 0] - logits.topk(2, -1).values[:, 1]).min().reshape(1)},
+              sys.argv[4])

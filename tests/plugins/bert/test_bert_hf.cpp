@@ -107,6 +107,40 @@ TEST(BertHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
   }
 }
 
+// Note [Evaluation]: a classifier's eval_loss, eval_accuracy and macro eval_f1 are those of
+// transformers' predictions on the same evaluation samples (13 in batches of 4), with the
+// metrics computed in Python class by class.
+TEST(BertHf, EvalMetricsAreThoseOfTransformersPredictions) {
+  TempDir dir;
+  const fs::path hf = dir / "hf";
+  python("['make', '" + hf.string() + "']");
+  const std::string job =
+      bert_job(dir.str(), "from_pretrained = \"" + hf.string() +
+                              "\"\nhidden_dropout_prob = 0.0\nattention_probs_dropout_prob = 0.0") +
+      "\n[eval_data]\ntask = \"classification\"\nnum_labels = 3\nnum_samples = 13\nseq_len = 16\n"
+      "vocab_low = 0\nvocab_high = 120\n";
+  auto trainer = Trainer::from_text(job, dir.path(), {"train.per_device_eval_batch_size=4"});
+  std::vector<at::Tensor> ids, labels;
+  trainer->engine().on(Event::before_forward, [&](Engine& e) {
+    if (!e.state().evaluating) return;
+    ids.push_back(e.batch().input_ids.clone());
+    labels.push_back(e.batch().labels.clone());
+  });
+  std::map<std::string, double> metrics;
+  for (const auto& [name, value] : trainer->evaluate()) metrics[name] = value;
+  ASSERT_EQ(ids.size(), 4u);
+  safetensors::save(dir / "eval.safetensors",
+                    {{"input_ids", at::cat(ids)}, {"labels", at::cat(labels)}});
+  python("['metrics', '" + hf.string() + "', '" + (dir / "eval.safetensors").string() + "', '" +
+         (dir / "ref_metrics.safetensors").string() + "']");
+  const auto ref = load(dir / "ref_metrics.safetensors");
+  ASSERT_GT(ref.at("margin").item<double>(), 1e-4) << "a near tie: the test is not sharp";
+  EXPECT_EQ(metrics.at("eval_samples"), 13);
+  EXPECT_NEAR(metrics.at("eval_loss"), ref.at("loss").item<double>(), 1e-5);
+  EXPECT_DOUBLE_EQ(metrics.at("eval_accuracy"), ref.at("accuracy").item<double>());
+  EXPECT_NEAR(metrics.at("eval_f1"), ref.at("f1").item<double>(), 1e-12);
+}
+
 TEST(BertHf, MaskedLmFolderStartsAClassifierWithFreshHeads) {
   TempDir dir;
   const fs::path hf = dir / "mlm";
