@@ -532,9 +532,7 @@ class EngineImpl final : public Engine, public Trainer {
   // Note [Evaluation] (evaluation/evaluator.h).
   std::vector<std::pair<std::string, double>> evaluate() override {
     // Said before anything is built (a checkpoint read).
-    LOOM_CHECK_AS(ConfigError,
-                  resolved_.eval_data.provider ||
-                      resolved_.section("data").get_float("validation_split") > 0,
+    LOOM_CHECK_AS(ConfigError, prepared_->has_evaluation_set(),
                   "this job has no evaluation set: add an [eval_data] table (any data source) or "
                   "[data] validation_split");
     setup();
@@ -693,15 +691,11 @@ class EngineImpl final : public Engine, public Trainer {
     apply_param_groups(resolved_.section("optimizer"), params_);
   }
 
-  // eval_strategy's moments: every eval_steps steps (0: logging_steps, as the Trainer), or the
-  // step that took an epoch's last batch.
-  int64_t eval_every(const ConfigSection& train) const {
-    const int64_t steps = train.get_int("eval_steps");
-    return steps > 0 ? steps : std::max<int64_t>(1, train.get_int("logging_steps"));
-  }
+  // eval_strategy's moments: every evaluation_interval steps, or the step that took an epoch's
+  // last batch.
   std::string eval_when(const ConfigSection& train) const {
     const std::string strategy = train.get_string("eval_strategy");
-    std::string when = strategy == "steps"   ? detail::cat("every ", eval_every(train), " steps")
+    std::string when = strategy == "steps"   ? detail::cat("every ", evaluation_interval(train), " steps")
                        : strategy == "epoch" ? std::string("at the end of every epoch")
                                              : std::string("never during training");
     if (train.get_bool("eval_on_start")) when += ", and before the first step";
@@ -710,7 +704,7 @@ class EngineImpl final : public Engine, public Trainer {
   bool evaluation_due(const ConfigSection& train, int64_t epoch_before) const {
     if (!evaluator_) return false;
     const std::string strategy = train.get_string("eval_strategy");
-    if (strategy == "steps") return state_.step % eval_every(train) == 0;
+    if (strategy == "steps") return state_.step % evaluation_interval(train) == 0;
     return strategy == "epoch" && epoch_of_next_batch() > epoch_before;
   }
   // The data position is of the next batch, and an epoch whose last batch was taken rolls over

@@ -9,6 +9,7 @@
 
 #include "checkpoint_io.h"
 #include "evaluation/best_model.h"
+#include "evaluation/evaluator.h"
 #include "dist_env.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
@@ -117,6 +118,11 @@ void PreparedJob::add_default_data_parallelism() {
   default_ddp_ = true;
 }
 
+bool PreparedJob::has_evaluation_set() const {
+  return resolved_.eval_data.provider != nullptr ||
+         section("data").get_float("validation_split") > 0;
+}
+
 // Note [Evaluation]: when and on what, checked before anything is built.
 void PreparedJob::check_evaluation() const {
   const auto& train = section("train");
@@ -168,16 +174,15 @@ void PreparedJob::check_evaluation() const {
                   "computes; use one of ", listed, " (the eval_ prefix may be left out)");
   }
   if (best.load_at_end) {
-    const int64_t every = train.get_int("eval_steps") > 0 ? train.get_int("eval_steps")
-                                                          : train.get_int("logging_steps");
+    const int64_t every = evaluation_interval(train);
     const int64_t save = train.get_int("save_steps");
-    LOOM_CHECK_AS(ConfigError, strategy == "steps" && save > 0 && every > 0 && save % every == 0,
+    LOOM_CHECK_AS(ConfigError, strategy == "steps" && save > 0 && save % every == 0,
                   train.where("load_best_model_at_end"), ": [train] load_best_model_at_end needs "
                   "a checkpoint at evaluation steps: eval_strategy = \"steps\" and save_steps a "
                   "multiple of eval_steps (now eval_strategy = \"", strategy, "\", save_steps = ",
                   save, ", evaluations every ", every, " steps)");
   }
-  LOOM_CHECK_AS(ConfigError, !evaluates || table || split > 0,
+  LOOM_CHECK_AS(ConfigError, !evaluates || has_evaluation_set(),
                 train.where(strategy != "no" ? "eval_strategy" : "eval_on_start"),
                 ": [train] ", strategy != "no" ? "eval_strategy = \"" + strategy + "\""
                                                : std::string("eval_on_start = true"),

@@ -52,6 +52,8 @@ class PreparedJob {
   // Several ranks and no table that synchronises gradients: [ddp] was switched on with its
   // defaults (Note [Data parallelism by default]).
   bool data_parallel_by_default() const { return default_ddp_; }
+  // Note [Evaluation]: an [eval_data] table or [data] validation_split.
+  bool has_evaluation_set() const;
 
  private:
   void check_output_dir() const;

@@ -4,6 +4,7 @@
 
 #include <c10/core/Device.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "loom/batch.h"
+#include "loom/config.h"
 #include "loom/data.h"
 
 namespace loom {
@@ -66,6 +68,14 @@ class Evaluator {
   Options options_;
   int64_t batches_ = 0;
 };
+
+// eval_strategy = "steps"'s interval: eval_steps, or (0) logging_steps as the Trainer does (at
+// least 1). The engine evaluates by it and `loom check` checks load_best_model_at_end's saves
+// against it.
+inline int64_t evaluation_interval(const ConfigSection& train) {
+  const int64_t steps = train.get_int("eval_steps");
+  return steps > 0 ? steps : std::max<int64_t>(1, train.get_int("logging_steps"));
+}
 
 // The sums one evaluation gathers, on the host or the device, and the metrics they give. The
 // classification counts have one entry per class (the logits' width).
