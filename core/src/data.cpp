@@ -70,21 +70,55 @@ DataPosition Sampler::advance(const DataPosition& position) const {
   return p;
 }
 
+namespace {
+at::Tensor pad_right(const at::Tensor& t, int64_t length, int64_t value) {
+  if (t.size(0) == length) return t;
+  at::Tensor out = at::full({length}, value, t.options());
+  out.slice(0, 0, t.size(0)).copy_(t);
+  return out;
+}
+}  // namespace
+
 Batch collate(const std::vector<Sample>& samples) {
   LOOM_INTERNAL_ASSERT(!samples.empty(), "collate of no samples");
-  std::vector<at::Tensor> inputs, labels;
+  const Sample& first = samples.front();
+  int64_t longest = 0;
+  bool ragged = false, masks = false, types = false;
+  for (const auto& sample : samples) {
+    LOOM_CHECK_AS(DataError, sample.input_ids.dim() == 1 && sample.labels.dim() == first.labels.dim(),
+                  "sample ", sample.index, " has input_ids of shape ", sample.input_ids.sizes(),
+                  " and labels of shape ", sample.labels.sizes(), "; sample ", first.index,
+                  " has labels of shape ", first.labels.sizes(),
+                  "; a batch needs 1-D input_ids and labels of one kind");
+    ragged = ragged || sample.input_ids.size(0) != first.input_ids.size(0);
+    longest = std::max(longest, sample.input_ids.size(0));
+    masks = masks || sample.attention_mask.defined();
+    types = types || sample.token_type_ids.defined();
+  }
+  std::vector<at::Tensor> inputs, labels, attention, token_types;
   Batch batch;
   for (const auto& sample : samples) {
-    LOOM_CHECK_AS(DataError, sample.input_ids.sizes() == samples.front().input_ids.sizes(),
-                  "sample ", sample.index, " has shape ", sample.input_ids.sizes(),
-                  " but sample ", samples.front().index, " has ",
-                  samples.front().input_ids.sizes(), "; samples of a batch must match");
-    inputs.push_back(sample.input_ids);
-    labels.push_back(sample.labels);
+    const int64_t length = sample.input_ids.size(0);
+    inputs.push_back(pad_right(sample.input_ids, longest, 0));
+    labels.push_back(sample.labels.dim() == 1 ? pad_right(sample.labels, longest, kIgnoreIndex)
+                                              : sample.labels);
+    if (ragged || masks) {
+      at::Tensor mask = sample.attention_mask.defined()
+                            ? sample.attention_mask
+                            : at::ones({length}, sample.input_ids.options());
+      attention.push_back(pad_right(mask, longest, 0));
+    }
+    if (types) {
+      at::Tensor t = sample.token_type_ids.defined() ? sample.token_type_ids
+                                                      : at::zeros({length}, sample.input_ids.options());
+      token_types.push_back(pad_right(t, longest, 0));
+    }
     batch.sample_indices.push_back(sample.index);
   }
   batch.input_ids = at::stack(inputs);
   batch.labels = at::stack(labels);
+  if (!attention.empty()) batch.attention_mask = at::stack(attention);
+  if (!token_types.empty()) batch.token_type_ids = at::stack(token_types);
   return batch;
 }
 

@@ -249,13 +249,15 @@ class BertPlugin final : public loom::Plugin {
                     ": [model] ", key, " must be in [0, 1)");
     LOOM_CHECK_AS(ConfigError, t.get_float("layer_norm_eps") > 0, t.where("layer_norm_eps"),
                   ": [model] layer_norm_eps must be positive");
-    if (const loom::ConfigSection* data = job("data");
-        data && data->schema().find("seq_len") && data->get("seq_len"))
-      LOOM_CHECK_AS(ConfigError, data->get_int("seq_len") <= t.get_int("max_position_embeddings"),
-                    data->where("seq_len"), ": [data] seq_len ", data->get_int("seq_len"),
-                    " exceeds [model] max_position_embeddings ",
-                    t.get_int("max_position_embeddings"),
-                    "; shorten seq_len or raise max_position_embeddings");
+    // The data's sample length: seq_len (text, tokens, random_tokens) or max_seq_length
+    // (jsonl, csv).
+    if (const loom::ConfigSection* data = job("data"); data)
+      for (const char* key : {"seq_len", "max_seq_length"})
+        if (data->schema().find(key) && data->get(key))
+          LOOM_CHECK_AS(ConfigError, data->get_int(key) <= t.get_int("max_position_embeddings"),
+                        data->where(key), ": [data] ", key, " ", data->get_int(key),
+                        " exceeds [model] max_position_embeddings ", t.get_int("max_position_embeddings"),
+                        "; shorten ", key, " or raise max_position_embeddings");
     const double d = static_cast<double>(hidden);
     const double params =
         static_cast<double>(t.get_int("num_hidden_layers")) *

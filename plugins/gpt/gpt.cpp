@@ -262,12 +262,15 @@ class GptPlugin final : public loom::Plugin {
                   t.where("dropout"), ": [model] dropout must be in [0, 1)");
     LOOM_CHECK_AS(ConfigError, t.get_float("layer_norm_epsilon") > 0,
                   t.where("layer_norm_epsilon"), ": [model] layer_norm_epsilon must be positive");
-    if (const loom::ConfigSection* data = job("data");
-        data && data->schema().find("seq_len") && data->get("seq_len"))
-      LOOM_CHECK_AS(ConfigError, data->get_int("seq_len") <= t.get_int("n_positions"),
-                    data->where("seq_len"), ": [data] seq_len ", data->get_int("seq_len"),
-                    " exceeds [model] n_positions ", t.get_int("n_positions"),
-                    "; shorten seq_len or raise n_positions");
+    // The data's sample length: seq_len (text, tokens, random_tokens) or max_seq_length
+    // (jsonl, csv).
+    if (const loom::ConfigSection* data = job("data"); data)
+      for (const char* key : {"seq_len", "max_seq_length"})
+        if (data->schema().find(key) && data->get(key))
+          LOOM_CHECK_AS(ConfigError, data->get_int(key) <= t.get_int("n_positions"),
+                        data->where(key), ": [data] ", key, " ", data->get_int(key),
+                        " exceeds [model] n_positions ", t.get_int("n_positions"),
+                        "; shorten ", key, " or raise n_positions");
     const double d = static_cast<double>(n_embd), layers = static_cast<double>(t.get_int("n_layer"));
     const double inner = t.get_int("n_inner") > 0 ? static_cast<double>(t.get_int("n_inner")) : 4 * d;
     const double params = layers * (4 * d * d + 2 * d * inner) +

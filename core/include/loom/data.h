@@ -18,10 +18,14 @@
 namespace loom {
 
 // One example. input_ids (T) int64; labels (T) for LM or a 0-d int64 for classification.
+// attention_mask and token_type_ids (T) int64 are optional (undefined: all ones / all zeros).
+// Samples of one batch may differ in T: collate pads them (see there).
 struct Sample {
   at::Tensor input_ids;
   at::Tensor labels;
   int64_t index = -1;
+  at::Tensor attention_mask;
+  at::Tensor token_type_ids;
 };
 
 // Random access to samples. get() must be deterministic and thread-safe: the same index gives
@@ -72,7 +76,11 @@ class Sampler {
   mutable std::vector<int64_t> cached_order_;
 };
 
-// Stacks samples into a Batch (all samples must have one sequence length).
+// Stacks samples into a Batch. Samples shorter than the batch's longest are padded on the
+// right (as DataCollatorWithPadding does): input_ids and token_type_ids with 0, per-token labels
+// with kIgnoreIndex, attention_mask with 0; the batch then has an attention_mask. Padding at
+// the right never changes a causal model's real positions, and the mask keeps it out of a
+// bidirectional one's attention.
 Batch collate(const std::vector<Sample>& samples);
 
 // What the engine pulls micro-batches from.

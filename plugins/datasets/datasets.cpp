@@ -1,0 +1,324 @@
+// The `datasets` plugin: data sources `jsonl` and `csv` (Hugging Face's field names), tokenized
+// with the model's tokenizer (loom/tokenizer.h). What each task makes of a record: Note
+// [Dataset tasks] in formatting.cpp. Records are read and checked (fields, labels, the
+// tokenizer) before anything is built, by validate(); the dataset tokenizes them all once when
+// built, so its size, packing windows and truncation count are known up front and every
+// get() is a copy out of memory (deterministic, thread-safe, resumable at any position).
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "formatting.h"
+#include "loom/data.h"
+#include "loom/engine.h"
+#include "loom/error.h"
+#include "loom/log.h"
+#include "loom/plugin.h"
+#include "records.h"
+
+namespace loom::datasets {
+namespace {
+
+using PathResolver = std::function<std::string(const std::string&)>;
+
+// What validate() and the dataset both derive from the table and the records.
+struct Plan {
+  std::vector<std::string> files;
+  std::string tokenizer_path;
+  std::vector<Record> records;
+  Task task = Task::Lm;
+  FieldNames names;
+  std::vector<std::string> label_names;  // empty: integer labels
+  int64_t num_labels = 0;
+  std::vector<int64_t> labels;           // per record (classification)
+};
+
+std::string model_tokenizer(const ConfigSection* model) {
+  if (model && model->has("from_pretrained")) return model->get_string("from_pretrained");
+  return "";
+}
+
+Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolve,
+               const ConfigSection* model) {
+  Plan p;
+  for (const auto& raw : c.get_strings("path")) {
+    const std::string path = resolve(raw);
+    LOOM_CHECK_AS(DataError, std::filesystem::is_regular_file(path), c.where("path"),
+                  ": [data] path '", raw, "': no such file ('", path, "')");
+    p.files.push_back(path);
+  }
+  LOOM_CHECK_AS(ConfigError, !p.files.empty(), c.where("path"),
+                ": [data] needs path = \"file\" (or a list of files)");
+  std::string tokenizer = c.get_string("tokenizer");
+  if (tokenizer.empty()) tokenizer = model_tokenizer(model);
+  LOOM_CHECK_AS(ConfigError, !tokenizer.empty(), c.where("tokenizer"),
+                ": [data] needs a tokenizer: set tokenizer = \"folder with tokenizer.json\", or "
+                "[model] from_pretrained to a folder that has one");
+  p.tokenizer_path = resolve(tokenizer);
+  p.names.text = c.get_string("text_field");
+  p.names.text_pair = c.get_string("text_pair_field");
+  p.names.label = c.get_string("label_field");
+  p.names.prompt = c.get_string("prompt_field");
+  p.names.completion = c.get_string("completion_field");
+  p.names.messages = c.get_string("messages_field");
+
+  p.records = read_records(p.files, format);
+  LOOM_CHECK_AS(DataError, !p.records.empty(), c.where("path"),
+                ": [data] the files hold no records (", p.files.front(),
+                p.files.size() > 1 ? " ..." : "", ")");
+  const std::string task = c.get_string("task");
+  if (task == "auto") p.task = detect_task(p.records.front(), p.names);
+  else if (task == "lm") p.task = Task::Lm;
+  else if (task == "classification") p.task = Task::Classification;
+  else if (task == "instruction") p.task = Task::Instruction;
+  else if (task == "chat") p.task = Task::Chat;
+  else
+    throw ConfigError(detail::cat(c.where("task"), ": [data] task must be auto, lm, "
+                                  "classification, instruction or chat, not \"", task, "\""));
+  for (const auto& r : p.records) check_fields(r, p.task, p.names);
+  LOOM_CHECK_AS(ConfigError, !(c.get_bool("packing") && p.task != Task::Lm), c.where("packing"),
+                ": [data] packing = true packs language-modelling text; the task is ",
+                task_name(p.task), ": set packing = false");
+  const int64_t max_len = c.get_int("max_seq_length");
+  LOOM_CHECK_AS(ConfigError, max_len >= 2, c.where("max_seq_length"),
+                ": [data] max_seq_length must be at least 2, got ", max_len);
+
+  if (p.task == Task::Classification) {
+    // Label names: the job's list, or the sorted distinct strings (datasets' ClassLabel);
+    // integer labels (JSON numbers, or CSV fields that are all digits) are ids themselves.
+    const auto fixed = c.has("label_names") ? c.get_strings("label_names") : std::vector<std::string>{};
+    auto as_integer = [](const nlohmann::json& v) -> std::optional<int64_t> {
+      if (v.is_number_integer()) return v.get<int64_t>();
+      if (v.is_string()) {
+        const std::string s = v.get<std::string>();
+        if (!s.empty() && s.size() < 18 && std::all_of(s.begin(), s.end(), ::isdigit))
+          return std::stoll(s);
+      }
+      return std::nullopt;
+    };
+    bool all_integer = fixed.empty();
+    std::set<std::string> distinct;
+    for (const auto& r : p.records) {
+      const auto& v = r.fields[p.names.label];
+      LOOM_CHECK_AS(DataError, v.is_string() || v.is_number_integer(), r.where, ": label ",
+                    v.dump(), " is neither an integer nor a string");
+      if (!as_integer(v)) all_integer = false;
+      if (v.is_string()) distinct.insert(v.get<std::string>());
+    }
+    if (all_integer) {
+      for (const auto& r : p.records) {
+        const int64_t label = *as_integer(r.fields[p.names.label]);
+        p.labels.push_back(label);
+        p.num_labels = std::max(p.num_labels, label + 1);
+      }
+    } else {
+      p.label_names = fixed.empty() ? std::vector<std::string>(distinct.begin(), distinct.end()) : fixed;
+      std::map<std::string, int64_t> ids;
+      for (size_t i = 0; i < p.label_names.size(); ++i) ids[p.label_names[i]] = static_cast<int64_t>(i);
+      for (const auto& r : p.records) {
+        const auto& v = r.fields[p.names.label];
+        const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
+        const auto it = ids.find(name);
+        std::string known;
+        for (const auto& n : p.label_names) known += (known.empty() ? "" : ", ") + n;
+        LOOM_CHECK_AS(DataError, it != ids.end(), r.where, ": label '", name,
+                      "' is not in the label map (", known, "); fix the record or [data] label_names");
+        p.labels.push_back(it->second);
+      }
+      p.num_labels = static_cast<int64_t>(p.label_names.size());
+    }
+    if (model && model->has("num_labels")) {
+      const int64_t model_labels = model->get_int("num_labels");
+      LOOM_CHECK_AS(ConfigError, p.num_labels <= model_labels, model->where("num_labels"),
+                    ": [model] num_labels = ", model_labels, " but the data has ", p.num_labels,
+                    " labels; set num_labels = ", p.num_labels);
+    }
+  }
+  return p;
+}
+
+// The samples, tokenized once.
+class RecordsDataset final : public Dataset {
+ public:
+  RecordsDataset(const ConfigSection& c, Format format, Engine& engine)
+      : format_(format), max_len_(c.get_int("max_seq_length")), packing_(c.get_bool("packing")) {
+    const ConfigSection* model = nullptr;
+    try {
+      model = &engine.section("model");
+    } catch (const Error&) {
+    }
+    plan_ = make_plan(c, format, [&](const std::string& p) { return engine.resolve_path(p); }, model);
+    tokenizer_ = Tokenizer::load(plan_.tokenizer_path);
+    const ChatFormat chat = plan_.task == Task::Chat
+                                ? chat_format(c.get_string("chat_template"), *tokenizer_)
+                                : ChatFormat::ChatMl;
+    const bool eos = c.get_bool("add_eos");
+    int64_t truncated = 0;
+    offsets_.push_back(0);
+    for (size_t i = 0; i < plan_.records.size(); ++i) {
+      const Record& r = plan_.records[i];
+      const auto& f = r.fields;
+      Example e;
+      switch (plan_.task) {
+        case Task::Lm: e = format_document(*tokenizer_, f[plan_.names.text], eos); break;
+        case Task::Classification: {
+          const bool has_pair = f.contains(plan_.names.text_pair) && f[plan_.names.text_pair].is_string();
+          const std::string pair = has_pair ? f[plan_.names.text_pair].get<std::string>() : "";
+          e = format_classification(*tokenizer_, f[plan_.names.text], has_pair ? &pair : nullptr,
+                                    max_len_);
+          e.label = plan_.labels[i];
+          break;
+        }
+        case Task::Instruction:
+          e = format_instruction(*tokenizer_, f[plan_.names.prompt], f[plan_.names.completion], eos);
+          break;
+        case Task::Chat: e = format_chat(*tokenizer_, f[plan_.names.messages], chat, r.where); break;
+      }
+      // Language modelling and SFT samples are inputs + next-token labels: max_seq_length + 1 ids.
+      if (plan_.task != Task::Classification && !packing_) truncate(e, max_len_ + 1);
+      if (plan_.task == Task::Lm && !packing_) e.target.assign(e.ids.size(), 1);
+      if (plan_.task != Task::Classification && !packing_) {
+        // A sample needs two ids and one target among its labels.
+        if (e.ids.size() < 2 || std::none_of(e.target.begin() + 1, e.target.end(), [](uint8_t t) { return t; })) {
+          ++skipped_;
+          continue;
+        }
+      }
+      truncated += e.truncated ? 1 : 0;
+      ids_.insert(ids_.end(), e.ids.begin(), e.ids.end());
+      targets_.insert(targets_.end(), e.target.begin(), e.target.end());
+      types_.insert(types_.end(), e.type_ids.begin(), e.type_ids.end());
+      offsets_.push_back(static_cast<int64_t>(ids_.size()));
+      labels_.push_back(e.label);
+      record_of_.push_back(static_cast<int64_t>(i));
+    }
+    if (plan_.task == Task::Lm && packing_) {
+      windows_ = (static_cast<int64_t>(ids_.size()) - 1) / max_len_;
+      LOOM_CHECK_AS(DataError, windows_ > 0, "[data] the text holds ", ids_.size(),
+                    " tokens: too few for one window of max_seq_length ", max_len_,
+                    " (+1); add text or lower max_seq_length");
+    }
+    LOOM_CHECK_AS(DataError, size() > 0, "[data] no samples are left: all ", plan_.records.size(),
+                  " records were too short after tokenizing (a sample needs two tokens and one "
+                  "trained token)");
+    log::info("[data] ", describe(), truncated ? detail::cat("; ", truncated, " truncated to max_seq_length ", max_len_) : "",
+              skipped_ ? detail::cat("; ", skipped_, " records skipped (nothing to train on)") : "");
+  }
+
+  int64_t size() const override {
+    if (plan_.task == Task::Lm && packing_) return windows_;
+    return static_cast<int64_t>(labels_.size());
+  }
+
+  Sample get(int64_t index) const override {
+    LOOM_CHECK_AS(DataError, index >= 0 && index < size(), "sample ", index, " of ", size());
+    Sample s;
+    s.index = index;
+    auto tensor = [](const int64_t* data, int64_t n) {
+      return at::from_blob(const_cast<int64_t*>(data), {n}, at::kLong).clone();
+    };
+    if (plan_.task == Task::Lm && packing_) {
+      const int64_t begin = index * max_len_;
+      s.input_ids = tensor(ids_.data() + begin, max_len_);
+      s.labels = tensor(ids_.data() + begin + 1, max_len_);
+      return s;
+    }
+    const int64_t begin = offsets_[index], n = offsets_[index + 1] - begin;
+    if (plan_.task == Task::Classification) {
+      s.input_ids = tensor(ids_.data() + begin, n);
+      s.labels = at::scalar_tensor(labels_[index], at::kLong);
+      if (!types_.empty()) s.token_type_ids = tensor(types_.data() + begin, n);
+      return s;
+    }
+    s.input_ids = tensor(ids_.data() + begin, n - 1);
+    s.labels = tensor(ids_.data() + begin + 1, n - 1);
+    auto* labels = s.labels.data_ptr<int64_t>();
+    for (int64_t t = 0; t + 1 < n; ++t)
+      if (!targets_[begin + t + 1]) labels[t] = kIgnoreIndex;
+    return s;
+  }
+
+  std::string describe() const override {
+    std::string what = detail::cat(format_ == Format::Jsonl ? "jsonl" : "csv", "(",
+                                   plan_.files.size(), " file(s), ", plan_.records.size(),
+                                   " records, task ", task_name(plan_.task));
+    if (plan_.task == Task::Lm && packing_)
+      what += detail::cat(", ", ids_.size(), " tokens packed into ", windows_, " windows of ", max_len_);
+    else
+      what += detail::cat(", ", size(), " samples of up to ", max_len_, " tokens");
+    if (plan_.task == Task::Classification) {
+      what += detail::cat(", ", plan_.num_labels, " labels");
+      if (!plan_.label_names.empty()) {
+        std::string names;
+        for (const auto& n : plan_.label_names) names += (names.empty() ? "" : ", ") + n;
+        what += " (" + names + ")";
+      }
+    }
+    return what + "; " + tokenizer_->describe() + ")";
+  }
+
+ private:
+  Format format_;
+  int64_t max_len_;
+  bool packing_;
+  Plan plan_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  std::vector<int64_t> ids_, types_, offsets_, labels_, record_of_;
+  std::vector<uint8_t> targets_;
+  int64_t windows_ = 0, skipped_ = 0;
+};
+
+Schema source_schema(const std::string& name, const std::string& what) {
+  Schema s("data", name);
+  s.key_required("path", ValueType::Any, what + " file(s), relative to the job file")
+      .key_string("tokenizer", "",
+                  "folder with tokenizer.json (default: [model] from_pretrained's folder)")
+      .key_string("task", "auto",
+                  "auto (from the fields) | lm | classification | instruction | chat")
+      .key_int("max_seq_length", 128,
+               "tokens per sample (packing: window length); longer samples are truncated")
+      .key_bool("packing", false,
+                "lm: documents (each + EOS) in one stream cut into max_seq_length windows")
+      .key_bool("add_eos", true, "lm and instruction: end each document/completion with EOS")
+      .key_string("chat_template", "auto",
+                  "chat: auto (the tokenizer's chat_template) | chatml | llama3")
+      .key_optional("label_names", ValueType::Any,
+                    "classification: the label map's names in id order (default: sorted)")
+      .key_string("text_field", "text", "field of the text")
+      .key_string("text_pair_field", "text_pair", "classification: field of the second text")
+      .key_string("label_field", "label", "classification: field of the label")
+      .key_string("prompt_field", "prompt", "instruction: field of the prompt")
+      .key_string("completion_field", "completion", "instruction: field of the answer")
+      .key_string("messages_field", "messages", "chat: field of the [{role, content}] list");
+  return s;
+}
+
+class DatasetsPlugin final : public Plugin {
+ public:
+  std::string name() const override { return "datasets"; }
+  std::string description() const override {
+    return "JSONL and CSV data (text, text+label, prompt/completion, chat messages) tokenized "
+           "with the model's Hugging Face tokenizer";
+  }
+  std::vector<Schema> schemas() const override {
+    return {source_schema("jsonl", "JSON Lines"), source_schema("csv", "CSV (with a header row)")};
+  }
+  void validate(const std::string& name, const ConfigSection& c, const JobTables& job) const override {
+    const Plan plan = make_plan(c, name == "csv" ? Format::Csv : Format::Jsonl, job.resolve_path,
+                                job("model"));
+    const auto tokenizer = Tokenizer::load(plan.tokenizer_path);
+    if (plan.task == Task::Chat) chat_format(c.get_string("chat_template"), *tokenizer);
+  }
+  std::shared_ptr<const Dataset> create_dataset(const std::string& name, const ConfigSection& c,
+                                                Engine& engine) override {
+    return std::make_shared<RecordsDataset>(c, name == "csv" ? Format::Csv : Format::Jsonl, engine);
+  }
+};
+
+}  // namespace
+}  // namespace loom::datasets
+
+LOOM_DEFINE_PLUGIN(loom::datasets::DatasetsPlugin, "datasets", "1.0.0")
