@@ -117,13 +117,15 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
     } else {
       p.label_names = fixed.empty() ? std::vector<std::string>(distinct.begin(), distinct.end()) : fixed;
       std::map<std::string, int64_t> ids;
-      for (size_t i = 0; i < p.label_names.size(); ++i) ids[p.label_names[i]] = static_cast<int64_t>(i);
+      std::string known;  // for the message
+      for (size_t i = 0; i < p.label_names.size(); ++i) {
+        ids[p.label_names[i]] = static_cast<int64_t>(i);
+        known += (i ? ", " : "") + p.label_names[i];
+      }
       for (const auto& r : p.records) {
         const auto& v = r.fields[p.names.label];
         const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
         const auto it = ids.find(name);
-        std::string known;
-        for (const auto& n : p.label_names) known += (known.empty() ? "" : ", ") + n;
         LOOM_CHECK_AS(DataError, it != ids.end(), r.where, ": label '", name,
                       "' is not in the label map (", known, "); fix the record or [data] label_names");
         p.labels.push_back(it->second);
@@ -175,7 +177,7 @@ class RecordsDataset final : public Dataset {
         case Task::Instruction:
           e = format_instruction(*tokenizer_, f[plan_.names.prompt], f[plan_.names.completion], eos);
           break;
-        case Task::Chat: e = format_chat(*tokenizer_, f[plan_.names.messages], chat, r.where); break;
+        case Task::Chat: e = format_chat(*tokenizer_, f[plan_.names.messages], chat); break;
       }
       // Language modelling and SFT samples are inputs + next-token labels: max_seq_length + 1 ids.
       if (plan_.task != Task::Classification && !packing_) truncate(e, max_len_ + 1);
@@ -193,7 +195,6 @@ class RecordsDataset final : public Dataset {
       types_.insert(types_.end(), e.type_ids.begin(), e.type_ids.end());
       offsets_.push_back(static_cast<int64_t>(ids_.size()));
       labels_.push_back(e.label);
-      record_of_.push_back(static_cast<int64_t>(i));
     }
     if (plan_.task == Task::Lm && packing_) {
       windows_ = (static_cast<int64_t>(ids_.size()) - 1) / max_len_;
@@ -266,7 +267,7 @@ class RecordsDataset final : public Dataset {
   bool packing_;
   Plan plan_;
   std::shared_ptr<const Tokenizer> tokenizer_;
-  std::vector<int64_t> ids_, types_, offsets_, labels_, record_of_;
+  std::vector<int64_t> ids_, types_, offsets_, labels_;
   std::vector<uint8_t> targets_;
   int64_t windows_ = 0, skipped_ = 0;
 };

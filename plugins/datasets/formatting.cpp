@@ -180,8 +180,7 @@ Example format_instruction(const Tokenizer& tokenizer, const std::string& prompt
   return e;
 }
 
-Example format_chat(const Tokenizer& tokenizer, const nlohmann::json& messages, ChatFormat format,
-                    const std::string& where) {
+Example format_chat(const Tokenizer& tokenizer, const nlohmann::json& messages, ChatFormat format) {
   Example e;
   auto text = [&](const std::string& s, bool target) { append(e, tokenizer.encode(s, false).ids, target); };
   if (format == ChatFormat::ChatMl) {
@@ -213,7 +212,6 @@ Example format_chat(const Tokenizer& tokenizer, const nlohmann::json& messages, 
       append(e, {eot}, assistant);
     }
   }
-  (void)where;
   return e;
 }
 

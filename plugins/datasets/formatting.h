@@ -49,8 +49,7 @@ Example format_instruction(const Tokenizer& tokenizer, const std::string& prompt
                            const std::string& completion, bool add_eos);
 // messages [{role, content}] in the chat format; targets: each assistant message's content and
 // its end-of-turn token.
-Example format_chat(const Tokenizer& tokenizer, const nlohmann::json& messages, ChatFormat format,
-                    const std::string& where);
+Example format_chat(const Tokenizer& tokenizer, const nlohmann::json& messages, ChatFormat format);
 // Keeps the first `max_length` ids (and their targets); marks the example truncated.
 void truncate(Example& example, int64_t max_length);
 

@@ -117,7 +117,6 @@ class Regex {
     thread_local std::vector<uint32_t> offsets;
     offsets.clear();
     icu::UnicodeString u16;
-    u16.remove();
     size_t i = 0;
     while (i < text.size()) {
       size_t length;
@@ -245,14 +244,12 @@ std::string replace_all(std::string s, const std::string& from, const std::strin
   return out;
 }
 
-bool strip_space(char32_t c) { return is_white_space(c); }
-
 std::string strip(const std::string& s, bool left, bool right) {
   size_t begin = 0, end = s.size();
   if (left) {
     while (begin < end) {
       size_t n;
-      if (!strip_space(next_code_point(s, begin, &n))) break;
+      if (!is_white_space(next_code_point(s, begin, &n))) break;
       begin += n;
     }
   }
@@ -261,7 +258,7 @@ std::string strip(const std::string& s, bool left, bool right) {
       size_t start = end - 1;
       while (start > begin && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
       size_t n;
-      if (!strip_space(next_code_point(s, start, &n))) break;
+      if (!is_white_space(next_code_point(s, start, &n))) break;
       end = start;
     }
   }
@@ -540,6 +537,12 @@ class SequencePre final : public PreTokenizer {
   std::vector<std::unique_ptr<PreTokenizer>> parts_;
 };
 
+// BERT's and the Punctuation pre-tokenizer's test: ASCII punctuation (which counts $+<=>^`|~,
+// symbols to Unicode) or a Unicode P* category.
+bool is_bert_punctuation(char32_t c) {
+  return (c < 0x80 && std::ispunct(static_cast<int>(c))) || is_punctuation(c);
+}
+
 class BertPre final : public PreTokenizer {
  public:
   void apply(Pieces& pieces) const override {
@@ -550,9 +553,7 @@ class BertPre final : public PreTokenizer {
  private:
   std::unique_ptr<PreTokenizer> whitespace_ =
       char_split([](char32_t c) { return is_white_space(c); }, Behavior::Removed);
-  std::unique_ptr<PreTokenizer> punctuation_ = char_split(
-      [](char32_t c) { return (c < 0x80 && std::ispunct(static_cast<int>(c))) || is_punctuation(c); },
-      Behavior::Isolated);
+  std::unique_ptr<PreTokenizer> punctuation_ = char_split(is_bert_punctuation, Behavior::Isolated);
 };
 
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const FileContext& file) {
@@ -580,9 +581,7 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const FileContex
   if (type == "Punctuation") {
     const Behavior behavior =
         j.contains("behavior") ? parse_behavior(j["behavior"], file) : Behavior::Isolated;
-    return char_split(
-        [](char32_t c) { return (c < 0x80 && std::ispunct(static_cast<int>(c))) || is_punctuation(c); },
-        behavior);
+    return char_split(is_bert_punctuation, behavior);
   }
   refuse(file, detail::cat("the pre-tokenizer '", type.empty() ? j.dump() : type,
                            "' is not supported; loom reads ByteLevel, Split, BertPreTokenizer, "

@@ -174,6 +174,11 @@ TEST_F(Datasets, BadRecordsAreRefusedBeforeTrainingNamingFileAndLine) {
          {"packing", "instruction"});
   refuse("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", "",
          {file + ":1", "no assistant message"});
+  refuse("{\"text\": \"a\"}\n", "task = \"summarize\"\n", {"task must be auto, lm", "summarize"});
+  refuse("{\"text\": \"a\"}\n", "max_seq_length = 1\n", {"max_seq_length must be at least 2"});
+  refuse("{\"messages\": [{\"role\": \"assistant\", \"content\": \"hi\"}]}\n",
+         "chat_template = \"vicuna\"\n", {"chat_template must be", "vicuna"});
+  refuse("{\"text\": \"a\"}\n", "", {"needs a tokenizer", "from_pretrained"}, "");
   // A tokenizer of a kind loom cannot reproduce.
   test::TempDir unigram;
   std::ofstream(unigram / "tokenizer.json") << R"({"model": {"type": "Unigram", "vocab": []}})";
