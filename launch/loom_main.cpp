@@ -43,18 +43,19 @@ usage:
   loom plugins [--path FOLDER ...]                 list plugins, their slots and config keys
   loom env                                         the CPU, its kernel level (oneDNN ISA), threads
   loom consolidate CHECKPOINT OUT.safetensors      one fp32 model file from a (sharded) checkpoint
-  loom export CHECKPOINT OUT_DIR [--merge]         a transformers folder (config.json +
-                                                   model.safetensors) from_pretrained loads
+  loom export CHECKPOINT OUT_DIR [--merge]         a transformers folder (config.json, the
+                                                   weights, the tokenizer) from_pretrained loads
       --merge                LoRA adapters folded into the weights (PEFT's merge_and_unload);
                              without it a LoRA run exports its base model
   loom generate CHECKPOINT|OUTPUT_DIR [options]    continue a prompt (gpt, llama; KV cache)
-      --prompt TEXT          text, for jobs that trained on bytes ([data] source = "text")
-      --prompt-ids 1,2,3     token ids, for any job (printed back as ids)
+      --prompt TEXT          text: encoded with the job's tokenizer (tokenizer.json of [data]
+                             tokenizer or [model] from_pretrained) or as bytes (source "text")
+      --prompt-ids 1,2,3     token ids, for any job (printed back as ids without a tokenizer)
       --max-new-tokens N     64
       --temperature T        0 = greedy (the default); > 0 samples
       --top-k K, --top-p P   sampling filters (0 and 1: off)
       --seed S               the sampling generator's seed (0)
-      --eos-id N             stop after this token
+      --eos-id N             stop after this token (default: the tokenizer's EOS; -1: never)
       --device D             cpu, cuda, cuda:N (default: the job's [train] device)
   loom PLUGIN_COMMAND ARGS...                      a command a plugin adds (listed below)
   loom --version | --help
@@ -256,9 +257,11 @@ int main(int argc, char** argv) {
             "generate runs/demo --prompt \"The \" (or --prompt-ids 1,2,3)");
       const loom::Generation out = loom::generate(args.job, args.generate);
       std::cerr << "loom generate: " << out.checkpoint << " (step " << out.step << "), "
-                << out.ids.size() - static_cast<size_t>(out.prompt_length) << " new tokens\n";
-      if (out.byte_level) {
-        std::cout << out.text() << "\n";
+                << out.ids.size() - static_cast<size_t>(out.prompt_length) << " new tokens"
+                << (out.tokenizer.empty() ? " (ids: the job has no tokenizer)" : "; " + out.tokenizer)
+                << "\n";
+      if (!out.tokenizer.empty()) {
+        std::cout << out.text << "\n";
       } else {
         for (size_t i = 0; i < out.ids.size(); ++i) std::cout << (i ? " " : "") << out.ids[i];
         std::cout << "\n";

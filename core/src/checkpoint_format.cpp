@@ -81,6 +81,12 @@ struct Fields {
     for (const auto& [key, item] : value.items()) out[key] = string(item, field + "." + key);
     return out;
   }
+  std::vector<std::string> string_list(const json& value, const std::string& field) const {
+    if (!value.is_array()) fail("a field has the wrong type (" + field + " is not an array)");
+    std::vector<std::string> out;
+    for (const auto& item : value) out.push_back(string(item, field + " item"));
+    return out;
+  }
   std::vector<int64_t> shape(const json& value, const std::string& field) const {
     if (!value.is_array() || value.size() > kMaxDims)
       fail(detail::cat("a field has the wrong type (", field, " is not an array of at most ",
@@ -295,6 +301,8 @@ Manifest parse_manifest(std::string_view text, const std::string& path) {
     m.job_text = fields.string(fields.at(job, "text", "job"), "job.text");
     m.job_dir = fields.string(fields.at(job, "dir", "job"), "job.dir");
   }
+  if (doc.contains("labels"))  // since loom 0.1.0's datasets: classification names by id
+    m.label_names = fields.string_list(fields.at(doc, "labels", ""), "labels");
   const json& files = fields.at(doc, "files", "");
   if (!files.is_object()) fields.fail("a field has the wrong type (files is not an object)");
   for (const auto& [name, info] : files.items())

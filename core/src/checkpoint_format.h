@@ -66,6 +66,7 @@ struct Manifest {
   double loss_scale = 1.0;
   std::map<std::string, std::string> values;  // plugins' manifest values
   std::string job_text, job_dir;  // the run's job (canonical text) and its folder; "" if older
+  std::vector<std::string> label_names;  // "labels": the data's label map; empty if none
   std::vector<ListedFile> files;              // verified up front
   std::vector<ListedFile> optimizer_shards;   // format 2
 };

@@ -358,6 +358,7 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
           {"loss_scale", c.loss_scale},
           {"values", c.plugin.values}};
       if (!c.job_text.empty()) manifest["job"] = {{"text", c.job_text}, {"dir", c.job_dir}};
+      if (!c.label_names.empty()) manifest["labels"] = c.label_names;
       nlohmann::ordered_json listing = nlohmann::ordered_json::object();
       for (const auto& [stem, tensors] : files) {
         const fs::path file = temp_dir / (stem + ".safetensors");
@@ -558,6 +559,7 @@ ReadCheckpoint read_checkpoint_files(const std::string& folder, bool load) {
   c.plugin.values = manifest.values;
   c.job_text = manifest.job_text;
   c.job_dir = manifest.job_dir;
+  c.label_names = manifest.label_names;
   std::vector<ShardedStateReader::File> shards;
   for (const auto& shard : manifest.optimizer_shards)
     shards.push_back({fs::path(folder) / shard.name, shard.bytes, shard.crc32});

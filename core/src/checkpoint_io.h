@@ -27,6 +27,7 @@ struct CheckpointContents {
   uint64_t seed = 0;
   std::string config_hash, update_rule;
   std::string job_text, job_dir;  // the job's canonical text and folder (manifest "job")
+  std::vector<std::string> label_names;  // classification data's names by id (manifest "labels")
   int world_size = 1;
   DataPosition data;
   int64_t skipped_updates = 0;

@@ -51,6 +51,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+std::string join_names(const std::vector<std::string>& names) {
+  if (names.empty()) return "integer ids";
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
 struct Registered {
   int position;  // the plugin's place in the resolved order (Note [Plugin order])
   size_t order;
@@ -224,6 +231,7 @@ class EngineImpl final : public Engine, public Trainer {
     sampler.world_size = comm_->world_size();
     std::shared_ptr<const Dataset> dataset = resolved_.data.provider->plugin->create_dataset(
         resolved_.data.name, resolved_.section("data"), *this);
+    label_names_ = dataset->label_names();  // the checkpoint keeps the label map
     // Note [Evaluation]: the evaluation set, a share held out of [data] or [eval_data]'s own.
     std::shared_ptr<const Dataset> eval_set;
     if (const double split = resolved_.section("data").get_float("validation_split"); split > 0) {
@@ -234,6 +242,11 @@ class EngineImpl final : public Engine, public Trainer {
       eval_set = resolved_.eval_data.provider->plugin->create_dataset(
           resolved_.eval_data.name, resolved_.section("eval_data"), *this);
     }
+    if (eval_set && eval_set->label_names() != label_names_)
+      throw ConfigError(detail::cat(
+          "[eval_data]'s label map (", join_names(eval_set->label_names()),
+          ") differs from [data]'s (", join_names(label_names_), "): the ids would mean other "
+          "classes; set the same label_names = [...] in both tables"));
     if (eval_set)
       evaluator_ = std::make_unique<Evaluator>(
           std::move(eval_set),
@@ -800,7 +813,7 @@ class EngineImpl final : public Engine, public Trainer {
   RunParts run_parts() {
     return RunParts{*model_, resolved_.model.name, *driver_, *data_, state_, *comm_,
                     device_, seed_, job_.hash(), rule_->name(), job_.canonical_text(),
-                    job_.dir.string()};
+                    job_.dir.string(), label_names_};
   }
 
   // output_dir/run.json (run_output.h).
@@ -838,6 +851,7 @@ class EngineImpl final : public Engine, public Trainer {
   CheckpointData checkpoint_;
   std::unique_ptr<StepReport> report_;
   std::unique_ptr<Evaluator> evaluator_;  // null: no evaluation set
+  std::vector<std::string> label_names_;  // the training data's label map (Dataset::label_names)
   BestModel best_;                        // Note [Best model]
   bool early_stopped_ = false;
   std::string output_dir_;

@@ -18,6 +18,7 @@ struct InferenceModel {
   std::string checkpoint;          // the folder read
   int64_t step = 0;
   std::string data_source;         // the job's [data] source ("text": byte-level tokens)
+  std::string tokenizer;           // the job's Hugging Face tokenizer (job_tokenizer), or ""
 };
 
 // `path`: a checkpoint folder, or a run's output_dir (its newest checkpoint). `device`: cpu,

@@ -151,13 +151,16 @@ void write_folder(const std::filesystem::path& dir, const Export& model) {
   const fs::path parent = target.parent_path();
   LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
                 dir.string(), "': its parent folder '", parent.string(), "' does not exist");
-  const fs::path temp =
-      parent / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  std::string temp_name = ".";  // built in steps: GCC 12 misreads "." + string as an overflow
+  temp_name += target.filename().string();
+  temp_name += ".tmp-" + std::to_string(::getpid());
+  const fs::path temp = parent / temp_name;
   fs::remove_all(temp, ec);
   fs::create_directory(temp);
   try {
     fsutil::write_file_atomic(temp / "config.json", model.config_json);
     safetensors::save(temp / "model.safetensors", model.tensors, {{"format", "pt"}});
+    for (const auto& file : model.files) fs::copy_file(file, temp / file.filename());
     fs::remove(target, ec);  // an empty folder the user made
     fs::rename(temp, target);
     fsutil::fsync_dir(parent);

@@ -34,6 +34,7 @@ CheckpointContents checkpoint_contents(const RunParts& run, CheckpointData plugi
   contents.config_hash = run.config_hash;
   contents.job_text = run.job_text;
   contents.job_dir = run.job_dir;
+  contents.label_names = run.label_names;
   contents.update_rule = run.update_rule;
   contents.world_size = run.comm.world_size();
   contents.data = run.data.position();

@@ -29,6 +29,7 @@ struct RunParts {
   uint64_t seed;
   std::string config_hash, update_rule;
   std::string job_text, job_dir;  // saved in the manifest, for `loom export`
+  std::vector<std::string> label_names;  // the data's label map (manifest "labels")
 };
 
 // The model's parameters and buffers by name; without_sharded leaves out the weights the

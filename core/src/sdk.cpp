@@ -94,6 +94,7 @@ Work::~Work() = default;
 Comm::~Comm() = default;
 c10::Device Comm::device() const { return c10::Device(c10::kCPU); }
 Dataset::~Dataset() = default;
+std::vector<std::string> Dataset::label_names() const { return {}; }
 DataSource::~DataSource() = default;
 nn::UnitInterceptor::~UnitInterceptor() = default;
 

@@ -47,6 +47,9 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
         {"step_time_s", seconds},
         {"samples_per_s", samples_per_s},
         {"tokens_per_s", tokens_per_s},
+        // Targets the loss summed this step on all ranks (labels not -100): the answer tokens
+        // of an SFT step, the samples of a classifier's.
+        {"trained_tokens", state.window_targets},
         {"mem_current_bytes", memory_now.current_bytes},
         {"mem_peak_bytes", memory_now.peak_bytes},
         {"rss_peak_bytes", memory::peak_rss_bytes()},

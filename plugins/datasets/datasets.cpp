@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -39,6 +40,35 @@ struct Plan {
 std::string model_tokenizer(const ConfigSection* model) {
   if (model && model->has("from_pretrained")) return model->get_string("from_pretrained");
   return "";
+}
+
+// A pretrained classifier's label map: config.json's id2label when it names real classes
+// (transformers writes LABEL_0, LABEL_1... when nobody named them: those say nothing).
+struct PretrainedLabels {
+  std::vector<std::string> names;
+  std::string file;
+};
+PretrainedLabels pretrained_labels(const ConfigSection* model, const PathResolver& resolve) {
+  PretrainedLabels out;
+  const std::string folder = model_tokenizer(model);
+  if (folder.empty()) return out;
+  out.file = (std::filesystem::path(resolve(folder)) / "config.json").string();
+  std::ifstream in(out.file);
+  if (!in) return out;  // the model plugin reports a folder without config.json
+  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object() || !config.contains("id2label") || !config["id2label"].is_object())
+    return out;
+  const auto& map = config["id2label"];
+  std::vector<std::string> names(map.size());
+  bool named = false;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string key = std::to_string(i);
+    if (!map.contains(key) || !map[key].is_string()) return out;
+    names[i] = map[key].get<std::string>();
+    named = named || names[i] != "LABEL_" + key;
+  }
+  if (named) out.names = std::move(names);
+  return out;
 }
 
 Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolve,
@@ -87,9 +117,10 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
                 ": [data] max_seq_length must be at least 2, got ", max_len);
 
   if (p.task == Task::Classification) {
-    // Label names: the job's list, or the sorted distinct strings (datasets' ClassLabel);
-    // integer labels (JSON numbers, or CSV fields that are all digits) are ids themselves.
-    const auto fixed = c.has("label_names") ? c.get_strings("label_names") : std::vector<std::string>{};
+    // Label names, in id order: the job's list; else, for string labels, the pretrained
+    // model's own map (config.json's id2label, when it names real classes) or the sorted
+    // distinct strings (datasets' ClassLabel). Integer labels (JSON numbers, or CSV fields that
+    // are all digits) are ids themselves.
     auto as_integer = [](const nlohmann::json& v) -> std::optional<int64_t> {
       if (v.is_number_integer()) return v.get<int64_t>();
       if (v.is_string()) {
@@ -99,7 +130,7 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
       }
       return std::nullopt;
     };
-    bool all_integer = fixed.empty();
+    bool all_integer = true;
     std::set<std::string> distinct;
     for (const auto& r : p.records) {
       const auto& v = r.fields[p.names.label];
@@ -108,14 +139,30 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
       if (!as_integer(v)) all_integer = false;
       if (v.is_string()) distinct.insert(v.get<std::string>());
     }
-    if (all_integer) {
+    std::string map_source = "[data] label_names";
+    if (c.has("label_names")) {
+      p.label_names = c.get_strings("label_names");
+      LOOM_CHECK_AS(ConfigError, !p.label_names.empty(), c.where("label_names"),
+                    ": [data] label_names is empty; list the classes in id order or drop the key");
+      const std::set<std::string> unique(p.label_names.begin(), p.label_names.end());
+      LOOM_CHECK_AS(ConfigError, unique.size() == p.label_names.size(), c.where("label_names"),
+                    ": [data] label_names names a class twice");
+    } else if (!all_integer) {
+      PretrainedLabels pretrained = pretrained_labels(model, resolve);
+      if (!pretrained.names.empty()) {
+        p.label_names = std::move(pretrained.names);
+        map_source = pretrained.file + "'s id2label";
+      } else {
+        p.label_names.assign(distinct.begin(), distinct.end());
+      }
+    }
+    if (p.label_names.empty()) {
       for (const auto& r : p.records) {
         const int64_t label = *as_integer(r.fields[p.names.label]);
         p.labels.push_back(label);
         p.num_labels = std::max(p.num_labels, label + 1);
       }
     } else {
-      p.label_names = fixed.empty() ? std::vector<std::string>(distinct.begin(), distinct.end()) : fixed;
       std::map<std::string, int64_t> ids;
       std::string known;  // for the message
       for (size_t i = 0; i < p.label_names.size(); ++i) {
@@ -127,7 +174,8 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
         const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
         const auto it = ids.find(name);
         LOOM_CHECK_AS(DataError, it != ids.end(), r.where, ": label '", name,
-                      "' is not in the label map (", known, "); fix the record or [data] label_names");
+                      "' is not in the label map of ", map_source, " (", known,
+                      "); fix the record or set [data] label_names");
         p.labels.push_back(it->second);
       }
       p.num_labels = static_cast<int64_t>(p.label_names.size());
@@ -241,6 +289,8 @@ class RecordsDataset final : public Dataset {
       if (!targets_[begin + t + 1]) labels[t] = kIgnoreIndex;
     return s;
   }
+
+  std::vector<std::string> label_names() const override { return plan_.label_names; }
 
   std::string describe() const override {
     std::string what = detail::cat(format_ == Format::Jsonl ? "jsonl" : "csv", "(",

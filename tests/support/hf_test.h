@@ -28,6 +28,19 @@ inline void run_script(const std::string& script, const std::string& args) {
              path + "', run_name='__main__')\n");
 }
 
+// Runs the example job examples/EXAMPLE (the file a user copies, as written) on the model
+// folder `folder` for `steps` steps into `output_dir`, with `overrides` for a tiny test model.
+inline RunSummary run_example(const std::string& example, const std::filesystem::path& folder,
+                              const std::filesystem::path& output_dir, int steps,
+                              std::vector<std::string> overrides = {}) {
+  const std::filesystem::path file = std::filesystem::path(LOOM_SOURCE_DIR) / "examples" / example;
+  overrides.push_back("model.from_pretrained=\"" + folder.string() + "\"");
+  overrides.push_back("train.output_dir=\"" + output_dir.string() + "\"");
+  overrides.push_back("train.max_steps=" + std::to_string(steps));
+  overrides.push_back("train.log_level=\"warn\"");
+  return Trainer::from_file(file, overrides)->run();
+}
+
 inline std::map<std::string, at::Tensor> load(const std::filesystem::path& file) {
   auto contents = safetensors::load(file);
   return {contents.tensors.begin(), contents.tensors.end()};

@@ -108,30 +108,34 @@ void export_checkpoint(const std::filesystem::path& checkpoint,
                        const std::filesystem::path& out_dir, const ExportOptions& options = {});
 
 // Note [Generation]: `loom generate CKPT` continues a prompt with the checkpoint's model (a
-// loom::CausalLM: gpt, llama), decoding one token at a time with a KV cache, in fp32. The
-// prompt is text for jobs that trained on bytes ([data] source = "text"), token ids otherwise.
+// loom::CausalLM: gpt, llama), decoding one token at a time with a KV cache, in fp32. A text
+// prompt is encoded with the job's Hugging Face tokenizer when it has one ([data] tokenizer,
+// or the from_pretrained folder's tokenizer.json: with its special tokens, as transformers'
+// tokenizer(prompt) does) and the result decoded with it (special tokens skipped); a job that
+// trained on bytes ([data] source = "text") takes the prompt's bytes; any job takes token ids.
 // Each next token is the argmax (temperature 0, transformers' greedy search), or drawn from
 // softmax(logits / temperature) after top-k and then top-p filtering, as transformers' warpers
-// apply them, with a generator seeded by `seed`.
+// apply them, with a generator seeded by `seed`. Decoding stops after the EOS token: the
+// tokenizer's unless eos_id says otherwise.
 struct GenerateOptions {
-  std::string prompt;               // text (byte-level jobs)
+  std::string prompt;               // text (jobs with a tokenizer, byte-level jobs)
   std::vector<int64_t> prompt_ids;  // token ids (any job); used when not empty
   int64_t max_new_tokens = 64;
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // 0: off
   double top_p = 1.0;        // 1: off
   uint64_t seed = 0;
-  int64_t eos_id = -1;       // stop after this token (-1: never)
+  std::optional<int64_t> eos_id;  // stop after this token; unset: the tokenizer's EOS; -1: never
   std::string device = "auto";  // cpu, cuda, cuda:N, auto (the job's [train] device)
 };
 
 struct Generation {
   std::vector<int64_t> ids;  // the prompt's and the new tokens
   int64_t prompt_length = 0;
-  bool byte_level = false;   // ids are bytes: text() decodes them
+  std::string text;          // the ids decoded (tokenizer or bytes); "" when neither applies
+  std::string tokenizer;     // what decoded them: a tokenizer's describe(), "bytes", or ""
   std::string checkpoint;    // the folder read
   int64_t step = 0;          // its training step
-  std::string text() const;  // the bytes as text (byte-level jobs)
 };
 
 // `loom eval` (Note [Evaluation]): the model of the checkpoint at `path` (a checkpoint folder,

@@ -36,6 +36,10 @@ class Dataset {
   virtual int64_t size() const = 0;
   virtual Sample get(int64_t index) const = 0;
   virtual std::string describe() const = 0;
+  // Classification data whose labels are names: the label map, names in id order (label i is
+  // names[i]). The checkpoint keeps it and `loom export` writes it as config.json's
+  // id2label/label2id. Empty (the default): the labels are plain ids.
+  virtual std::vector<std::string> label_names() const;
 };
 
 // Where a rank is in the data: the epoch and how many of its samples of that epoch it consumed.

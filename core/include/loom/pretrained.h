@@ -58,10 +58,11 @@ void assign(torch::nn::Module& module, const NamedTensors& tensors, const std::s
 struct Export {
   std::string config_json;
   NamedTensors tensors;
+  std::vector<std::filesystem::path> files;  // copied in as they are (the tokenizer's files)
 };
 
-// Writes a folder transformers' from_pretrained loads: config.json and model.safetensors
-// (metadata format "pt"), under a temporary name renamed at the end: `dir` appears whole or not
+// Writes a folder transformers' from_pretrained loads: config.json, model.safetensors
+// (metadata format "pt") and model.files, under a temporary name renamed at the end: `dir` appears whole or not
 // at all. An existing non-empty `dir` is refused (CheckpointError), not overwritten.
 void write_folder(const std::filesystem::path& dir, const Export& model);
 

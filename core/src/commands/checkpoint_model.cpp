@@ -5,6 +5,8 @@
 
 #include "checkpoint_io.h"
 #include "loom/error.h"
+#include "loom/tokenizer.h"
+#include "prepared_job.h"
 
 namespace loom {
 
@@ -38,7 +40,32 @@ CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
     throw;
   }
   fs::remove(temp, ec);
-  return {std::move(job), info.step, std::move(weights)};
+  return {std::move(job), info.step, std::move(weights), info.label_names};
+}
+
+std::string job_tokenizer(const PreparedJob& job) {
+  const ConfigSection& data = job.section("data");
+  if (data.schema().find("tokenizer") && !data.get_string("tokenizer").empty())
+    return job.resolve_path(data.get_string("tokenizer"));
+  const ConfigSection& model = job.section("model");
+  if (model.schema().find("from_pretrained") && !model.get_string("from_pretrained").empty()) {
+    const std::string folder = job.resolve_path(model.get_string("from_pretrained"));
+    if (Tokenizer::present(folder)) return folder;
+  }
+  return "";
+}
+
+std::vector<std::filesystem::path> tokenizer_files(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool is_folder = fs::is_directory(path, ec);
+  const fs::path folder = is_folder ? fs::path(path) : fs::path(path).parent_path();
+  std::vector<fs::path> out = {is_folder ? folder / "tokenizer.json" : fs::path(path)};
+  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                           "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                           "chat_template.json"})
+    if (fs::is_regular_file(folder / name, ec)) out.push_back(folder / name);
+  return out;
 }
 
 }  // namespace loom

@@ -19,8 +19,19 @@ struct CheckpointModel {
   Job job;
   int64_t step = 0;
   NamedTensors weights;
+  std::vector<std::string> label_names;  // the data's label map (Dataset::label_names)
 };
 CheckpointModel checkpoint_model(const std::filesystem::path& checkpoint,
                                  const std::filesystem::path& scratch_dir);
+
+class PreparedJob;
+// The tokenizer the job's text went through, as a tokenizer.json path or a folder holding
+// one: [data] tokenizer (the jsonl and csv sources), else [model] from_pretrained when that
+// folder has a tokenizer.json; "" when neither (token files, random tokens, bytes).
+std::string job_tokenizer(const PreparedJob& job);
+// The files of a Hugging Face tokenizer at `path` (job_tokenizer's answer): tokenizer.json and
+// those of its folder a save_pretrained folder carries beside it (tokenizer_config.json,
+// special_tokens_map.json, vocab files, the chat template).
+std::vector<std::filesystem::path> tokenizer_files(const std::string& path);
 
 }  // namespace loom

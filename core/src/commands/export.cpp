@@ -2,6 +2,7 @@
 // plugin's export_pretrained and the job the checkpoint records (Note [Merged export] in
 // loom/trainer.h).
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "prepared_job.h"
 #include "checkpoint_model.h"
@@ -37,6 +38,28 @@ const ResolvedJob& resolved = job.resolved();
   return std::move(*out);
 }
 
+// config.json with the data's label map as id2label/label2id (transformers' PretrainedConfig
+// fields, for every model type), in place of the LABEL_i names a plugin writes by default. A
+// model with more outputs than named classes keeps LABEL_i for the rest.
+std::string with_label_names(const std::string& config_json,
+                             const std::vector<std::string>& names) {
+  auto config = nlohmann::ordered_json::parse(config_json);
+  const int64_t outputs = config.contains("id2label") ? static_cast<int64_t>(config["id2label"].size())
+                                                      : static_cast<int64_t>(names.size());
+  LOOM_CHECK_AS(CheckpointError, outputs >= static_cast<int64_t>(names.size()),
+                "the data's label map has ", names.size(), " classes but the model has ",
+                outputs, " outputs");
+  config["id2label"] = nlohmann::ordered_json::object();
+  config["label2id"] = nlohmann::ordered_json::object();
+  for (int64_t i = 0; i < outputs; ++i) {
+    const std::string name = i < static_cast<int64_t>(names.size()) ? names[static_cast<size_t>(i)]
+                                                                   : "LABEL_" + std::to_string(i);
+    config["id2label"][std::to_string(i)] = name;
+    config["label2id"][name] = i;
+  }
+  return config.dump(2) + "\n";
+}
+
 }  // namespace
 
 void export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& out_dir,
@@ -49,10 +72,15 @@ void export_checkpoint(const std::filesystem::path& checkpoint, const std::files
   const fs::path parent = fs::absolute(out_dir).lexically_normal().parent_path();
   LOOM_CHECK_AS(CheckpointError, fs::is_directory(parent, ec), "cannot export into '",
                 out_dir.string(), "': its parent folder '", parent.string(), "' does not exist");
-  auto [job, step, weights] = checkpoint_model(checkpoint, parent);
+  auto [job, step, weights, label_names] = checkpoint_model(checkpoint, parent);
   // Resolved and validated; nothing is built.
   const PreparedJob prepared(std::move(job), PreparedJob::Purpose::inference);
-  pretrained::write_folder(out_dir, to_pretrained(prepared, std::move(weights), options.merge));
+  pretrained::Export out = to_pretrained(prepared, std::move(weights), options.merge);
+  if (!label_names.empty()) out.config_json = with_label_names(out.config_json, label_names);
+  // The tokenizer goes along: the folder is what pipeline() and from_pretrained need.
+  if (const std::string tokenizer = job_tokenizer(prepared); !tokenizer.empty())
+    out.files = tokenizer_files(tokenizer);
+  pretrained::write_folder(out_dir, out);
 }
 
 }  // namespace loom

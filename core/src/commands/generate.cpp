@@ -8,6 +8,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/nn.h"
+#include "loom/tokenizer.h"
 #include "loom/trainer.h"
 
 namespace loom {
@@ -46,12 +47,6 @@ void check_options(const GenerateOptions& o) {
 
 }  // namespace
 
-std::string Generation::text() const {
-  std::string out;
-  for (int64_t id : ids) out.push_back(static_cast<char>(static_cast<unsigned char>(id)));
-  return out;
-}
-
 Generation generate(const std::filesystem::path& path, const GenerateOptions& o) {
   check_options(o);
   InferenceModel opened = open_for_inference(path, o.device);
@@ -62,14 +57,22 @@ Generation generate(const std::filesystem::path& path, const GenerateOptions& o)
   Generation out;
   out.checkpoint = opened.checkpoint;
   out.step = opened.step;
-  out.byte_level = opened.data_source == "text" && o.prompt_ids.empty();
+  std::shared_ptr<const Tokenizer> tokenizer;
+  if (!opened.tokenizer.empty()) {
+    tokenizer = Tokenizer::load(opened.tokenizer);
+    out.tokenizer = tokenizer->describe();
+  } else if (opened.data_source == "text") {
+    out.tokenizer = "bytes";
+  }
   if (!o.prompt_ids.empty()) {
     out.ids = o.prompt_ids;
+  } else if (tokenizer) {
+    out.ids = tokenizer->encode(o.prompt).ids;
   } else {
     LOOM_CHECK_AS(ConfigError, opened.data_source == "text", "checkpoint '", opened.checkpoint,
-                  "' trained on [data] source = \"", opened.data_source,
-                  "\", whose token ids loom cannot make from text; give the prompt's ids with "
-                  "--prompt-ids (e.g. from the tokenizer examples/prepare_data.py used)");
+                  "' trained on [data] source = \"", opened.data_source, "\" without a tokenizer "
+                  "(no [data] tokenizer, no tokenizer.json in [model] from_pretrained), so loom "
+                  "cannot make its token ids from text; give the prompt's ids with --prompt-ids");
     for (unsigned char byte : o.prompt) out.ids.push_back(byte);
   }
   LOOM_CHECK_AS(ConfigError, !out.ids.empty(), "loom generate needs a prompt (--prompt TEXT or "
@@ -80,6 +83,10 @@ Generation generate(const std::filesystem::path& path, const GenerateOptions& o)
                 out.prompt_length, " tokens and --max-new-tokens ", o.max_new_tokens,
                 " exceed the ", limit, " positions the model takes; shorten either");
 
+  int64_t eos = -1;
+  if (o.eos_id) eos = *o.eos_id;
+  else if (tokenizer && tokenizer->eos().id) eos = *tokenizer->eos().id;
+
   at::NoGradGuard no_grad;
   const at::Device device = opened.model->parameters().front().device();
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
@@ -89,8 +96,13 @@ Generation generate(const std::filesystem::path& path, const GenerateOptions& o)
     at::Tensor logits = lm->decode(input, cache);  // (1, T, V)
     const int64_t token = next_token(logits[0][-1], o, generator);
     out.ids.push_back(token);
-    if (token == o.eos_id) break;
+    if (token == eos) break;
     input = at::full({1, 1}, token, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  if (tokenizer) {
+    out.text = tokenizer->decode(out.ids, /*skip_special_tokens=*/true);
+  } else if (opened.data_source == "text") {
+    for (int64_t id : out.ids) out.text.push_back(static_cast<char>(static_cast<unsigned char>(id)));
   }
   return out;
 }

@@ -17,8 +17,10 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
   namespace fs = std::filesystem;
   InferenceModel out;
   out.checkpoint = checkpoint_of(path);
-  auto [job, step, weights] = checkpoint_model(out.checkpoint, fs::temp_directory_path());
-  out.step = step;
+  CheckpointModel saved = checkpoint_model(out.checkpoint, fs::temp_directory_path());
+  Job& job = saved.job;
+  const NamedTensors& weights = saved.weights;
+  out.step = saved.step;
   // What the data was, for the prompt's encoding. Training's own tables go: the core's
   // [optimizer] and [distributed], and every table whose plugin does not shape the model
   // (Plugin::shapes_model: precision, ZeRO, DDP, checkpointing, preloading, a third party's EMA;
@@ -38,9 +40,10 @@ InferenceModel open_for_inference(const std::filesystem::path& path, const std::
   tables.erase(std::remove_if(tables.begin(), tables.end(),
                               [&](const auto& t) { return training_only.count(t.first) > 0; }),
                tables.end());
-  InferenceBuild built = build_for_inference(
-      std::make_unique<PreparedJob>(std::move(job), PreparedJob::Purpose::inference), weights,
-      device, "checkpoint '" + out.checkpoint + "'");
+  auto prepared = std::make_unique<PreparedJob>(std::move(job), PreparedJob::Purpose::inference);
+  out.tokenizer = job_tokenizer(*prepared);
+  InferenceBuild built = build_for_inference(std::move(prepared), weights, device,
+                                             "checkpoint '" + out.checkpoint + "'");
   out.model = built.model;
   out.owner = std::move(built.owner);
   return out;

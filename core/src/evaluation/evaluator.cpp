@@ -28,6 +28,7 @@ class IndexSubset final : public Dataset {
     return detail::cat(what_, " (", indices_.size(), " of the ", base_->size(), " samples of ",
                        base_->describe(), ")");
   }
+  std::vector<std::string> label_names() const override { return base_->label_names(); }
 
  private:
   std::shared_ptr<const Dataset> base_;

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "loom/conformance.h"
 #include "loom/data.h"
 #include "loom/engine.h"
 #include "loom/tokenizer.h"
@@ -79,7 +80,7 @@ TEST_P(ChatFormats, ExactlyTheAssistantTokensCarryLabels) {
   auto trainer = Trainer::from_text(
       job(out.str(), "source = \"jsonl\"\npath = \"" + (*dir_ / "chat.jsonl").string() +
                          "\"\ntokenizer = \"" + (*dir_ / format).string() +
-                         "\"\nmax_seq_length = 512\n"),
+                         "\"\nmax_seq_length = 512\nshuffle = false\n"),
       out.path());
   const auto dataset = dataset_of(*trainer);
   const auto expected = read_jsonl("expected_chat_" + format + ".jsonl");
@@ -96,9 +97,19 @@ TEST_P(ChatFormats, ExactlyTheAssistantTokensCarryLabels) {
     for (const int t : target) targets += t;
   }
   EXPECT_GT(targets, 100);
-  // The model trains on it (padded batches of different lengths).
+  // The model trains on it (padded batches of different lengths), and each step's metrics line
+  // counts the tokens it trained on: its batch's assistant tokens (batches of 4, in order).
   EXPECT_TRUE(trainer->step());
   EXPECT_TRUE(trainer->step());
+  std::ifstream metrics(out / "metrics.jsonl");
+  int64_t step = 0;
+  for (std::string line; std::getline(metrics, line); ++step) {
+    int64_t trained = 0;
+    for (int64_t i = 4 * step; i < 4 * step + 4; ++i)
+      trained += (dataset->get(i).labels != kIgnoreIndex).sum().item<int64_t>();
+    EXPECT_EQ(json::parse(line)["trained_tokens"].get<int64_t>(), trained) << "step " << step + 1;
+  }
+  EXPECT_EQ(step, 2);
 }
 INSTANTIATE_TEST_SUITE_P(Templates, ChatFormats, ::testing::Values("llama3", "chatml"),
                          [](const auto& info) { return info.param; });
@@ -140,6 +151,35 @@ max_seq_length = 24
   EXPECT_TRUE(classifier->step());
 }
 
+// The dataset conformance kit (loom/conformance.h) on every task of both formats: samples
+// deterministic, rank shards disjoint and covering, a mid-epoch resume exact.
+TEST_F(Datasets, EveryTaskPassesTheDatasetConformanceKit) {
+  test::TempDir out;
+  std::ofstream(out / "docs.csv") << "text\nthe cat sat on the mat\nwhy 42?\nhello world\n"
+                                  << "naïve dog 東京\nit's code: x = f(y)\n\"a, \"\"quoted\"\" one\"\n"
+                                  << "we'll see 😀\n";
+  const std::string tokenizer = "\ntokenizer = \"" + (*dir_ / "llama3").string() + "\"\n";
+  for (const std::string data : {
+           "source = \"jsonl\"\npath = \"" + (*dir_ / "chat.jsonl").string() + "\"\nmax_seq_length = 64",
+           "source = \"jsonl\"\npath = \"" + (*dir_ / "classify.jsonl").string() + "\"\nmax_seq_length = 24",
+           "source = \"csv\"\npath = \"" + (out / "docs.csv").string() + "\"\nmax_seq_length = 8",
+           "source = \"csv\"\npath = \"" + (out / "docs.csv").string() +
+               "\"\nmax_seq_length = 4\npacking = true"}) {
+    SCOPED_TRACE(data);
+    const bool classify = data.find("classify") != std::string::npos;
+    std::string text = job(out.str(), data + tokenizer);
+    if (classify)  // a classifier over the same 600 ids
+      text.replace(text.find("model = \"gpt\""), 13, "model = \"bert\"")
+          .replace(text.find("[model]"), std::string::npos,
+                   "[model]\nvocab_size = 600\nhidden_size = 16\nnum_hidden_layers = 1\n"
+                   "num_attention_heads = 2\nintermediate_size = 32\nmax_position_embeddings = 64\n"
+                   "num_labels = 3\n[data]\n" + data + tokenizer);
+    auto trainer = Trainer::from_text(text, out.path());
+    const auto report = conformance::check_dataset(dataset_of(*trainer));
+    EXPECT_TRUE(report.ok()) << report.text();
+  }
+}
+
 // Bad input: refused before anything is built (Trainer::from_text is `loom check`), naming the
 // file and line, and nothing is written to output_dir.
 TEST_F(Datasets, BadRecordsAreRefusedBeforeTrainingNamingFileAndLine) {
@@ -168,7 +208,7 @@ TEST_F(Datasets, BadRecordsAreRefusedBeforeTrainingNamingFileAndLine) {
   refuse("{\"text\": \"a\"}\n{\"body\": \"b\"}\n", "", {file + ":2", "no field 'text'", "body"});
   refuse("{\"txt\": \"a\"}\n", "", {file + ":1", "none of the fields", "txt"});
   refuse("{\"text\": \"a\", \"label\": \"pos\"}\n{\"text\": \"b\", \"label\": \"meh\"}\n",
-         "label_names = [\"neg\", \"pos\"]\n", {file + ":2", "'meh' is not in the label map (neg, pos)"});
+         "label_names = [\"neg\", \"pos\"]\n", {file + ":2", "'meh' is not in the label map of [data] label_names (neg, pos)"});
   refuse("", "", {"no records"});
   refuse("{\"prompt\": \"a\", \"completion\": \"b\"}\n", "packing = true\n",
          {"packing", "instruction"});

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "loom/engine.h"
 #include "loom/model.h"
@@ -60,6 +61,23 @@ vocab_high = 96
 )";
 }
 
+// Runs `job` in `dir`, evaluating before the first step and every `eval_steps` steps (batches
+// of 2); the summary and each evaluation's eval_loss from metrics.jsonl, in order.
+std::pair<RunSummary, std::vector<double>> run_evaluating(const std::string& job, const TempDir& dir,
+                                                          int eval_steps) {
+  auto trainer = Trainer::from_text(
+      job, dir.path(),
+      {"train.eval_strategy=\"steps\"", "train.eval_steps=" + std::to_string(eval_steps),
+       "train.eval_on_start=true", "train.per_device_eval_batch_size=2", "train.save_final=true"});
+  const RunSummary summary = trainer->run();
+  std::vector<double> eval_loss;
+  std::ifstream metrics(dir / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    if (const auto at = line.find("\"eval_loss\":"); at != std::string::npos)
+      eval_loss.push_back(std::stod(line.substr(at + 12)));
+  return {summary, eval_loss};
+}
+
 TEST(GptHf, ImportedModelsGiveTransformersLogits) {
   for (const std::string flags : {"", "'untied'", "'sharded'"}) {
     SCOPED_TRACE(flags.empty() ? "tied" : flags);
@@ -90,16 +108,7 @@ TEST(GptHf, EvalLossIsTransformersLossBeforeAndAfterFineTuning) {
   const std::string job = import_job(
       dir.str(), hf.string(), 4,
       "[eval_data]\nsource = \"tokens\"\npath = \"eval.bin\"\nseq_len = 16\n");
-  auto trainer = Trainer::from_text(
-      job, dir.path(),
-      {"train.eval_strategy=\"steps\"", "train.eval_steps=4", "train.eval_on_start=true",
-       "train.per_device_eval_batch_size=2", "train.save_final=true"});
-  const auto summary = trainer->run();
-  std::vector<double> eval_loss;
-  std::ifstream metrics(dir / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);)
-    if (const auto at = line.find("\"eval_loss\":"); at != std::string::npos)
-      eval_loss.push_back(std::stod(line.substr(at + 12)));
+  const auto [summary, eval_loss] = run_evaluating(job, dir, 4);
   ASSERT_EQ(eval_loss.size(), 2u);
   const fs::path exported = dir / "exported";
   export_checkpoint(summary.last_checkpoint, exported);
@@ -111,6 +120,70 @@ TEST(GptHf, EvalLossIsTransformersLossBeforeAndAfterFineTuning) {
   EXPECT_NEAR(eval_loss[1], ref.at("loss.1").item<double>(), 1e-5) << "after 4 steps";
   // Four steps at lr 1e-3 moved the model: the second comparison is not the first again.
   EXPECT_GT(std::abs(eval_loss[0] - eval_loss[1]), 1e-3);
+}
+
+// A user's whole job (Note [Evaluation], Note [Dataset tasks], Note [Generation]): a
+// transformers GPT-2 folder with its own tokenizer.json fine-tuned on a JSONL corpus (packed,
+// EOS after each document) and evaluated every 3 steps on a JSONL of its own. eval_loss is
+// transformers' loss over the same packed windows, made by transformers' tokenizer, before
+// the first step and after the last; the export carries the tokenizer; `loom generate` with a
+// text prompt (encoded and decoded by the folder's tokenizer) is transformers' greedy
+// generate() on the export, ids and text.
+TEST(GptHf, FineTuneOnJsonlWithTheFoldersTokenizerMatchesTransformers) {
+  TempDir dir;
+  const fs::path hf = dir / "hf";
+  python("['make', '" + hf.string() + "', 'peaked', 'tokenizer']");
+  const std::vector<std::string> words = {"the", "cat", "sat", "on", "mat", "why", "is", "42",
+                                          "hello", "world", "réponse", "東京", "naïve", "don't",
+                                          "😀", "print(x)", "model", "loss"};
+  auto write_jsonl = [&](const fs::path& file, int documents, int salt) {
+    std::ofstream out(file);
+    for (int d = 0; d < documents; ++d) {
+      std::string text;
+      for (int w = 0; w < 4 + (d * 7 + salt) % 9; ++w)
+        text += (w ? " " : "") + words[static_cast<size_t>((d * 31 + w * 17 + salt) % 18)];
+      out << nlohmann::json{{"text", text}, {"id", d}}.dump() << "\n";
+    }
+  };
+  write_jsonl(dir / "train.jsonl", 40, 1);
+  write_jsonl(dir / "eval.jsonl", 8, 5);
+  std::string job = import_job(dir.str(), hf.string(), 6);
+  job = job.substr(0, job.find("[data]")) +
+        "[data]\nsource = \"jsonl\"\npath = \"train.jsonl\"\npacking = true\nmax_seq_length = 16\n"
+        "\n[eval_data]\nsource = \"jsonl\"\npath = \"eval.jsonl\"\npacking = true\n"
+        "max_seq_length = 16\n";
+  const auto [summary, eval_loss] = run_evaluating(job, dir, 3);
+  ASSERT_EQ(eval_loss.size(), 3u);  // steps 0, 3, 6
+  const fs::path exported = dir / "exported";
+  export_checkpoint(summary.last_checkpoint, exported);
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"})
+    EXPECT_TRUE(fs::exists(exported / file)) << file << " was not exported";
+  python("['evaljsonl', '" + hf.string() + "', '" + (dir / "eval.jsonl").string() + "', '16', '" +
+         (dir / "ref_eval.safetensors").string() + "', '" + exported.string() + "']");
+  const auto ref = load(dir / "ref_eval.safetensors");
+  ASSERT_GE(ref.at("windows").item<int64_t>(), 4);
+  EXPECT_NEAR(eval_loss.front(), ref.at("loss.0").item<double>(), 1e-5) << "before the first step";
+  EXPECT_NEAR(eval_loss.back(), ref.at("loss.1").item<double>(), 1e-5) << "after 6 steps";
+  EXPECT_LT(eval_loss.back(), eval_loss.front() - 1e-2) << "the fine-tune did not learn";
+
+  GenerateOptions options;
+  options.prompt = "the cat 東京";
+  options.max_new_tokens = 10;
+  const Generation out = generate(summary.last_checkpoint, options);
+  python("['generate_text', '" + exported.string() + "', '" + options.prompt + "', '10', '" +
+         (dir / "generated.json").string() + "']");
+  const auto expected = nlohmann::json::parse(test::read_text(dir / "generated.json"));
+  EXPECT_EQ(out.ids, expected["ids"].get<std::vector<int64_t>>());
+  EXPECT_EQ(out.text, expected["text"].get<std::string>());
+  EXPECT_EQ(out.text.rfind(options.prompt, 0), 0u) << out.text;
+  EXPECT_NE(out.tokenizer.find("byte-level BPE"), std::string::npos) << out.tokenizer;
+
+  // The example a user copies runs on this folder as written (a tiny model: short windows).
+  TempDir example;
+  const RunSummary ran = test::hf::run_example("datasets/finetune_lm.toml", hf, example.path(), 3,
+                                               {"data.max_seq_length=16", "train.eval_steps=3", "train.save_steps=3"});
+  EXPECT_EQ(ran.steps, 3);
+  EXPECT_FALSE(ran.best_checkpoint.empty());
 }
 
 TEST(GptHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
