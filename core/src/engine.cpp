@@ -216,6 +216,7 @@ class EngineImpl final : public Engine, public Trainer {
               " | intra-op threads ", at::get_num_threads(), " | ranks ", comm_->world_size(),
               " (", comm_->backend(), ")");
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
+    for (const auto& note : job_.notes) log::info("job: ", note);
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
     if (!malloc_note.empty()) log::info(malloc_note);  // Note [Freed memory kept]
 
@@ -226,7 +227,9 @@ class EngineImpl final : public Engine, public Trainer {
     sampler.batch_size = train.get_int("per_device_train_batch_size");
     sampler.shuffle = resolved_.section("data").get_bool("shuffle");
     sampler.drop_last = resolved_.section("data").get_bool("drop_last");
-    sampler.seed = seed_;
+    // [train] data_seed (the Trainer's): the data order's own seed; -1 = seed.
+    const int64_t data_seed = train.get_int("data_seed");
+    sampler.seed = data_seed >= 0 ? static_cast<uint64_t>(data_seed) : seed_;
     sampler.rank = comm_->rank();
     sampler.world_size = comm_->world_size();
     std::shared_ptr<const Dataset> dataset = resolved_.data.provider->plugin->create_dataset(
@@ -235,7 +238,7 @@ class EngineImpl final : public Engine, public Trainer {
     // Note [Evaluation]: the evaluation set, a share held out of [data] or [eval_data]'s own.
     std::shared_ptr<const Dataset> eval_set;
     if (const double split = resolved_.section("data").get_float("validation_split"); split > 0) {
-      SplitDatasets parts = split_for_validation(std::move(dataset), split, seed_);
+      SplitDatasets parts = split_for_validation(std::move(dataset), split, sampler.seed);
       dataset = std::move(parts.train);
       eval_set = std::move(parts.eval);
     } else if (resolved_.eval_data.provider) {
@@ -268,6 +271,7 @@ class EngineImpl final : public Engine, public Trainer {
                     "evaluation set holds next-token labels (eval_loss, eval_perplexity)");
     }
     data_ = std::make_unique<SampledSource>(std::move(dataset), sampler);
+    if (prepared_->steps_by_epochs()) count_steps_by_epochs();
     fire(Event::setup);
 
     build_model();
@@ -789,6 +793,7 @@ class EngineImpl final : public Engine, public Trainer {
     report.world_size = comm_->world_size();
     report.progress_bar = train.get_bool("progress_bar");
     report.logging_steps = train.get_int("logging_steps");
+    report.logging_first_step = train.get_bool("logging_first_step");
     report.device = device_;
     report_ = std::make_unique<StepReport>(report);
     if (!folder.empty()) {
@@ -808,6 +813,20 @@ class EngineImpl final : public Engine, public Trainer {
     fire(Event::load);
     log::info("resumed from ", folder, " at step ", state_.step, " (epoch ",
               read.contents.data.epoch, ", sample ", read.contents.data.cursor, ")");
+  }
+
+  // [train] num_train_epochs, as the Trainer counts: optimizer steps per epoch = the rank's
+  // batches per epoch // gradient_accumulation_steps (at least 1), and max_steps = ceil(epochs
+  // x that); the schedule (warm-up ratio, decay) spans them.
+  void count_steps_by_epochs() {
+    const auto& train = resolved_.section("train");
+    const double epochs = train.get_float("num_train_epochs");
+    const int64_t per_epoch =
+        std::max<int64_t>(1, data_->sampler().batches_per_epoch() / state_.accumulation_steps);
+    state_.max_steps = static_cast<int64_t>(std::ceil(epochs * static_cast<double>(per_epoch)));
+    prepared_->set_total_steps(state_.max_steps);
+    log::info("num_train_epochs ", epochs, " x ", per_epoch, " optimizer steps per epoch = ",
+              state_.max_steps, " steps");
   }
 
   RunParts run_parts() {

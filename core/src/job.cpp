@@ -1,6 +1,7 @@
 // Parses job files with TOML++ into ConfigValue trees that remember file:line, and applies
 // --set overrides. No LibTorch here: this TU stays cheap to compile.
 #include "job.h"
+#include "trainer_names.h"
 
 #include <toml++/toml.h>
 
@@ -93,6 +94,7 @@ Job from_toml(const toml::table& parsed, const std::filesystem::path& file,
   job.root.value = std::move(tables);
   job.root.where = file.string();
   for (const auto& text : overrides) apply_override(job.root, text);
+  job.notes = map_trainer_names(job.root);
   return job;
 }
 

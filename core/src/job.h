@@ -18,6 +18,7 @@ struct Job {
   ConfigValue root;                     // a table of tables
   std::vector<std::string> overrides;   // --set key=value, in order
   std::string text;                     // the TOML as read, before the overrides
+  std::vector<std::string> notes;       // the Trainer's names rewritten (Note [Trainer names])
 
   // Throws ConfigError naming file:line for a syntax error, an unreadable file, or a top-level
   // key outside a table; and for a malformed --set.

@@ -3,6 +3,7 @@
 #include "prepared_job.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
@@ -27,6 +28,17 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   const auto& train = section("train");
   LOOM_CHECK_AS(ConfigError, train.get_int("max_steps") >= 0, train.where("max_steps"),
                 ": [train] max_steps must be >= 0");
+  LOOM_CHECK_AS(ConfigError, train.get_int("logging_steps") >= 0, train.where("logging_steps"),
+                ": [train] logging_steps must be >= 0 (0: no step lines)");
+  LOOM_CHECK_AS(ConfigError, train.get_int("data_seed") >= -1, train.where("data_seed"),
+                ": [train] data_seed must be >= 0, or -1 for seed's");
+  const double epochs = train.get_float("num_train_epochs");
+  LOOM_CHECK_AS(ConfigError, epochs >= 0 && std::isfinite(epochs), train.where("num_train_epochs"),
+                ": [train] num_train_epochs must be >= 0 (0: max_steps decides), got ", epochs);
+  if (epochs > 0 && train.has("max_steps"))
+    log::info(train.where("max_steps"), ": [train] max_steps = ", train.get_int("max_steps"),
+              " decides the run's length; num_train_epochs = ", epochs, " is not used (as the "
+              "Trainer does)");
   LOOM_CHECK_AS(ConfigError, train.get_int("per_device_train_batch_size") > 0,
                 train.where("per_device_train_batch_size"),
                 ": [train] per_device_train_batch_size must be positive");
@@ -227,6 +239,7 @@ std::string PreparedJob::describe() const {
   std::ostringstream out;
   const auto& train = section("train");
   out << "job " << job_.file.string() << " (config hash " << job_.hash() << ")\n";
+  for (const auto& note : job_.notes) out << "  " << note << "\n";
   out << "  model      " << resolved_.model.name << "  (plugin "
       << plugin_label(resolved_.model.provider) << ")\n";
   out << "  data       " << resolved_.data.name << "  (plugin "
@@ -242,7 +255,12 @@ std::string PreparedJob::describe() const {
   // Note [Plugin order]: the order of attach and of every event's handlers.
   out << "\n  order     ";
   for (auto* p : resolved_.active) out << " " << p->name;
-  out << "\n  steps      " << train.get_int("max_steps") << " x "
+  if (steps_by_epochs())
+    out << "\n  epochs     " << train.get_float("num_train_epochs")
+        << " (steps counted when the data is read)";
+  out << "\n  steps      "
+      << (steps_by_epochs() ? std::string("by epochs") : std::to_string(train.get_int("max_steps")))
+      << " x "
       << train.get_int("per_device_train_batch_size") << " samples x "
       << train.get_int("gradient_accumulation_steps") << " micro-batches per rank\n";
   for (const auto& [name, section] : resolved_.sections) {
@@ -252,6 +270,11 @@ std::string PreparedJob::describe() const {
     out << "\n";
   }
   return out.str();
+}
+
+bool PreparedJob::steps_by_epochs() const {
+  const auto& train = section("train");
+  return train.get_float("num_train_epochs") > 0 && !train.has("max_steps");
 }
 
 }  // namespace loom

@@ -44,6 +44,10 @@ class PreparedJob {
   // A path of the job made absolute: relative paths start at the job file's folder.
   std::string resolve_path(const std::string& path) const;
   const Schedule& schedule() const { return schedule_; }
+  // [train] num_train_epochs: the schedule spans `total` steps, counted from the data.
+  void set_total_steps(int64_t total) { schedule_ = make_schedule(section("train"), total); }
+  // Whether the job counts its steps in epochs (num_train_epochs set, max_steps not).
+  bool steps_by_epochs() const;
   log::Level log_level() const { return log_level_; }
   // The update rule built at preparation; the engine takes it (once).
   std::unique_ptr<UpdateRule> take_update_rule();

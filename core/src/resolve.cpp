@@ -256,6 +256,9 @@ std::vector<Schema> core_schemas() {
   Schema train("train");
   train.key_required("model", ValueType::String, "the model plugin to train (gpt, bert, ...)")
       .key_int("max_steps", 100, "optimizer steps to run")
+      .key_float("num_train_epochs", 0.0,
+                 "passes over the data instead of max_steps (the Trainer's: ceil(epochs x "
+                 "optimizer steps per epoch); a max_steps the job sets wins); 0 = max_steps")
       .key_int("per_device_train_batch_size", 8, "samples per micro-batch on each rank")
       .key_int("gradient_accumulation_steps", 1, "micro-batches per optimizer step")
       .key_bool("auto_find_batch_size", false,
@@ -281,6 +284,8 @@ std::vector<Schema> core_schemas() {
                     "(inverse_sqrt), min_lr or min_lr_rate (cosine_with_min_lr)")
       .key_float("max_grad_norm", 1.0, "clip the global gradient norm to this (0 = off)")
       .key_int("seed", 42, "seed of every random number loom draws")
+      .key_int("data_seed", -1,
+               "seed of the data order and validation_split alone (the Trainer's); -1 = seed")
       .key_int("num_threads", 0, "intra-op threads (0 = the cores available)")
       .key_string("cpu_isa", "auto",
                   "oneDNN's CPU kernel level: auto (probed at start) | avx512_core_amx | "
@@ -294,7 +299,9 @@ std::vector<Schema> core_schemas() {
                 "all (save_steps or save_final); a second signal stops at once")
       .key_int("save_total_limit", 0, "keep only the newest N checkpoints (0 = all)")
       .key_string("resume", "", "\"\" (fresh) | \"latest\" | path of a checkpoint folder")
-      .key_int("logging_steps", 10, "log a line every N steps (metrics.jsonl gets every step)")
+      .key_int("logging_steps", 10,
+               "log a line every N steps, 0 = none (metrics.jsonl gets every step)")
+      .key_bool("logging_first_step", false, "also log the first step's line (the Trainer's key)")
       .key_string("log_level", "info", "debug | info | warn | error")
       .key_bool("log_all_ranks", false, "let every rank log, not only rank 0")
       .key_bool("progress_bar", true, "show a progress bar when stderr is a terminal")

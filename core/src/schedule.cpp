@@ -86,11 +86,11 @@ std::string Schedule::describe() const {
   return out.str();
 }
 
-Schedule make_schedule(const ConfigSection& train) {
+Schedule make_schedule(const ConfigSection& train, std::optional<int64_t> total) {
   Schedule s;
   s.kind = train.get_string("lr_scheduler_type");
   s.base = train.get_float("learning_rate");
-  s.total = train.get_int("max_steps");
+  s.total = total ? *total : train.get_int("max_steps");
   const auto kind = std::find_if(kinds().begin(), kinds().end(),
                                  [&](const Kind& k) { return s.kind == k.name; });
   LOOM_CHECK_AS(ConfigError, kind != kinds().end(), train.where("lr_scheduler_type"),

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace loom {
@@ -31,6 +32,8 @@ struct Schedule {
 // From [train]: lr_scheduler_type, learning_rate, warmup_steps or warmup_ratio, max_steps and
 // lr_scheduler_kwargs (HF's scheduler_specific_kwargs). Wrong names, kwargs the schedule does
 // not take, and values HF refuses are ConfigErrors naming the key.
-Schedule make_schedule(const ConfigSection& train);
+// `total`: the steps the schedule spans when [train] num_train_epochs sets them (the engine
+// counts them once the data is read), else max_steps.
+Schedule make_schedule(const ConfigSection& train, std::optional<int64_t> total = std::nullopt);
 
 }  // namespace loom

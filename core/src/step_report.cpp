@@ -86,8 +86,10 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
     log::status(line);
     return;
   }
-  const int64_t every = std::max<int64_t>(1, options_.logging_steps);
-  if (state.step % every == 0 || state.step == state.max_steps)
+  const int64_t every = options_.logging_steps;
+  const bool due = every > 0 ? state.step % every == 0 || state.step == state.max_steps
+                             : false;
+  if (due || (state.step == 1 && options_.logging_first_step))
     log::info("step ", state.step, "/", state.max_steps, " loss ", state.loss, " lr ", state.lr,
               " grad_norm ", state.grad_norm, " ", samples_per_s, " samples/s ", tokens_per_s,
               " tokens/s, memory ", memory::format_bytes(memory_now.current_bytes), " (peak ",

@@ -21,7 +21,8 @@ class StepReport {
     std::string metrics_path;  // output_dir/metrics.jsonl
     int rank = 0, world_size = 1;
     bool progress_bar = true;  // shown only on rank 0, on a terminal, at log level info
-    int64_t logging_steps = 10;
+    int64_t logging_steps = 10;     // 0: no step lines
+    bool logging_first_step = false;
     c10::Device device{c10::kCPU};  // whose memory statistics are reported
   };
   explicit StepReport(Options options) : options_(std::move(options)) {}

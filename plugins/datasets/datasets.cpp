@@ -5,6 +5,7 @@
 // built, so its size, packing windows and truncation count are known up front and every
 // get() is a copy out of memory (deterministic, thread-safe, resumable at any position).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -202,13 +203,15 @@ class RecordsDataset final : public Dataset {
     }
     plan_ = make_plan(c, format, [&](const std::string& p) { return engine.resolve_path(p); }, model);
     tokenizer_ = Tokenizer::load(plan_.tokenizer_path);
+    LOOM_CHECK_AS(DataError, tokenizer_->vocab_size() < (int64_t{1} << 31), tokenizer_->describe(),
+                  ": more than 2^31 ids");
     const ChatFormat chat = plan_.task == Task::Chat
                                 ? chat_format(c.get_string("chat_template"), *tokenizer_)
                                 : ChatFormat::ChatMl;
     const bool eos = c.get_bool("add_eos");
-    int64_t truncated = 0;
-    offsets_.push_back(0);
-    for (size_t i = 0; i < plan_.records.size(); ++i) {
+    // One record's sample (Note [Dataset tasks]); pure, so blocks of records are formatted on
+    // every intra-op thread and appended in record order (the result is the same for any count).
+    auto format_record = [&](size_t i) {
       const Record& r = plan_.records[i];
       const auto& f = r.fields;
       Example e;
@@ -230,19 +233,32 @@ class RecordsDataset final : public Dataset {
       // Language modelling and SFT samples are inputs + next-token labels: max_seq_length + 1 ids.
       if (plan_.task != Task::Classification && !packing_) truncate(e, max_len_ + 1);
       if (plan_.task == Task::Lm && !packing_) e.target.assign(e.ids.size(), 1);
-      if (plan_.task != Task::Classification && !packing_) {
-        // A sample needs two ids and one target among its labels.
-        if (e.ids.size() < 2 || std::none_of(e.target.begin() + 1, e.target.end(), [](uint8_t t) { return t; })) {
-          ++skipped_;
-          continue;
+      return e;
+    };
+    int64_t truncated = 0;
+    offsets_.push_back(0);
+    constexpr size_t kBlock = 1024;
+    std::vector<Example> block;
+    for (size_t first = 0; first < plan_.records.size(); first += kBlock) {
+      block.assign(std::min(kBlock, plan_.records.size() - first), Example{});
+      at::parallel_for(0, static_cast<int64_t>(block.size()), 16, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) block[static_cast<size_t>(k)] = format_record(first + static_cast<size_t>(k));
+      });
+      for (Example& e : block) {
+        if (plan_.task != Task::Classification && !packing_) {
+          // A sample needs two ids and one target among its labels.
+          if (e.ids.size() < 2 || std::none_of(e.target.begin() + 1, e.target.end(), [](uint8_t t) { return t; })) {
+            ++skipped_;
+            continue;
+          }
         }
+        truncated += e.truncated ? 1 : 0;
+        ids_.insert(ids_.end(), e.ids.begin(), e.ids.end());
+        targets_.insert(targets_.end(), e.target.begin(), e.target.end());
+        types_.insert(types_.end(), e.type_ids.begin(), e.type_ids.end());
+        offsets_.push_back(static_cast<int64_t>(ids_.size()));
+        labels_.push_back(e.label);
       }
-      truncated += e.truncated ? 1 : 0;
-      ids_.insert(ids_.end(), e.ids.begin(), e.ids.end());
-      targets_.insert(targets_.end(), e.target.begin(), e.target.end());
-      types_.insert(types_.end(), e.type_ids.begin(), e.type_ids.end());
-      offsets_.push_back(static_cast<int64_t>(ids_.size()));
-      labels_.push_back(e.label);
     }
     if (plan_.task == Task::Lm && packing_) {
       windows_ = (static_cast<int64_t>(ids_.size()) - 1) / max_len_;
@@ -250,7 +266,10 @@ class RecordsDataset final : public Dataset {
                     " tokens: too few for one window of max_seq_length ", max_len_,
                     " (+1); add text or lower max_seq_length");
     }
-    LOOM_CHECK_AS(DataError, size() > 0, "[data] no samples are left: all ", plan_.records.size(),
+    // The parsed records are not needed past this point: only their tokens stay in memory.
+    records_ = static_cast<int64_t>(plan_.records.size());
+    std::vector<Record>().swap(plan_.records);
+    LOOM_CHECK_AS(DataError, size() > 0, "[data] no samples are left: all ", records_,
                   " records were too short after tokenizing (a sample needs two tokens and one "
                   "trained token)");
     log::info("[data] ", describe(), truncated ? detail::cat("; ", truncated, " truncated to max_seq_length ", max_len_) : "",
@@ -266,8 +285,8 @@ class RecordsDataset final : public Dataset {
     LOOM_CHECK_AS(DataError, index >= 0 && index < size(), "sample ", index, " of ", size());
     Sample s;
     s.index = index;
-    auto tensor = [](const int64_t* data, int64_t n) {
-      return at::from_blob(const_cast<int64_t*>(data), {n}, at::kLong).clone();
+    auto tensor = [](const int32_t* data, int64_t n) {
+      return at::from_blob(const_cast<int32_t*>(data), {n}, at::kInt).to(at::kLong);
     };
     if (plan_.task == Task::Lm && packing_) {
       const int64_t begin = index * max_len_;
@@ -294,7 +313,7 @@ class RecordsDataset final : public Dataset {
 
   std::string describe() const override {
     std::string what = detail::cat(format_ == Format::Jsonl ? "jsonl" : "csv", "(",
-                                   plan_.files.size(), " file(s), ", plan_.records.size(),
+                                   plan_.files.size(), " file(s), ", records_,
                                    " records, task ", task_name(plan_.task));
     if (plan_.task == Task::Lm && packing_)
       what += detail::cat(", ", ids_.size(), " tokens packed into ", windows_, " windows of ", max_len_);
@@ -317,9 +336,10 @@ class RecordsDataset final : public Dataset {
   bool packing_;
   Plan plan_;
   std::shared_ptr<const Tokenizer> tokenizer_;
-  std::vector<int64_t> ids_, types_, offsets_, labels_;
+  std::vector<int32_t> ids_, types_;  // ids below 2^31 (checked): half the memory of int64
+  std::vector<int64_t> offsets_, labels_;
   std::vector<uint8_t> targets_;
-  int64_t windows_ = 0, skipped_ = 0;
+  int64_t windows_ = 0, skipped_ = 0, records_ = 0;
 };
 
 Schema source_schema(const std::string& name, const std::string& what) {

@@ -69,7 +69,7 @@ TEST_P(TokenizerVsHf, IdsTypeIdsAndDecodingEqualTokenizersPackage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TokenizerVsHf,
-                         ::testing::Values("gpt2", "llama3", "qwen2", "bert"),
+                         ::testing::Values("gpt2", "llama3", "qwen2", "bert", "llama2", "t5"),
                          [](const auto& info) { return info.param; });
 
 TEST(Tokenizer, SpecialTokensAndChatTemplateComeFromTokenizerConfig) {
@@ -93,12 +93,19 @@ TEST(Tokenizer, SpecialTokensAndChatTemplateComeFromTokenizerConfig) {
 TEST(Tokenizer, RefusesWhatItCannotReproduceNamingTheFileAndWhatIsSupported) {
   test::TempDir dir;
   const auto file = (dir / "tokenizer.json").string();
-  std::ofstream(file) << R"({"model": {"type": "Unigram", "vocab": [["a", -1.0]]}})";
-  EXPECT_THROW_WITH(Tokenizer::load(dir.str()), DataError, file, "'Unigram' is not supported",
-                    "WordPiece");
+  std::ofstream(file) << R"({"model": {"type": "WordLevel", "vocab": {"a": 0}}})";
+  EXPECT_THROW_WITH(Tokenizer::load(dir.str()), DataError, file, "'WordLevel' is not supported",
+                    "WordPiece", "Unigram");
+  // T5's and ALBERT's files: SentencePiece's compiled normalization rules.
+  std::ofstream(file) << R"({"model": {"type": "Unigram", "vocab": [["a", -1.0]], "unk_id": 0},
+    "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA"}})";
+  EXPECT_THROW_WITH(Tokenizer::load(file), DataError, "'Precompiled' is not supported", "NFKC");
   std::ofstream(file) << R"({"model": {"type": "WordPiece", "vocab": {"[UNK]": 0}},
-    "pre_tokenizer": {"type": "Metaspace"}})";
-  EXPECT_THROW_WITH(Tokenizer::load(file), DataError, "'Metaspace' is not supported", "ByteLevel");
+    "pre_tokenizer": {"type": "UnicodeScripts"}})";
+  EXPECT_THROW_WITH(Tokenizer::load(file), DataError, "'UnicodeScripts' is not supported",
+                    "Metaspace");
+  std::ofstream(file) << R"({"model": {"type": "Unigram", "vocab": {"a": 0}}})";
+  EXPECT_THROW_WITH(Tokenizer::load(file), DataError, "Unigram's model.vocab is not a list");
   std::ofstream(file) << "{\"model\": ";
   EXPECT_THROW_WITH(Tokenizer::load(file), DataError, file, "not valid JSON");
   EXPECT_THROW_WITH(Tokenizer::load((dir / "nowhere").string()), DataError, "no tokenizer.json");

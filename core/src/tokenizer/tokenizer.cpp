@@ -6,23 +6,27 @@
 //        -> normalizer (NFC/NFD/NFKC/NFKD, Lowercase, BertNormalizer, Strip, StripAccents,
 //           Replace, Prepend, Sequence) on each stretch between added tokens
 //        -> pre-tokenizer (Split by regex or string with its five behaviours, ByteLevel with or
-//           without GPT-2's regex, BertPreTokenizer, Whitespace, WhitespaceSplit, Digits,
-//           Punctuation, Sequence) into words
+//           without GPT-2's regex, Metaspace with its prepend schemes, BertPreTokenizer,
+//           Whitespace, WhitespaceSplit, Digits, Punctuation, Sequence) into words
 //        -> model (BPE with merges by rank, ignore_merges, unk/byte_fallback; WordPiece greedy
-//           longest-match) into ids
+//           longest-match; Unigram's Viterbi over piece scores) into ids
 //        -> post-processor (TemplateProcessing, BertProcessing, ByteLevel) adding specials.
-//   ids  -> tokens (special ones skipped on request) -> decoder (ByteLevel, WordPiece with its
-//           cleanup, none = joined by spaces).
+//   ids  -> tokens (special ones skipped on request) -> decoder chain (ByteLevel, WordPiece
+//           with its cleanup, Metaspace, Replace, ByteFallback, Fuse, Strip, Sequence; none =
+//           joined by spaces).
+// So GPT-2, Llama 3 and Qwen 2 (byte-level BPE), BERT (WordPiece), Llama 2 and Mistral
+// (SentencePiece BPE with byte fallback) and unigram files load.
 //
 // The regexes of Split (GPT-2's, Llama 3's, Qwen 2's ...) run in ICU's regex engine, whose
 // \p{L}/\p{N} are the Unicode categories Oniguruma (the `tokenizers` package's engine) uses.
 // Their \s differs (ICU: [\t\n\f\r\p{Z}]; Oniguruma: the White_Space property, which adds \v
 // and U+0085), so \s and \S are rewritten to \p{White_Space} before compiling. BPE results are
-// cached per word, as `tokenizers` does. Anything else a file names (Unigram and WordLevel
-// models, Metaspace, RobertaProcessing, continuing_subword_prefix in BPE ...) is refused by
-// name with the list above, never approximated: ids that differ from the model's training are
-// a silent disaster. tests/core/test_tokenizer.cpp checks ids, type ids and decoded text against
-// `tokenizers` on ~1 MB of mixed text per family.
+// cached per word, as `tokenizers` does, and long words (SentencePiece's whole lines) merge
+// through a queue, not a rescan. Anything else a file names (the WordLevel model, T5's and
+// ALBERT's Precompiled normalizer, RobertaProcessing, continuing_subword_prefix in BPE ...) is
+// refused by name with the list above, never approximated: ids that differ from the model's
+// training are a silent disaster. tests/core/test_tokenizer.cpp checks ids, type ids and
+// decoded text against `tokenizers` on ~1 MB of mixed text per family.
 #include "loom/tokenizer.h"
 
 #include <unicode/regex.h>
@@ -37,7 +41,9 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <limits>
 #include <mutex>
+#include <queue>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_map>
@@ -345,7 +351,7 @@ using Pieces = std::vector<std::string>;
 class PreTokenizer {
  public:
   virtual ~PreTokenizer() = default;
-  virtual void apply(Pieces& pieces) const = 0;
+  virtual void apply(Pieces& pieces, bool at_start) const = 0;  // at_start: pieces[0] begins the text
 };
 
 enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
@@ -418,7 +424,7 @@ class CharSplit final : public PreTokenizer {
  public:
   CharSplit(Pred pred, Behavior behavior, bool contiguous_runs)
       : pred_(std::move(pred)), behavior_(behavior), runs_(contiguous_runs) {}
-  void apply(Pieces& pieces) const override {
+  void apply(Pieces& pieces, bool at_start) const override {
     Pieces out;
     std::vector<std::pair<size_t, size_t>> matches;
     for (const auto& piece : pieces) {
@@ -450,7 +456,7 @@ class RegexSplit final : public PreTokenizer {
  public:
   RegexSplit(const std::string& pattern, Behavior behavior, bool invert, const FileContext& file)
       : regex_(pattern, file), behavior_(behavior), invert_(invert) {}
-  void apply(Pieces& pieces) const override {
+  void apply(Pieces& pieces, bool at_start) const override {
     Pieces out;
     std::vector<std::pair<size_t, size_t>> matches;
     for (const auto& piece : pieces) {
@@ -470,7 +476,7 @@ class StringSplit final : public PreTokenizer {
  public:
   StringSplit(std::string pattern, Behavior behavior, bool invert)
       : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
-  void apply(Pieces& pieces) const override {
+  void apply(Pieces& pieces, bool at_start) const override {
     Pieces out;
     std::vector<std::pair<size_t, size_t>> matches;
     for (const auto& piece : pieces) {
@@ -503,11 +509,11 @@ class ByteLevelPre final : public PreTokenizer {
     if (bool_or(j, "use_regex", true))
       split_ = std::make_unique<RegexSplit>(kGpt2Split, Behavior::Isolated, false, file);
   }
-  void apply(Pieces& pieces) const override {
+  void apply(Pieces& pieces, bool at_start) const override {
     if (add_prefix_space_)
       for (auto& piece : pieces)
         if (!piece.empty() && piece[0] != ' ') piece.insert(piece.begin(), ' ');
-    if (split_) split_->apply(pieces);
+    if (split_) split_->apply(pieces, at_start);
     const auto& alphabet = byte_alphabet();
     for (auto& piece : pieces) {
       std::string mapped;
@@ -522,6 +528,48 @@ class ByteLevelPre final : public PreTokenizer {
   std::unique_ptr<RegexSplit> split_;
 };
 
+// SentencePiece's word boundary (Llama 2, Mistral, T5): spaces become the replacement (U+2581
+// "▁"), one is prepended per prepend_scheme (always; first: only where the text begins, not
+// after an added token; never), and with split the text is cut before each replacement.
+class MetaspacePre final : public PreTokenizer {
+ public:
+  MetaspacePre(const json& j, const FileContext& file)
+      : replacement_(string_or(j, "replacement", "\u2581")), split_(bool_or(j, "split", true)) {
+    std::string scheme = string_or(j, "prepend_scheme", "");
+    if (scheme.empty())  // files of tokenizers < 0.19: add_prefix_space
+      scheme = bool_or(j, "add_prefix_space", true) ? "always" : "never";
+    if (scheme == "always") prepend_ = Prepend::Always;
+    else if (scheme == "first") prepend_ = Prepend::First;
+    else if (scheme == "never") prepend_ = Prepend::Never;
+    else refuse(file, detail::cat("Metaspace prepend_scheme '", scheme, "' is not always, first or never"));
+  }
+  void apply(Pieces& pieces, bool at_start) const override {
+    Pieces out;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      std::string piece = replace_all(pieces[p], " ", replacement_);
+      const bool prepend = prepend_ == Prepend::Always || (prepend_ == Prepend::First && at_start && p == 0);
+      if (prepend && piece.rfind(replacement_, 0) != 0) piece = replacement_ + piece;
+      if (!split_) {
+        out.push_back(std::move(piece));
+        continue;
+      }
+      std::vector<std::pair<size_t, size_t>> matches;
+      for (size_t at = 0, hit; (hit = piece.find(replacement_, at)) != std::string::npos;
+           at = hit + replacement_.size())
+        matches.emplace_back(hit, hit + replacement_.size());
+      split_by(piece, matches, Behavior::MergedWithNext, false, out);
+    }
+    pieces.swap(out);
+  }
+  const std::string& replacement() const { return replacement_; }
+
+ private:
+  enum class Prepend { Always, First, Never };
+  std::string replacement_;
+  bool split_;
+  Prepend prepend_ = Prepend::Always;
+};
+
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const FileContext& file);
 
 class SequencePre final : public PreTokenizer {
@@ -529,8 +577,8 @@ class SequencePre final : public PreTokenizer {
   SequencePre(const json& j, const FileContext& file) {
     for (const auto& item : j.at("pretokenizers")) parts_.push_back(make_pre_tokenizer(item, file));
   }
-  void apply(Pieces& pieces) const override {
-    for (const auto& part : parts_) part->apply(pieces);
+  void apply(Pieces& pieces, bool at_start) const override {
+    for (const auto& part : parts_) part->apply(pieces, at_start);
   }
 
  private:
@@ -545,9 +593,9 @@ bool is_bert_punctuation(char32_t c) {
 
 class BertPre final : public PreTokenizer {
  public:
-  void apply(Pieces& pieces) const override {
-    whitespace_->apply(pieces);
-    punctuation_->apply(pieces);
+  void apply(Pieces& pieces, bool at_start) const override {
+    whitespace_->apply(pieces, at_start);
+    punctuation_->apply(pieces, at_start);
   }
 
  private:
@@ -578,14 +626,16 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const FileContex
     return char_split([](char32_t c) { return c < 0x80 && c >= '0' && c <= '9'; },
                       individual ? Behavior::Isolated : Behavior::Contiguous);
   }
+  if (type == "Metaspace") return std::make_unique<MetaspacePre>(j, file);
   if (type == "Punctuation") {
     const Behavior behavior =
         j.contains("behavior") ? parse_behavior(j["behavior"], file) : Behavior::Isolated;
     return char_split(is_bert_punctuation, behavior);
   }
   refuse(file, detail::cat("the pre-tokenizer '", type.empty() ? j.dump() : type,
-                           "' is not supported; loom reads ByteLevel, Split, BertPreTokenizer, "
-                           "Whitespace, WhitespaceSplit, Digits, Punctuation, Sequence"));
+                           "' is not supported; loom reads ByteLevel, Metaspace, Split, "
+                           "BertPreTokenizer, Whitespace, WhitespaceSplit, Digits, Punctuation, "
+                           "Sequence"));
 }
 
 // ---------------------------------------------------------------- models
@@ -718,8 +768,10 @@ class Bpe final : public Model {
       // Without an unk token `tokenizers` drops the character; so does loom.
     }
   }
-  // Merge the pair of lowest rank (leftmost among equals) until none is left.
+  // Merge the pair of lowest rank (leftmost among equals) until none is left: by scanning for
+  // short words, through a queue for long ones (a SentencePiece BPE's word is a whole line).
   void merge(std::vector<int64_t>& symbols) const {
+    if (symbols.size() > 32) return merge_long(symbols);
     while (symbols.size() > 1) {
       int64_t best_rank = INT64_MAX, best_id = -1;
       size_t best_at = 0;
@@ -735,6 +787,47 @@ class Bpe final : public Model {
       symbols[best_at] = best_id;
       symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
     }
+  }
+
+  // The same choices in O(n log n): a min-queue of (rank, left symbol's index) for every
+  // adjacent pair that merges; entries whose pair changed since are skipped when popped.
+  void merge_long(std::vector<int64_t>& symbols) const {
+    struct Entry {
+      int64_t rank;
+      int64_t pos;
+      int64_t id;
+      bool operator>(const Entry& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    };
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
+    const int64_t n = static_cast<int64_t>(symbols.size());
+    std::vector<int64_t> prev(static_cast<size_t>(n)), next(static_cast<size_t>(n));
+    std::vector<uint8_t> alive(static_cast<size_t>(n), 1);
+    auto offer = [&](int64_t left, int64_t right) {
+      const auto it = merges_.find(key(symbols[left], symbols[right]));
+      if (it != merges_.end()) queue.push({it->second.first, left, it->second.second});
+    };
+    for (int64_t i = 0; i < n; ++i) {
+      prev[i] = i - 1;
+      next[i] = i + 1 < n ? i + 1 : -1;
+      if (i + 1 < n) offer(i, i + 1);
+    }
+    while (!queue.empty()) {
+      const Entry top = queue.top();
+      queue.pop();
+      const int64_t right = next[top.pos];
+      if (!alive[top.pos] || right < 0) continue;
+      const auto it = merges_.find(key(symbols[top.pos], symbols[right]));
+      if (it == merges_.end() || it->second.first != top.rank || it->second.second != top.id) continue;
+      symbols[top.pos] = top.id;
+      alive[right] = 0;
+      next[top.pos] = next[right];
+      if (next[right] >= 0) prev[next[right]] = top.pos;
+      if (prev[top.pos] >= 0) offer(prev[top.pos], top.pos);
+      if (next[top.pos] >= 0) offer(top.pos, next[top.pos]);
+    }
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i >= 0; i = next[i]) out.push_back(symbols[i]);
+    symbols.swap(out);
   }
 
   std::unordered_map<uint64_t, std::pair<int64_t, int64_t>> merges_;
@@ -793,6 +886,112 @@ class WordPiece final : public Model {
   std::string prefix_;
   int64_t max_chars_;
   int64_t unk_ = 0;
+};
+
+// SentencePiece's unigram model (T5, ALBERT, XLNet, mBART): the segmentation of most total
+// log-probability (Viterbi over every vocabulary piece that starts at each character), as
+// `tokenizers` computes it: candidates in order of length, a later one only when strictly
+// better; a character no piece covers costs the lowest score - 10 and becomes unk, runs of
+// them fused into one (fuse_unk); a piece not in the vocabulary falls back to <0xHH> bytes
+// (byte_fallback) or unk.
+class Unigram final : public Model {
+ public:
+  Unigram(const json& j, const FileContext& file) {
+    const json& vocab = j.at("vocab");
+    if (!vocab.is_array()) refuse(file, "Unigram's model.vocab is not a list of [piece, score]");
+    scores_.reserve(vocab.size());
+    double min_score = std::numeric_limits<double>::infinity();
+    for (size_t id = 0; id < vocab.size(); ++id) {
+      const json& entry = vocab[id];
+      if (!entry.is_array() || entry.size() != 2 || !entry[0].is_string() || !entry[1].is_number())
+        refuse(file, detail::cat("Unigram's model.vocab[", id, "] is not [piece, score]"));
+      const std::string piece = entry[0].get<std::string>();
+      vocab_.emplace(piece, static_cast<int64_t>(id));
+      scores_.push_back(entry[1].get<double>());
+      min_score = std::min(min_score, scores_.back());
+      max_piece_ = std::max(max_piece_, piece.size());
+    }
+    unk_score_ = min_score - 10.0;
+    if (j.contains("unk_id") && j["unk_id"].is_number_integer()) unk_ = j["unk_id"].get<int64_t>();
+    byte_fallback_ = bool_or(j, "byte_fallback", false);
+  }
+
+  void tokenize(const std::string& word, std::vector<int64_t>& ids) const override {
+    struct Node {
+      double score = 0;
+      int64_t start = -1;  // -1: not reached
+      int64_t id = -1;
+    };
+    const size_t size = word.size();
+    std::vector<Node> best(size + 1);
+    best[0].start = 0;
+    for (size_t at = 0; at < size;) {
+      size_t char_len;
+      next_code_point(word, at, &char_len);
+      const double here = best[at].score;
+      bool single = false;
+      for (size_t len = 1; len <= max_piece_ && at + len <= size; ++len) {
+        const auto it = vocab_.find(word.substr(at, len));
+        if (it == vocab_.end()) continue;
+        Node& target = best[at + len];
+        const double candidate = here + scores_[static_cast<size_t>(it->second)];
+        if (target.start < 0 || candidate > target.score) target = {candidate, static_cast<int64_t>(at), it->second};
+        if (len == char_len) single = true;
+      }
+      if (!single) {
+        LOOM_CHECK_AS(DataError, unk_ >= 0, "the Unigram tokenizer has no unk_id, and '",
+                      word.substr(at, char_len), "' has no piece");
+        Node& target = best[at + char_len];
+        const double candidate = here + unk_score_;
+        if (target.start < 0 || candidate > target.score) target = {candidate, static_cast<int64_t>(at), unk_};
+      }
+      at += char_len;
+    }
+    // Back from the end: the pieces, with runs of unk fused into one string.
+    std::vector<std::string> pieces;
+    std::string unk_run;
+    for (size_t end = size; end > 0;) {
+      const Node& node = best[end];
+      const std::string piece = word.substr(static_cast<size_t>(node.start), end - static_cast<size_t>(node.start));
+      if (node.id == unk_) {
+        unk_run = piece + unk_run;
+      } else {
+        if (!unk_run.empty()) pieces.push_back(std::move(unk_run));
+        unk_run.clear();
+        pieces.push_back(piece);
+      }
+      end = static_cast<size_t>(node.start);
+    }
+    if (!unk_run.empty()) pieces.push_back(std::move(unk_run));
+    for (auto it = pieces.rbegin(); it != pieces.rend(); ++it) {
+      if (const auto id = token_to_id(*it)) {
+        ids.push_back(*id);
+        continue;
+      }
+      if (byte_fallback_) {
+        std::vector<int64_t> bytes;
+        for (const char c : *it) {
+          char name[8];
+          std::snprintf(name, sizeof name, "<0x%02X>", static_cast<unsigned char>(c));
+          const auto id = token_to_id(name);
+          if (!id) break;
+          bytes.push_back(*id);
+        }
+        if (bytes.size() == it->size()) {
+          ids.insert(ids.end(), bytes.begin(), bytes.end());
+          continue;
+        }
+      }
+      ids.push_back(unk_);
+    }
+  }
+
+ private:
+  std::vector<double> scores_;
+  size_t max_piece_ = 0;
+  double unk_score_ = 0;
+  int64_t unk_ = -1;
+  bool byte_fallback_ = false;
 };
 
 // ---------------------------------------------------------------- post-processors
@@ -863,29 +1062,162 @@ void make_post_processor(const json& j, const FileContext& file, PostProcessor& 
 
 // ---------------------------------------------------------------- decoders
 
-enum class DecoderKind { None, ByteLevel, WordPiece };
+// Decoders as `tokenizers` runs them: each step maps the list of token strings to another
+// (decode_chain), and the result is joined without spaces; no decoder at all joins with spaces.
+using Tokens = std::vector<std::string>;
+using DecodeStep = std::function<void(Tokens&)>;
+std::string cleanup_spaces(std::string s);
+
+// "<0xHH>" -> the byte, else -1.
+int byte_token(const std::string& token) {
+  if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>') return -1;
+  int value = 0;
+  for (int k = 3; k < 5; ++k) {
+    const char c = token[static_cast<size_t>(k)];
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                    : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+bool valid_utf8(const std::string& bytes) {
+  for (size_t i = 0; i < bytes.size();) {
+    size_t n;
+    if (next_code_point(bytes, i, &n) == 0xFFFD && bytes.compare(i, 3, "\xEF\xBF\xBD") != 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+void decode_steps(const json& j, const FileContext& file, std::vector<DecodeStep>& steps) {
+  const std::string type = type_of(j);
+  if (type == "Sequence") {
+    for (const auto& item : j.at("decoders")) decode_steps(item, file, steps);
+  } else if (type == "ByteLevel") {
+    steps.push_back([](Tokens& tokens) {
+      const auto& alphabet = byte_alphabet();
+      std::string bytes;
+      for (const auto& token : tokens) {
+        std::string mapped;
+        bool all = true;
+        for (size_t i = 0; i < token.size() && all;) {
+          size_t n;
+          const auto it = alphabet.text_to_byte.find(next_code_point(token, i, &n));
+          if (it == alphabet.text_to_byte.end()) all = false;
+          else mapped.push_back(static_cast<char>(it->second));
+          i += n;
+        }
+        bytes += all ? mapped : token;
+      }
+      tokens = {utf8_lossy(bytes)};
+    });
+  } else if (type == "WordPiece") {
+    const std::string prefix = string_or(j, "prefix", "##");
+    const bool cleanup = bool_or(j, "cleanup", true);
+    steps.push_back([prefix, cleanup](Tokens& tokens) {
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        std::string& token = tokens[i];
+        if (i != 0) {
+          if (token.rfind(prefix, 0) == 0) token = token.substr(prefix.size());
+          else token = " " + token;
+        }
+        if (cleanup) token = cleanup_spaces(std::move(token));
+      }
+    });
+  } else if (type == "Replace") {
+    const std::string from = literal_pattern(j.at("pattern"), file, "the Replace decoder");
+    const std::string to = j.at("content").get<std::string>();
+    steps.push_back([from, to](Tokens& tokens) {
+      for (auto& token : tokens) token = replace_all(std::move(token), from, to);
+    });
+  } else if (type == "ByteFallback") {
+    // Runs of <0xHH> become their bytes when those are UTF-8, else one U+FFFD per byte.
+    steps.push_back([](Tokens& tokens) {
+      Tokens out;
+      std::string bytes;
+      size_t count = 0;
+      auto flush = [&] {
+        if (count == 0) return;
+        if (valid_utf8(bytes)) out.push_back(bytes);
+        else out.insert(out.end(), count, "\xEF\xBF\xBD");
+        bytes.clear();
+        count = 0;
+      };
+      for (auto& token : tokens) {
+        if (const int byte = byte_token(token); byte >= 0) {
+          bytes.push_back(static_cast<char>(byte));
+          ++count;
+          continue;
+        }
+        flush();
+        out.push_back(std::move(token));
+      }
+      flush();
+      tokens.swap(out);
+    });
+  } else if (type == "Fuse") {
+    steps.push_back([](Tokens& tokens) {
+      std::string all;
+      for (const auto& token : tokens) all += token;
+      tokens = {all};
+    });
+  } else if (type == "Strip") {
+    // Up to `start` leading and `stop` trailing copies of the character `content`, per token.
+    std::string content = j.at("content").get<std::string>();
+    size_t n = 0;
+    const char32_t c = content.empty() ? 0 : next_code_point(content, 0, &n);
+    const int64_t start = j.value("start", int64_t{0}), stop = j.value("stop", int64_t{0});
+    steps.push_back([c, start, stop](Tokens& tokens) {
+      for (auto& token : tokens) {
+        std::vector<size_t> at;  // byte offset of each code point, and the end
+        for (size_t i = 0; i < token.size();) {
+          size_t len;
+          next_code_point(token, i, &len);
+          at.push_back(i);
+          i += len;
+        }
+        at.push_back(token.size());
+        const size_t chars = at.size() - 1;
+        size_t len, begin = 0, end = chars;
+        for (size_t i = 0; i < static_cast<size_t>(start) && i < chars &&
+                           next_code_point(token, at[i], &len) == c; ++i)
+          begin = i + 1;
+        for (size_t i = 0; i < static_cast<size_t>(stop) && i < chars; ++i) {
+          const size_t index = chars - i - 1;
+          if (next_code_point(token, at[index], &len) != c) break;
+          end = index;
+        }
+        token = begin < end ? token.substr(at[begin], at[end] - at[begin]) : "";
+      }
+    });
+  } else if (type == "Metaspace") {
+    // The replacement becomes a space, except in the first token (the prepended one goes).
+    const std::string replacement = string_or(j, "replacement", "\u2581");
+    std::string scheme = string_or(j, "prepend_scheme", "");
+    if (scheme.empty()) scheme = bool_or(j, "add_prefix_space", true) ? "always" : "never";
+    const bool drop_first = scheme != "never";
+    steps.push_back([replacement, drop_first](Tokens& tokens) {
+      for (size_t i = 0; i < tokens.size(); ++i)
+        tokens[i] = replace_all(std::move(tokens[i]), replacement, i == 0 && drop_first ? "" : " ");
+    });
+  } else {
+    refuse(file, detail::cat("the decoder '", type.empty() ? j.dump() : type,
+                             "' is not supported; loom reads ByteLevel, WordPiece, Metaspace, "
+                             "Replace, ByteFallback, Fuse, Strip, Sequence"));
+  }
+}
 
 struct Decoder {
-  DecoderKind kind = DecoderKind::None;
-  std::string prefix = "##";
-  bool cleanup = true;
+  bool present = false;
+  std::vector<DecodeStep> steps;
 };
 
 void make_decoder(const json& j, const FileContext& file, Decoder& decoder) {
   if (j.is_null()) return;
-  const std::string type = type_of(j);
-  if (type == "ByteLevel") {
-    decoder.kind = DecoderKind::ByteLevel;
-    return;
-  }
-  if (type == "WordPiece") {
-    decoder.kind = DecoderKind::WordPiece;
-    decoder.prefix = string_or(j, "prefix", "##");
-    decoder.cleanup = bool_or(j, "cleanup", true);
-    return;
-  }
-  refuse(file, detail::cat("the decoder '", type.empty() ? j.dump() : type,
-                           "' is not supported; loom reads ByteLevel and WordPiece"));
+  decoder.present = true;
+  decode_steps(j, file, decoder.steps);
 }
 
 std::string cleanup_spaces(std::string s) {
@@ -961,43 +1293,14 @@ class HfTokenizer final : public Tokenizer {
       if (skip_special_tokens && is_special(id)) continue;
       tokens.push_back(id_to_token_[id]);
     }
-    switch (decoder_.kind) {
-      case DecoderKind::ByteLevel: {
-        const auto& alphabet = byte_alphabet();
-        std::string bytes;
-        for (const auto& token : tokens) {
-          std::string mapped;
-          bool all = true;
-          for (size_t i = 0; i < token.size() && all;) {
-            size_t n;
-            const auto it = alphabet.text_to_byte.find(next_code_point(token, i, &n));
-            if (it == alphabet.text_to_byte.end()) all = false;
-            else mapped.push_back(static_cast<char>(it->second));
-            i += n;
-          }
-          bytes += all ? mapped : token;
-        }
-        return utf8_lossy(bytes);
-      }
-      case DecoderKind::WordPiece: {
-        std::string out;
-        for (size_t i = 0; i < tokens.size(); ++i) {
-          std::string token = tokens[i];
-          if (i != 0) {
-            if (token.rfind(decoder_.prefix, 0) == 0) token = token.substr(decoder_.prefix.size());
-            else token = " " + token;
-          }
-          out += decoder_.cleanup ? cleanup_spaces(std::move(token)) : token;
-        }
-        return out;
-      }
-      case DecoderKind::None: {
-        std::string out;
-        for (size_t i = 0; i < tokens.size(); ++i) out += (i ? " " : "") + tokens[i];
-        return out;
-      }
+    std::string out;
+    if (!decoder_.present) {
+      for (size_t i = 0; i < tokens.size(); ++i) out += (i ? " " : "") + tokens[i];
+      return out;
     }
-    return "";
+    for (const auto& step : decoder_.steps) step(tokens);
+    for (const auto& token : tokens) out += token;
+    return out;
   }
 
   std::optional<int64_t> token_to_id(std::string_view token) const override {
@@ -1031,10 +1334,14 @@ class HfTokenizer final : public Tokenizer {
     } else if (type == "WordPiece") {
       model_ = std::make_unique<WordPiece>(model, file_);
       family_ = "WordPiece";
+    } else if (type == "Unigram") {
+      model_ = std::make_unique<Unigram>(model, file_);
+      family_ = "Unigram";
     } else {
       refuse(file_, detail::cat("the tokenizer model '", type,
                                 "' is not supported; loom reads BPE (byte-level: GPT-2, Llama 3, "
-                                "Qwen) and WordPiece (BERT)"));
+                                "Qwen; SentencePiece's: Llama 2, Mistral), WordPiece (BERT) and "
+                                "Unigram (T5, ALBERT)"));
     }
     if (j.contains("normalizer") && !j["normalizer"].is_null())
       normalizer_ = make_normalizer(j["normalizer"], file_);
@@ -1143,11 +1450,11 @@ class HfTokenizer final : public Tokenizer {
           if (!is_white_space(next_code_point(text, next, &n))) break;
           next += n;
         }
-      tokenize_stretch(std::string_view(text).substr(start, stretch_end - start), ids);
+      tokenize_stretch(std::string_view(text).substr(start, stretch_end - start), start == 0, ids);
       ids.push_back(hit->id);
       start = i = next;
     }
-    tokenize_stretch(std::string_view(text).substr(start), ids);
+    tokenize_stretch(std::string_view(text).substr(start), start == 0, ids);
     return ids;
   }
 
@@ -1172,11 +1479,12 @@ class HfTokenizer final : public Tokenizer {
     return true;
   }
 
-  void tokenize_stretch(std::string_view stretch, std::vector<int64_t>& ids) const {
+  // at_start: the stretch begins the text (Metaspace's prepend_scheme "first").
+  void tokenize_stretch(std::string_view stretch, bool at_start, std::vector<int64_t>& ids) const {
     if (stretch.empty()) return;
     Pieces pieces{normalizer_ ? normalizer_->apply(std::string(stretch)) : std::string(stretch)};
     if (pieces[0].empty()) return;
-    if (pre_tokenizer_) pre_tokenizer_->apply(pieces);
+    if (pre_tokenizer_) pre_tokenizer_->apply(pieces, at_start);
     for (const auto& piece : pieces)
       if (!piece.empty()) model_->tokenize(piece, ids);
   }

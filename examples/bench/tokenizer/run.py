@@ -1,7 +1,8 @@
 """Tokenizer speed: loom::Tokenizer (C++, ICU) against the `tokenizers` package (Rust) on the
 same ~1 MB of mixed text (prose in a dozen scripts, emoji, digits, whitespace runs, code: the
 corpus of tests/core/tokenizer/reference.py) with the same tokenizer.json, one family at a
-time: GPT-2's byte-level BPE, Llama 3's and Qwen 2's split-regex BPE, BERT's WordPiece. Both
+time: GPT-2's byte-level BPE, Llama 3's and Qwen 2's split-regex BPE, BERT's WordPiece, Llama
+2's SentencePiece BPE (byte fallback), a T5-style unigram. Both
 encode each document with its special tokens on one thread (tokenizers' encode() in a loop,
 RAYON_NUM_THREADS=1); tokenizers' encode_batch on every core is shown beside. Rounds
 interleave loom and tokenizers; medians. Writes the table into docs/BENCHMARKS.md with --write.
@@ -48,7 +49,7 @@ def main():
     subprocess.run([sys.executable, os.path.join(ROOT, "tests/core/tokenizer/reference.py"),
                     "make", work], check=True)
     rows = []
-    for family in ("gpt2", "llama3", "qwen2", "bert"):
+    for family in ("gpt2", "llama3", "qwen2", "bert", "llama2", "t5"):
         folder = os.path.join(work, family)
         docs = os.path.join(folder, "expected.jsonl")
         size = sum(len(json.loads(l)["text"].encode()) for l in open(docs, encoding="utf-8"))

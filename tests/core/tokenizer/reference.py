@@ -1,7 +1,8 @@
 """The independent reference for loom's C++ tokenizers: the `tokenizers` package.
 
 `reference.py make DIR` trains one small tokenizer per family loom reads (GPT-2's byte-level
-BPE, Llama 3's and Qwen 2's split-regex byte-level BPE, BERT's WordPiece) on a deterministic
+BPE, Llama 3's and Qwen 2's split-regex byte-level BPE, BERT's WordPiece, Llama 2's
+SentencePiece BPE with byte fallback, T5's SentencePiece unigram) on a deterministic
 mixed corpus, saves each as DIR/<family>/tokenizer.json (+ tokenizer_config.json), and writes
 DIR/<family>/expected.jsonl: for each document of a second, held-out ~1 MB corpus its text
 (and a text_pair for BERT) with the ids, type ids and decoded text `tokenizers` gives.
@@ -131,6 +132,48 @@ def byte_level(split, ignore_merges, nfc, vocab_size, train_docs, bos):
     return tok, {"bos_token": bos, "eos_token": "<|end_of_text|>"}
 
 
+def sentencepiece_bpe(vocab_size, train_docs):
+    """Llama 2's and Mistral's tokenizer.json: BPE over whole lines with spaces as "▁" (one
+    prepended where the text begins), <0xHH> byte pieces for characters outside the alphabet,
+    and the decoder chain that undoes it."""
+    specials = ["<unk>", "<s>", "</s>", "<|end_of_text|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  limit_alphabet=150, show_progress=False)
+    tok.train_from_iterator(train_docs, trainer)
+    # The byte pieces, in the model's vocabulary as SentencePiece has them.
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", bos)])
+    return tok, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def unigram(vocab_size, train_docs):
+    """T5's tokenizer.json, less its precompiled normalizer: NFKC, words split at "▁" (one
+    prepended to every stretch), a unigram model, unk for what no piece covers."""
+    specials = ["<pad>", "</s>", "<unk>", "<|end_of_text|>"]
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                      unk_token="<unk>", max_piece_length=12, show_progress=False)
+    tok.train_from_iterator(train_docs, trainer)
+    eos = tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B:1 </s>:1", special_tokens=[("</s>", eos)])
+    return tok, {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+
+
 def bert(vocab_size, train_docs):
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -161,6 +204,8 @@ def make(out, size):
         "llama3": byte_level(LLAMA3_SPLIT, True, False, 3000, train_docs, "<|begin_of_text|>"),
         "qwen2": byte_level(QWEN2_SPLIT, False, True, 3000, train_docs, "<|endoftext|>"),
         "bert": bert(3000, train_docs),
+        "llama2": sentencepiece_bpe(3000, train_docs),
+        "t5": unigram(3000, train_docs),
     }
     for name, (tok, config) in families.items():
         folder = os.path.join(out, name)

@@ -221,8 +221,8 @@ TEST_F(Datasets, BadRecordsAreRefusedBeforeTrainingNamingFileAndLine) {
   refuse("{\"text\": \"a\"}\n", "", {"needs a tokenizer", "from_pretrained"}, "");
   // A tokenizer of a kind loom cannot reproduce.
   test::TempDir unigram;
-  std::ofstream(unigram / "tokenizer.json") << R"({"model": {"type": "Unigram", "vocab": []}})";
-  refuse("{\"text\": \"a\"}\n", "", {"'Unigram' is not supported", "WordPiece"}, unigram.str());
+  std::ofstream(unigram / "tokenizer.json") << R"({"model": {"type": "WordLevel", "vocab": {}}})";
+  refuse("{\"text\": \"a\"}\n", "", {"'WordLevel' is not supported", "WordPiece"}, unigram.str());
 }
 
 TEST_F(Datasets, PackedDocumentsAreOneStreamWithEosBetween) {
