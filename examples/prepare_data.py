@@ -65,6 +65,8 @@ def main():
     for path in args.files:
         if not os.path.isfile(path):
             sys.exit(f"prepare_data: error: text file '{path}' does not exist")
+    # --out data/x.bin into a data/ that is not there yet: made, as a user expects.
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     if args.train_bpe:
         if args.train_bpe < 257:

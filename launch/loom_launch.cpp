@@ -37,10 +37,11 @@ Starts --nproc-per-node copies of COMMAND on this node with torchrun's environme
   --master-addr A      address of rank 0's rendezvous (default 127.0.0.1)
   --master-port P      its TCP port (default 29500)
   --max-restarts R     restart this node's ranks up to R times after a failure (default 0);
-                       give the job [train] resume = "latest" and save_steps so it resumes
+                       a restarted job resumes from its latest checkpoint by itself (give it
+                       save_steps, or it starts over)
   --grace-seconds S    after a failure, time the other ranks get to exit before SIGKILL (5)
 
-example: loom-launch --nproc-per-node 2 build/bin/loom run examples/ddp.toml
+example: loom-launch --nproc-per-node 2 build/bin/loom run examples/demo.toml
 )";
 
 volatile sig_atomic_t g_signal = 0, g_signal_count = 0;

@@ -46,7 +46,8 @@ usage:
   loom export CHECKPOINT OUT_DIR [--merge]         a transformers folder (config.json, the
                                                    weights, the tokenizer) from_pretrained loads
       --merge                LoRA adapters folded into the weights (PEFT's merge_and_unload);
-                             without it a LoRA run exports its base model
+                             without it a llama LoRA run exports its base model (PEFT's
+                             adapter goes on top); gpt and bert LoRA runs need --merge
   loom generate CHECKPOINT|OUTPUT_DIR [options]    continue a prompt (gpt, llama; KV cache)
       --prompt TEXT          text: encoded with the job's tokenizer (tokenizer.json of [data]
                              tokenizer or [model] from_pretrained) or as bytes (source "text")
@@ -63,7 +64,7 @@ usage:
 examples:
   loom run examples/demo.toml --set train.max_steps=20
   loom generate runs/demo --prompt "The meaning of " --temperature 0.8 --top-k 40
-  loom check examples/bert_seed.toml
+  loom check examples/datasets/classify.toml
 )";
 
 struct Args {

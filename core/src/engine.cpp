@@ -794,6 +794,10 @@ class EngineImpl final : public Engine, public Trainer {
     report.progress_bar = train.get_bool("progress_bar");
     report.logging_steps = train.get_int("logging_steps");
     report.logging_first_step = train.get_bool("logging_first_step");
+    if (prepared_->reports_to_tensorboard())
+      report.tensorboard_dir = train.get_string("logging_dir").empty()
+                                   ? output_dir_ + "/runs"
+                                   : resolve_path(train.get_string("logging_dir"));
     report.device = device_;
     report_ = std::make_unique<StepReport>(report);
     if (!folder.empty()) {

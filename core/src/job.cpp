@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -178,6 +179,17 @@ Job Job::parse(const std::string& text, const std::filesystem::path& name,
     throw ConfigError(detail::cat(name.string(), ":", source.begin.line, ":",
                                   source.begin.column, ": invalid TOML: ", error.description()));
   }
+}
+
+std::string display_text(const ConfigValue& value) {
+  if (value.type() != ValueType::Float) return value.to_text();
+  const double x = std::get<double>(value.value);
+  char text[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, x);
+    if (std::strtod(text, nullptr) == x) break;
+  }
+  return text;
 }
 
 std::vector<std::string> Job::table_names() const {

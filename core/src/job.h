@@ -36,6 +36,10 @@ struct Job {
   std::string hash() const;  // 16 hex digits
 };
 
+// A value for people to read: as to_text, but numbers in their shortest exact form (5e-05, not
+// 5.0000000000000002e-05). to_text stays exact and fixed: the config hash is made of it.
+std::string display_text(const ConfigValue& value);
+
 class Trainer;
 // A Trainer for a parsed job, as Trainer::from_file makes one (engine.cpp).
 std::unique_ptr<Trainer> make_trainer(Job job);

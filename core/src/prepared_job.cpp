@@ -30,6 +30,17 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                 ": [train] max_steps must be >= 0");
   LOOM_CHECK_AS(ConfigError, train.get_int("logging_steps") >= 0, train.where("logging_steps"),
                 ": [train] logging_steps must be >= 0 (0: no step lines)");
+  if (train.has("report_to")) {
+    // The Trainer's integrations: loom writes TensorBoard's files itself; the others are
+    // services loom does not talk to.
+    for (const std::string& name : train.get_strings("report_to")) {
+      LOOM_CHECK_AS(ConfigError, name == "tensorboard" || name == "all" || name == "none",
+                    train.where("report_to"), ": [train] report_to \"", name, "\" is not one "
+                    "loom reports to; it knows \"tensorboard\" (\"all\" is the same) and "
+                    "\"none\"; metrics.jsonl holds every number for other tools");
+      tensorboard_ = tensorboard_ || name == "tensorboard" || name == "all";
+    }
+  }
   LOOM_CHECK_AS(ConfigError, train.get_int("data_seed") >= -1, train.where("data_seed"),
                 ": [train] data_seed must be >= 0, or -1 for seed's");
   const double epochs = train.get_float("num_train_epochs");

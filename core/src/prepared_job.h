@@ -48,6 +48,8 @@ class PreparedJob {
   void set_total_steps(int64_t total) { schedule_ = make_schedule(section("train"), total); }
   // Whether the job counts its steps in epochs (num_train_epochs set, max_steps not).
   bool steps_by_epochs() const;
+  // [train] report_to names tensorboard (checked: only known integrations).
+  bool reports_to_tensorboard() const { return tensorboard_; }
   log::Level log_level() const { return log_level_; }
   // The update rule built at preparation; the engine takes it (once).
   std::unique_ptr<UpdateRule> take_update_rule();
@@ -69,6 +71,7 @@ class PreparedJob {
   PluginHost host_;
   ResolvedJob resolved_;
   Schedule schedule_;
+  bool tensorboard_ = false;
   log::Level log_level_ = log::Level::info;
   std::unique_ptr<UpdateRule> rule_;
   bool default_ddp_ = false;

@@ -27,6 +27,11 @@ bool type_matches(ValueType want, const ConfigValue& value) {
   const ValueType got = value.type();
   if (want == ValueType::Any) return true;
   if (want == ValueType::Float) return got == ValueType::Float || got == ValueType::Int;
+  if (want == ValueType::Int && got == ValueType::Float) {
+    // A whole number written as a float (max_steps = 1e3) is the integer it names.
+    const double d = std::get<double>(value.value);
+    return std::isfinite(d) && std::floor(d) == d && std::abs(d) < 9.007199254740992e15;
+  }
   return want == got;
 }
 
@@ -302,6 +307,10 @@ std::vector<Schema> core_schemas() {
       .key_int("logging_steps", 10,
                "log a line every N steps, 0 = none (metrics.jsonl gets every step)")
       .key_bool("logging_first_step", false, "also log the first step's line (the Trainer's key)")
+      .key_optional("report_to", ValueType::Any,
+                    "\"tensorboard\" (or a list with it; \"all\" too): every scalar of "
+                    "metrics.jsonl also in TensorBoard event files | \"none\" (the default)")
+      .key_string("logging_dir", "", "TensorBoard's folder (default: output_dir/runs)")
       .key_string("log_level", "info", "debug | info | warn | error")
       .key_bool("log_all_ranks", false, "let every rank log, not only rank 0")
       .key_bool("progress_bar", true, "show a progress bar when stderr is a terminal")
@@ -412,6 +421,11 @@ ResolvedJob resolve(const Job& job, PluginHost& host) {
   for (const auto& folder : out.sections["plugins"].get_strings("path")) {
     std::filesystem::path p(folder);
     extra.push_back(p.is_absolute() ? p : job.dir / p);
+    std::error_code ec;
+    LOOM_CHECK_AS(ConfigError, std::filesystem::is_directory(extra.back(), ec),
+                  out.sections["plugins"].where("path"), ": [plugins] path '", folder, "' is not a "
+                  "folder ('", extra.back().string(), "'); name folders of plugin .so files, "
+                  "relative to the job file");
   }
   host.prepend_search_path(extra);
 

@@ -12,6 +12,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "loom/memory.h"
+#include "tensorboard.h"
 
 namespace loom {
 namespace {
@@ -27,7 +28,25 @@ std::string clock_text(double seconds) {
   return text;
 }
 
+// The Trainer's TensorBoard tags (its TensorBoardCallback's rewrite_logs): eval_x -> eval/x,
+// anything else -> train/x.
+std::string tensorboard_tag(const std::string& key) {
+  return key.rfind("eval_", 0) == 0 ? "eval/" + key.substr(5) : "train/" + key;
+}
+
+void write_scalars(EventFileWriter& events, const nlohmann::ordered_json& line, int64_t step) {
+  for (const auto& [key, value] : line.items())
+    if (key != "step" && value.is_number()) events.scalar(tensorboard_tag(key), step, value.get<double>());
+}
+
 }  // namespace
+
+StepReport::StepReport(Options options) : options_(std::move(options)) {
+  if (options_.rank == 0 && !options_.tensorboard_dir.empty())
+    events_ = std::make_unique<EventFileWriter>(options_.tensorboard_dir);
+}
+
+StepReport::~StepReport() = default;
 
 void StepReport::start_fresh() const {
   if (options_.rank == 0) std::ofstream(options_.metrics_path, std::ios::trunc);
@@ -58,6 +77,7 @@ void StepReport::report(const TrainState& state, double seconds, int64_t samples
     for (const auto& [key, value] : state.metrics) line[key] = value;
     std::ofstream out(options_.metrics_path, std::ios::app);
     out << line.dump() << "\n";
+    if (events_) write_scalars(*events_, line, state.step);
   }
   const bool bar = options_.progress_bar && options_.rank == 0 && ::isatty(2) &&
                    log::level() <= log::Level::info;
@@ -103,6 +123,7 @@ void StepReport::report_eval(int64_t step,
     for (const auto& [key, value] : metrics) line[key] = value;
     std::ofstream out(options_.metrics_path, std::ios::app);
     out << line.dump() << "\n";
+    if (events_) write_scalars(*events_, line, step);
   }
   std::string text;
   for (const auto& [key, value] : metrics) text += detail::cat(" ", key, " ", value);

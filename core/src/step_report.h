@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,8 @@
 #include "loom/engine.h"
 
 namespace loom {
+
+class EventFileWriter;
 
 class StepReport {
  public:
@@ -23,9 +26,11 @@ class StepReport {
     bool progress_bar = true;  // shown only on rank 0, on a terminal, at log level info
     int64_t logging_steps = 10;     // 0: no step lines
     bool logging_first_step = false;
+    std::string tensorboard_dir;    // report_to tensorboard: event files here (rank 0); "" = off
     c10::Device device{c10::kCPU};  // whose memory statistics are reported
   };
-  explicit StepReport(Options options) : options_(std::move(options)) {}
+  explicit StepReport(Options options);
+  ~StepReport();
 
   // A fresh run: an empty metrics.jsonl (a resumed run appends to the one it has).
   void start_fresh() const;
@@ -39,6 +44,7 @@ class StepReport {
 
  private:
   Options options_;
+  std::unique_ptr<EventFileWriter> events_;  // null: no TensorBoard
   bool bar_started_ = false;  // the bar's clock: from the first step this process reported
   std::chrono::steady_clock::time_point bar_start_;
   int64_t bar_start_step_ = 0;

@@ -23,10 +23,9 @@
 //   logging_strategy               "steps" (logging_steps) | "no" (no step lines)
 #include "trainer_names.h"
 
-#include <cstdio>
-#include <cstdlib>
 #include <map>
 
+#include "job.h"
 #include "loom/error.h"
 
 namespace loom {
@@ -42,18 +41,6 @@ const char* type_name(const ConfigValue& v) {
     case ValueType::Table: return "a table";
     default: return "nothing";
   }
-}
-
-// A value as the job wrote it: numbers in their shortest exact form (3e-4, not 0.00029999...).
-std::string show(const ConfigValue& v) {
-  if (v.type() != ValueType::Float) return v.to_text();
-  const double x = std::get<double>(v.value);
-  char text[40];
-  for (int digits = 1; digits <= 17; ++digits) {
-    std::snprintf(text, sizeof text, "%.*g", digits, x);
-    if (std::strtod(text, nullptr) == x) break;
-  }
-  return text;
 }
 
 class Rewriter {
@@ -112,8 +99,8 @@ class Rewriter {
       throw ConfigError(detail::cat(value.where, ": [train] ", from, " and ", existing->where,
                                     ": [", name, "] ", key, " are one setting spelled twice (the "
                                     "Trainer's name and loom's); keep one"));
-    note(value.where, detail::cat("[train] ", from, " = ", shown.empty() ? show(value) : shown,
-                                  " -> [", name, "] ", key, " = ", show(value)));
+    note(value.where, detail::cat("[train] ", from, " = ", shown.empty() ? display_text(value) : shown,
+                                  " -> [", name, "] ", key, " = ", display_text(value)));
     std::get<ConfigTable>(t.value).emplace_back(key, std::move(value));
   }
   void put_text(const std::string& from, const ConfigValue& source, const std::string& name,
@@ -124,7 +111,7 @@ class Rewriter {
       throw ConfigError(detail::cat(source.where, ": [train] ", from, " and ", existing->where,
                                     ": [", name, "] ", key, " are one setting spelled twice (the "
                                     "Trainer's name and loom's); keep one"));
-    note(source.where, detail::cat("[train] ", from, " = ", show(source), " -> [", name, "] ",
+    note(source.where, detail::cat("[train] ", from, " = ", display_text(source), " -> [", name, "] ",
                                    key, " = \"", value, "\""));
     std::get<ConfigTable>(t.value).emplace_back(key, std::move(v));
   }
@@ -134,7 +121,7 @@ class Rewriter {
                   " and the job's [", name, "] table are one setting spelled twice (the "
                   "Trainer's name and loom's); keep one");
     table(name, source.where);
-    note(source.where, detail::cat("[train] ", from, " = ", show(source), " -> a [", name,
+    note(source.where, detail::cat("[train] ", from, " = ", display_text(source), " -> a [", name,
                                    "] table"));
   }
   void note(const std::string& where, const std::string& what) {

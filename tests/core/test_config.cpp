@@ -39,6 +39,21 @@ TEST(Config, WrongTypeIsAnError) {
                     "job.toml:3", "max_steps must be integer", "\"ten\"");
 }
 
+// A whole number written as a float is the integer; a fraction is not.
+TEST(Config, WholeFloatsAreIntegers) {
+  TempDir dir;
+  EXPECT_NE(from(tiny_gpt_job(dir.str()), {"train.max_steps=1e3"})->describe().find("steps      1000"),
+            std::string::npos);
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()), {"train.max_steps=2.5"}), ConfigError,
+                    "max_steps must be integer", "2.5");
+}
+
+TEST(Config, APluginsPathThatIsNoFolderIsNamed) {
+  TempDir dir;
+  EXPECT_THROW_WITH(from(tiny_gpt_job(dir.str()) + "\n[plugins]\npath = \"no/such/folder\"\n"),
+                    ConfigError, "[plugins] path 'no/such/folder' is not a folder");
+}
+
 TEST(Config, MissingRequiredKey) {
   EXPECT_THROW_WITH(from("[train]\nmax_steps = 3\n"), ConfigError, "[train] needs 'model'");
   EXPECT_THROW_WITH(from("[model]\nn_layer = 1\n"), ConfigError, "no [train] table");

@@ -24,6 +24,8 @@ expect_error() {
 out=$("$loom" --version); grep -q "^loom 0.1.0" <<<"$out" && ok "--version" || fail "--version"
 out=$("$loom" --help); grep -q "loom run JOB.toml" <<<"$out" && ok "--help" || fail "--help"
 out=$("$loom" plugins); grep -q "^gpt 0.1.0" <<<"$out" && ok "plugins lists gpt" || fail "plugins lists gpt"
+grep -q "learning_rate (float, default 5e-05)" <<<"$out" && ok "plugins shows numbers as written" \
+  || fail "plugins shows numbers as written: $(grep learning_rate <<<"$out")"
 for job in "$src"/examples/*.toml; do
   "$loom" check "$job" >/dev/null && ok "check $(basename "$job")" || fail "check $job"
 done

@@ -39,6 +39,7 @@ CheckpointEvaluation evaluate_checkpoint(const std::filesystem::path& path,
   sets.push_back("train.resume=\"" + out.checkpoint + "\"");
   sets.push_back("train.output_dir=\"" + scratch + "\"");
   sets.push_back("train.progress_bar=false");
+  sets.push_back("train.report_to=\"none\"");  // the run's TensorBoard folder stays untouched
   std::unique_ptr<Trainer> trainer =
       job_file.empty() ? Trainer::from_text(info.job_text, info.job_dir, sets)
                        : Trainer::from_file(job_file, sets);

@@ -6,6 +6,7 @@
 
 #include "plugin_host.h"
 #include "resolve.h"
+#include "job.h"
 #include "loom/error.h"
 #include "loom/plugin.h"
 #include "loom/trainer.h"
@@ -78,7 +79,7 @@ std::string describe_plugins(const std::vector<std::filesystem::path>& extra_pat
     for (const auto& key : schema.keys()) {
       out << "      " << key.name << " (" << to_string(key.type);
       if (key.required) out << ", required";
-      else if (key.default_value) out << ", default " << key.default_value->to_text();
+      else if (key.default_value) out << ", default " << display_text(*key.default_value);
       out << "): " << key.doc << "\n";
     }
   };
