@@ -185,7 +185,9 @@ def main():
         with open(a.json, "w") as f:
             json.dump({"table": table, "rows": results}, f, indent=1)
     if a.write:
-        cmd = "`.venv/bin/python examples/bench/seed_table/run.py --write" + (" --full" if a.full else "") + "`"
+        cmd = ("`.venv/bin/python examples/bench/seed_table/run.py"
+               + (f" --repeats {a.repeats}" if a.repeats != 1 else "") + " --write"
+               + (" --full" if a.full else "") + "`")
         write_section("seed_table", table + "\n\nCommand: " + cmd + "\n\n![seed table](seed_table.png)")
 
 
