@@ -90,8 +90,8 @@ class Rewriter {
   }
 
   // [table] key = value, from [train] `from` (written at value.where); the same key already in
-  // the job is the same setting spelled twice.
-  // `shown`: the [train] value as written, when it is not `value` itself.
+  // the job is the same setting spelled twice. `shown`: the [train] value as written, when it
+  // is not `value` itself.
   void put(const std::string& from, const std::string& name, const std::string& key, ConfigValue value,
            const std::string& shown = "") {
     ConfigValue& t = table(name, value.where);
@@ -103,17 +103,10 @@ class Rewriter {
                                   " -> [", name, "] ", key, " = ", display_text(value)));
     std::get<ConfigTable>(t.value).emplace_back(key, std::move(value));
   }
+  // [table] key = "value", for the [train] key `from` whose value `source` names it.
   void put_text(const std::string& from, const ConfigValue& source, const std::string& name,
                 const std::string& key, const std::string& value) {
-    ConfigValue v{value, source.where};
-    ConfigValue& t = table(name, source.where);
-    if (const ConfigValue* existing = t.find(key))
-      throw ConfigError(detail::cat(source.where, ": [train] ", from, " and ", existing->where,
-                                    ": [", name, "] ", key, " are one setting spelled twice (the "
-                                    "Trainer's name and loom's); keep one"));
-    note(source.where, detail::cat("[train] ", from, " = ", display_text(source), " -> [", name, "] ",
-                                   key, " = \"", value, "\""));
-    std::get<ConfigTable>(t.value).emplace_back(key, std::move(v));
+    put(from, name, key, ConfigValue{value, source.where}, display_text(source));
   }
   // A table that turns a plugin on: made (empty) unless the job has it.
   void enable(const std::string& from, const ConfigValue& source, const std::string& name) {

@@ -43,6 +43,14 @@ std::string model_tokenizer(const ConfigSection* model) {
   return "";
 }
 
+// A label map for messages, as the engine writes one.
+std::string label_map_text(const std::vector<std::string>& names) {
+  if (names.empty()) return "integer ids";
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
 // A pretrained classifier's label map: config.json's id2label when it names real classes
 // (transformers writes LABEL_0, LABEL_1... when nobody named them: those say nothing).
 struct PretrainedLabels {
@@ -165,11 +173,8 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
       }
     } else {
       std::map<std::string, int64_t> ids;
-      std::string known;  // for the message
-      for (size_t i = 0; i < p.label_names.size(); ++i) {
-        ids[p.label_names[i]] = static_cast<int64_t>(i);
-        known += (i ? ", " : "") + p.label_names[i];
-      }
+      for (size_t i = 0; i < p.label_names.size(); ++i) ids[p.label_names[i]] = static_cast<int64_t>(i);
+      const std::string known = label_map_text(p.label_names);  // for the message
       for (const auto& r : p.records) {
         const auto& v = r.fields[p.names.label];
         const std::string name = v.is_string() ? v.get<std::string>() : v.dump();
@@ -321,11 +326,7 @@ class RecordsDataset final : public Dataset {
       what += detail::cat(", ", size(), " samples of up to ", max_len_, " tokens");
     if (plan_.task == Task::Classification) {
       what += detail::cat(", ", plan_.num_labels, " labels");
-      if (!plan_.label_names.empty()) {
-        std::string names;
-        for (const auto& n : plan_.label_names) names += (names.empty() ? "" : ", ") + n;
-        what += " (" + names + ")";
-      }
+      if (!plan_.label_names.empty()) what += " (" + label_map_text(plan_.label_names) + ")";
     }
     return what + "; " + tokenizer_->describe() + ")";
   }
@@ -382,6 +383,19 @@ class DatasetsPlugin final : public Plugin {
                                 job("model"));
     const auto tokenizer = Tokenizer::load(plan.tokenizer_path);
     if (plan.task == Task::Chat) chat_format(c.get_string("chat_template"), *tokenizer);
+    // The engine refuses an evaluation set whose label map is not the training data's; when
+    // both tables are this plugin's, `loom check` says so too (Note [One resolved job]).
+    const ConfigSection* data = job("data");
+    if (c.name() != "eval_data" || plan.task != Task::Classification || !data) return;
+    const std::string source = data->get_string("source");
+    if (source != "jsonl" && source != "csv") return;
+    const Plan train = make_plan(*data, source == "csv" ? Format::Csv : Format::Jsonl,
+                                 job.resolve_path, job("model"));
+    LOOM_CHECK_AS(ConfigError, train.label_names == plan.label_names, c.where("path"),
+                  ": [eval_data]'s label map (", label_map_text(plan.label_names),
+                  ") differs from [data]'s (", label_map_text(train.label_names),
+                  "): the ids would mean other classes; set the same label_names = [...] in "
+                  "both tables");
   }
   std::shared_ptr<const Dataset> create_dataset(const std::string& name, const ConfigSection& c,
                                                 Engine& engine) override {

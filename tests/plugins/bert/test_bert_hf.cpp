@@ -228,12 +228,12 @@ TEST(BertHf, LabelMapsComeFromTheFolderAndMustAgree) {
   // The one sample's label: 1 by the folder's map (sorted names would make it 0).
   EXPECT_EQ(trainer->engine().data().next().labels.view({-1})[0].item<int64_t>(), 1);
   out = dir / "refused";
+  // Refused when the job is read (`loom check`), before anything is built.
   EXPECT_THROW_WITH(
-      Trainer::from_text(job_of("label_names = [\"negative\", \"positive\"]\n", ""), dir.path(), one)
-          ->setup(),
+      Trainer::from_text(job_of("label_names = [\"negative\", \"positive\"]\n", ""), dir.path(), one),
       ConfigError, "[eval_data]'s label map (positive, negative)",
       "differs from [data]'s (negative, positive)", "same label_names");
-  EXPECT_THROW_WITH(Trainer::from_text(job_of("", "", "other.jsonl"), dir.path(), one)->setup(),
+  EXPECT_THROW_WITH(Trainer::from_text(job_of("", "", "other.jsonl"), dir.path(), one),
                     DataError, "other.jsonl:1", "label 'neutral' is not in the label map of",
                     "config.json's id2label (positive, negative)");
   EXPECT_FALSE(fs::exists(out / "metrics.jsonl"));
