@@ -22,7 +22,8 @@ get_property(_plugins GLOBAL PROPERTY LOOM_PLUGIN_TARGETS)
 foreach(target ${_plugins})
   install(TARGETS ${target} LIBRARY DESTINATION ${LOOM_INSTALL_PLUGINDIR})
 endforeach()
-# Installed binaries find libloom_* next to them; plugins find them two folders up.
+# Installed binaries find libloom_* next to them, plugins find them two folders up, so the
+# prefix can move; LibTorch stays where the build found it (LOOM_TORCH_LIBDIR, LoomTorch.cmake).
 set_target_properties(loom_core loom_sharding loom_offload PROPERTIES INSTALL_RPATH "$ORIGIN;${LOOM_TORCH_LIBDIR}")
 set_target_properties(loom loom-launch PROPERTIES
   INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR};${LOOM_TORCH_LIBDIR}")
@@ -36,4 +37,4 @@ configure_package_config_file(cmake/loomConfig.cmake.in
 write_basic_package_version_file(${CMAKE_BINARY_DIR}/loomConfigVersion.cmake
   VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES ${CMAKE_BINARY_DIR}/loomConfig.cmake ${CMAKE_BINARY_DIR}/loomConfigVersion.cmake
-  cmake/LoomPlugin.cmake DESTINATION ${LOOM_INSTALL_CMAKEDIR})
+  cmake/LoomPlugin.cmake cmake/LoomFindTorch.cmake DESTINATION ${LOOM_INSTALL_CMAKEDIR})

@@ -1,6 +1,7 @@
 # Finds LibTorch inside the project's Python venv (the PyPI torch wheel) and wraps it once into
 # the interface target loom::torch that everything else links. The wheel is the CUDA 13.0 build:
-# with the CUDA toolkit present, CUDA code compiles and links even where no GPU exists.
+# with the CUDA toolkit present, CUDA code compiles and links even where no GPU exists; without
+# it, loom builds for the CPU (Note [LibTorch without the CUDA toolkit] in LoomFindTorch.cmake).
 set(LOOM_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
     "Python of the venv that holds the torch wheel (scripts/setup makes it)")
 if(NOT EXISTS "${LOOM_PYTHON}")
@@ -14,16 +15,17 @@ if(NOT _rc EQUAL 0)
   message(FATAL_ERROR "loom: ${LOOM_PYTHON} cannot import torch. Run scripts/setup.")
 endif()
 list(APPEND CMAKE_PREFIX_PATH "${LOOM_TORCH_PREFIX}")
-# Torch's config warns about a deprecated variable; the arch list only matters for .cu files.
-if(NOT DEFINED TORCH_CUDA_ARCH_LIST)
-  set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
-endif()
-find_package(Torch REQUIRED)
+set(LOOM_CUDA auto CACHE STRING
+    "CUDA support: auto (where a CUDA toolkit is found), on (Torch's config insists), off")
+set_property(CACHE LOOM_CUDA PROPERTY STRINGS auto on off)
+include(LoomFindTorch)  # Note [LibTorch without the CUDA toolkit]
+loom_find_torch(REQUIRED)
 
 add_library(loom_torch INTERFACE)
 add_library(loom::torch ALIAS loom_torch)
-# TORCH_LIBRARIES names the imported targets `torch` and `torch_library` plus library files;
-# an installed loom re-finds Torch (loomConfig.cmake), so the names resolve there too.
+# TORCH_LIBRARIES names imported targets (Torch's `torch` and `torch_library`, or without the
+# toolkit loom's own `loom_libtorch_cpu`) plus library files; an installed loom re-finds Torch
+# (loomConfig.cmake), so the names resolve there too.
 # Note [Relocatable package]: the wheel's library files and its libgomp are this machine's
 # paths, so they link the build tree only; an installed loom re-finds LibTorch wherever its
 # user has it and adds them back (loomConfig.cmake), so the installed package can move.
@@ -55,6 +57,14 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
 else()
   set(LOOM_WITH_CUDA OFF)
 endif()
-# Installed binaries and plugins find LibTorch in the venv it was built against.
-set(LOOM_TORCH_LIBDIR "${TORCH_INSTALL_PREFIX}/lib")
-message(STATUS "loom: LibTorch from ${LOOM_TORCH_PREFIX} (CUDA build: ${LOOM_WITH_CUDA})")
+# Installed binaries and plugins find LibTorch in the venv it was built against, by that venv's
+# real folder: the clone's .venv link may be removed with the clone, or re-pointed at another
+# pin's venv, whose LibTorch would not match the binaries.
+get_filename_component(LOOM_TORCH_LIBDIR "${TORCH_INSTALL_PREFIX}/lib" REALPATH)
+if(LOOM_WITH_CUDA)
+  message(STATUS "loom: LibTorch from ${LOOM_TORCH_PREFIX} "
+                 "(CUDA build: ON; nvcc: ${LOOM_CUDA_NVCC})")
+else()
+  message(STATUS "loom: LibTorch from ${LOOM_TORCH_PREFIX} (CUDA build: OFF, "
+                 "LOOM_CUDA=${LOOM_CUDA}: no CUDA toolkit used; the GPU code compiles out)")
+endif()

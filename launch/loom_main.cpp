@@ -1,8 +1,9 @@
-// The `loom` command: run, check, estimate, eval, plugins, env, consolidate, export, generate. Every error is one line naming the thing and what
+// The `loom` command: run, check, estimate, eval, plugins, env, consolidate, export, generate, plot. Every error is one line naming the thing and what
 // to do, and a non-zero exit.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <set>
 #include <string>
@@ -13,6 +14,7 @@
 #include "loom/cpu.h"
 #include "loom/error.h"
 #include "loom/estimate.h"
+#include "loom/plot.h"
 #include "loom/plugin.h"
 #include "loom/log.h"
 #include "loom/trainer.h"
@@ -23,6 +25,8 @@ const char* kUsage = R"(loom — a C++ training engine on LibTorch whose techniq
 
 usage:
   loom run JOB.toml [--set table.key=value ...]    train
+      --deepspeed FILE       read a DeepSpeed config (ds_config.json) onto the job's tables,
+                             as [train] deepspeed = "FILE" does (also for check, estimate)
   loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
   loom estimate JOB.toml [options] [--set ...]     memory per rank for every ZeRO stage,
                                                    offload and precision (short probe runs)
@@ -58,13 +62,21 @@ usage:
       --seed S               the sampling generator's seed (0)
       --eos-id N             stop after this token (default: the tokenizer's EOS; -1: never)
       --device D             cpu, cuda, cuda:N (default: the job's [train] device)
+  loom plot RUN_DIR... --out FILE.svg [options]    the runs' curves (metrics.jsonl) in one SVG
+                                                   file, a panel per metric, a colour per run
+      --metrics a,b,c        the panels (default: loss, eval_loss, lr, those the runs have)
+      --smooth W             TensorBoard's smoothing, weight W in [0, 1) (its default: 0.6);
+                             the raw values drawn faint beneath
+      --out FILE.svg         the file to write (its folder must exist)
   loom PLUGIN_COMMAND ARGS...                      a command a plugin adds (listed below)
   loom --version | --help
 
 examples:
   loom run examples/demo.toml --set train.max_steps=20
   loom generate runs/demo --prompt "The meaning of " --temperature 0.8 --top-k 40
-  loom check examples/datasets/classify.toml
+  loom plot runs/demo --out runs/demo/curves.svg
+  loom check examples/distributed/zero3.toml
+  loom run examples/deepspeed/job.toml --deepspeed examples/deepspeed/ds_zero2_offload.json
 )";
 
 struct Args {
@@ -74,6 +86,7 @@ struct Args {
   loom::GenerateOptions generate;
   loom::estimate::Options estimate;
   loom::ExportOptions export_options;
+  loom::plot::Options plot;
   double params = 0;
   bool has_prompt = false;
 };
@@ -98,17 +111,31 @@ double number_of(const std::string& flag, const std::string& text) {
   throw loom::ConfigError(flag + " takes a number, got '" + text + "'");
 }
 
-std::vector<int64_t> ids_of(const std::string& text) {
-  std::vector<int64_t> ids;
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> parts;
   size_t start = 0;
   while (start <= text.size()) {
     const size_t comma = std::min(text.find(',', start), text.size());
-    ids.push_back(integer_of("--prompt-ids", text.substr(start, comma - start)));
+    parts.push_back(text.substr(start, comma - start));
     start = comma + 1;
   }
+  return parts;
+}
+
+std::vector<int64_t> ids_of(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (const auto& part : split_commas(text)) ids.push_back(integer_of("--prompt-ids", part));
   for (int64_t id : ids)
     if (id < 0) throw loom::ConfigError("--prompt-ids takes ids >= 0, got " + std::to_string(id));
   return ids;
+}
+
+std::vector<std::string> metric_names_of(const std::string& text) {
+  std::vector<std::string> names = split_commas(text);
+  for (const auto& name : names)
+    if (name.empty())
+      throw loom::ConfigError("--metrics takes metric names separated by commas, got '" + text + "'");
+  return names;
 }
 
 Args parse(int argc, char** argv) {
@@ -119,7 +146,14 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw loom::ConfigError(std::string(flag) + " needs a value");
       return std::string(argv[++i]);
     };
-    if (a == "--set") {
+    if (a == "--deepspeed" || a.rfind("--deepspeed=", 0) == 0) {
+      // Note [DeepSpeed config files]: as [train] deepspeed, but relative to where loom runs.
+      const std::string file = a == "--deepspeed" ? value("--deepspeed") : a.substr(12);
+      const std::string path = std::filesystem::absolute(file).lexically_normal().string();
+      if (path.find('\'') != std::string::npos)
+        throw loom::ConfigError("--deepspeed " + file + ": a path with a ' in it; rename the file");
+      args.overrides.push_back("train.deepspeed='" + path + "'");
+    } else if (a == "--set") {
       args.overrides.push_back(value("--set"));
     } else if (a.rfind("--set=", 0) == 0) {
       args.overrides.push_back(a.substr(6));
@@ -168,10 +202,18 @@ Args parse(int argc, char** argv) {
       if (!(args.params >= 1))
         throw loom::ConfigError("--params takes a parameter count such as 1e12, got " +
                                 std::to_string(args.params));
+    } else if (args.command == "plot" && a == "--metrics") {
+      args.plot.metrics = metric_names_of(value("--metrics"));
+    } else if (args.command == "plot" && a == "--smooth") {
+      args.plot.smooth = number_of(a, value("--smooth"));
+    } else if (args.command == "plot" && a == "--out") {
+      args.plot.out = value("--out");
     } else if (!a.empty() && a[0] == '-') {
       throw loom::ConfigError("unknown option '" + a + "'; see loom --help");
     } else if (args.command.empty()) {
       args.command = a;
+    } else if (args.command == "plot") {
+      args.plot.runs.emplace_back(a);
     } else if (args.job.empty()) {
       args.job = a;
     } else if ((args.command == "consolidate" || args.command == "export" ||
@@ -219,7 +261,7 @@ int main(int argc, char** argv) {
       const std::vector<std::string> rest(argv + 2, argv + argc);
       if (auto rc = loom::run_plugin_command(argv[1], rest)) return *rc;
       throw loom::ConfigError(std::string("unknown command '") + argv[1] +
-                              "'; use run, check, estimate, eval, plugins, env, consolidate, export, generate "
+                              "'; use run, check, estimate, eval, plugins, env, consolidate, export, generate, plot "
                               "or a plugin's command (loom --help lists them)");
     }
     Args args = parse(argc, argv);
@@ -230,6 +272,15 @@ int main(int argc, char** argv) {
     }
     if (args.command == "plugins") {
       std::cout << loom::describe_plugins(args.paths);
+      return 0;
+    }
+    if (args.command == "plot") {
+      const loom::plot::Summary drawn = loom::plot::write_svg(args.plot);
+      std::string panels;
+      for (const auto& metric : drawn.metrics) panels += (panels.empty() ? "" : ", ") + metric;
+      std::cout << "wrote " << args.plot.out.string() << ": " << panels << " of "
+                << drawn.runs.size() << (drawn.runs.size() == 1 ? " run" : " runs") << " ("
+                << drawn.curves << " curves)\n";
       return 0;
     }
     if (args.command == "consolidate") {
@@ -327,7 +378,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     throw loom::ConfigError("unknown command '" + args.command +
-                            "'; use run, check, estimate, eval, plugins, env, consolidate, export or generate (loom --help)");
+                            "'; use run, check, estimate, eval, plugins, env, consolidate, export, generate or plot (loom --help)");
   } catch (const loom::Error& error) {
     std::cerr << "loom: error: " << error.what() << "\n";
     return 1;

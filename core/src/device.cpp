@@ -40,9 +40,17 @@ c10::Device pick_device(const std::string& name, const std::string& where, int l
     device = c10::Device(c10::kCUDA);
   }
   if (device.is_cpu()) return device;
-  LOOM_CHECK_AS(ConfigError, gpus > 0, where, ": [train] device '", name,
-                "' asks for CUDA, but this machine has no usable CUDA device (no GPU, or no "
-                "driver); set [train] device = \"cpu\" or \"auto\"");
+#ifdef LOOM_WITH_CUDA
+  const char* why_none = "this machine has no usable CUDA device (no GPU, or no driver)";
+#else
+  // Note [LibTorch without the CUDA toolkit] (cmake/LoomFindTorch.cmake): LibTorch's CUDA half
+  // is not linked, so a GPU would not be seen either.
+  const char* why_none =
+      "this loom has no usable CUDA device: it was built without CUDA (no CUDA toolkit where it "
+      "was configured)";
+#endif
+  LOOM_CHECK_AS(ConfigError, gpus > 0, where, ": [train] device '", name, "' asks for CUDA, but ",
+                why_none, "; set [train] device = \"cpu\" or \"auto\"");
   if (!device.has_index()) {
     // One GPU per rank of this node, as torchrun and DeepSpeed do.
     LOOM_CHECK_AS(ConfigError, local_rank < gpus, where, ": [train] device '", name, "': ",

@@ -217,6 +217,7 @@ class EngineImpl final : public Engine, public Trainer {
               " (", comm_->backend(), ")");
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
     for (const auto& note : job_.notes) log::info("job: ", note);
+    for (const auto& warning : job_.warnings) log::warn("job: ", warning);
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
     if (!malloc_note.empty()) log::info(malloc_note);  // Note [Freed memory kept]
 

@@ -1,6 +1,8 @@
 // Parses job files with TOML++ into ConfigValue trees that remember file:line, and applies
 // --set overrides. No LibTorch here: this TU stays cheap to compile.
 #include "job.h"
+#include "deepspeed_config.h"
+#include "dist_env.h"
 #include "trainer_names.h"
 
 #include <toml++/toml.h>
@@ -94,8 +96,21 @@ Job from_toml(const toml::table& parsed, const std::filesystem::path& file,
   }
   job.root.value = std::move(tables);
   job.root.where = file.string();
-  for (const auto& text : overrides) apply_override(job.root, text);
-  job.notes = map_trainer_names(job.root);
+  // Note [DeepSpeed config files]: the file is read onto loom's tables before the other
+  // overrides, so `--set` has the last word over it too (and a probe's overrides apply to the
+  // mapped job); only an override naming the file itself comes first.
+  const auto names_the_file = [](const std::string& text) {
+    return text.rfind("train.deepspeed=", 0) == 0;
+  };
+  for (const auto& text : overrides)
+    if (names_the_file(text)) apply_override(job.root, text);
+  DeepSpeedMapping deepspeed =
+      map_deepspeed_config(job.root, job.dir, detect_dist_env().world_size);
+  for (const auto& text : overrides)
+    if (!names_the_file(text)) apply_override(job.root, text);
+  job.notes = std::move(deepspeed.notes);
+  job.warnings = std::move(deepspeed.warnings);
+  for (auto& note : map_trainer_names(job.root)) job.notes.push_back(std::move(note));
   return job;
 }
 
@@ -179,6 +194,29 @@ Job Job::parse(const std::string& text, const std::filesystem::path& name,
     throw ConfigError(detail::cat(name.string(), ":", source.begin.line, ":",
                                   source.begin.column, ": invalid TOML: ", error.description()));
   }
+}
+
+std::optional<ConfigValue> take_key(ConfigValue& root, std::string_view table, std::string_view key) {
+  ConfigValue* t = root.find(table);
+  if (!t || !t->is_table()) return std::nullopt;
+  auto& items = std::get<ConfigTable>(t->value);
+  for (auto it = items.begin(); it != items.end(); ++it)
+    if (it->first == key) {
+      ConfigValue out = std::move(it->second);
+      items.erase(it);
+      return out;
+    }
+  return std::nullopt;
+}
+
+ConfigValue& table_of(ConfigValue& root, const std::string& name, const std::string& where) {
+  if (ConfigValue* t = root.find(name)) {
+    LOOM_CHECK_AS(ConfigError, t->is_table(), t->where, ": '", name, "' is not a table");
+    return *t;
+  }
+  auto& tables = std::get<ConfigTable>(root.value);
+  tables.emplace_back(name, ConfigValue{ConfigTable{}, where});
+  return tables.back().second;
 }
 
 std::string display_text(const ConfigValue& value) {

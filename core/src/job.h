@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -18,7 +20,9 @@ struct Job {
   ConfigValue root;                     // a table of tables
   std::vector<std::string> overrides;   // --set key=value, in order
   std::string text;                     // the TOML as read, before the overrides
-  std::vector<std::string> notes;       // the Trainer's names rewritten (Note [Trainer names])
+  std::vector<std::string> notes;       // the Trainer's names and a DeepSpeed file's keys
+                                        // rewritten (Notes [Trainer names], [DeepSpeed config files])
+  std::vector<std::string> warnings;    // a DeepSpeed file's keys that change nothing here
 
   // Throws ConfigError naming file:line for a syntax error, an unreadable file, or a top-level
   // key outside a table; and for a malformed --set.
@@ -35,6 +39,12 @@ struct Job {
   std::string canonical_text() const;
   std::string hash() const;  // 16 hex digits
 };
+
+// The parsed job's tables, for the rewrites of other spellings (Notes [Trainer names],
+// [DeepSpeed config files]): [table] key removed and returned (nullopt when absent); [name],
+// made empty at `where` unless the job has it (a ConfigError when it is not a table).
+std::optional<ConfigValue> take_key(ConfigValue& root, std::string_view table, std::string_view key);
+ConfigValue& table_of(ConfigValue& root, const std::string& name, const std::string& where);
 
 // A value for people to read: as to_text, but numbers in their shortest exact form (5e-05, not
 // 5.0000000000000002e-05). to_text stays exact and fixed: the config hash is made of it.

@@ -251,6 +251,7 @@ std::string PreparedJob::describe() const {
   const auto& train = section("train");
   out << "job " << job_.file.string() << " (config hash " << job_.hash() << ")\n";
   for (const auto& note : job_.notes) out << "  " << note << "\n";
+  for (const auto& warning : job_.warnings) out << "  warning: " << warning << "\n";
   out << "  model      " << resolved_.model.name << "  (plugin "
       << plugin_label(resolved_.model.provider) << ")\n";
   out << "  data       " << resolved_.data.name << "  (plugin "

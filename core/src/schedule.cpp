@@ -27,6 +27,10 @@ const std::vector<Kind>& kinds() {
       {"polynomial", {"lr_end", "power"}},
       {"inverse_sqrt", {"timescale"}},
       {"cosine_with_min_lr", {"num_cycles", "min_lr", "min_lr_rate"}},
+      // DeepSpeed's schedulers (Note [DeepSpeed schedules]), what a ds_config.json maps to.
+      {"ds_warmup_lr", {"warmup_min_lr", "warmup_type"}},
+      {"ds_warmup_decay_lr", {"warmup_min_lr", "warmup_type"}},
+      {"ds_warmup_cosine_lr", {"warmup_min_ratio", "cos_min_ratio", "warmup_type"}},
   };
   return all;
 }
@@ -37,11 +41,48 @@ std::string kind_names() {
   return out;
 }
 
+bool is_deepspeed(const std::string& kind) { return kind.rfind("ds_", 0) == 0; }
+
 }  // namespace
+
+// Note [DeepSpeed schedules]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR as DeepSpeed runs them: its engine
+// steps the scheduler after each update, and the scheduler's constructor sets the rate of the
+// first update from iteration -1 (WarmupLR/WarmupDecayLR: warmup_min_lr; WarmupCosineLR: 0).
+// So update k runs at f(k - 1), with f(i) for iteration i:
+//   gamma(i) = log(i + 1) / log(W) ("log", DeepSpeed's default) or i / W ("linear"), i < W,
+//              where W = max(2, warmup_num_steps) as DeepSpeed clamps it;
+//   WarmupLR        f = min + (max - min) * (i < W ? gamma : 1)
+//   WarmupDecayLR   f = min + (max - min) * (i < W ? gamma : max(0, (T - i) / max(1, T - W)))
+//   WarmupCosineLR  f = lr * (i < W ? r0 + (1 - r0) * gamma
+//                              : max(0, rc + (1 - rc) * (1 + cos(pi * (i - W + 1) / (T - W))) / 2))
+// with max = learning_rate, min = warmup_min_lr, T = max_steps, r0 = warmup_min_ratio and
+// rc = cos_min_ratio; tests/core/test_schedule.cpp checks every update against these formulas
+// written out in Python.
+double Schedule::deepspeed_lr(int64_t step) const {
+  const int64_t i = step - 1;
+  const bool cosine = kind == "ds_warmup_cosine_lr";
+  if (i < 0) return cosine ? 0.0 : warmup_min_lr;
+  const double x = static_cast<double>(i), w = static_cast<double>(warmup);
+  const double gamma = warmup_log ? std::log(x + 1.0) / std::log(w) : x / w;
+  if (cosine) {
+    if (i < warmup) return base * (warmup_min_ratio + gamma * (1.0 - warmup_min_ratio));
+    const double wave = (1.0 + std::cos(M_PI * (x - w + 1.0) / static_cast<double>(total - warmup))) / 2.0;
+    return base * std::max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * wave);
+  }
+  double factor = 1.0;
+  if (i < warmup) factor = gamma;
+  else if (kind == "ds_warmup_decay_lr")
+    factor = std::max(0.0, static_cast<double>(total - i) /
+                               std::max(1.0, static_cast<double>(total - warmup)));
+  return warmup_min_lr + (base - warmup_min_lr) * factor;
+}
 
 double Schedule::lr(int64_t step) const {
   const double s = static_cast<double>(step);
   if (kind == "constant") return base;
+  if (is_deepspeed(kind)) return deepspeed_lr(step);
   // base * factor, the factor computed as HF's lambda computes it (same roundings).
   if (step < warmup) return base * (s / static_cast<double>(std::max<int64_t>(1, warmup)));
   const double progress = (s - static_cast<double>(warmup)) /
@@ -83,6 +124,11 @@ std::string Schedule::describe() const {
   if (kind == "cosine_with_min_lr") out << ", min_lr_rate " << min_lr_rate;
   if (kind == "polynomial") out << ", lr_end " << lr_end << ", power " << power;
   if (kind == "inverse_sqrt") out << ", timescale " << timescale;
+  if (is_deepspeed(kind))
+    out << " (DeepSpeed's), warmup_type " << (warmup_log ? "log" : "linear")
+        << (kind == "ds_warmup_cosine_lr" ? ", warmup_min_ratio " : ", warmup_min_lr ")
+        << (kind == "ds_warmup_cosine_lr" ? warmup_min_ratio : warmup_min_lr)
+        << (kind == "ds_warmup_cosine_lr" ? ", cos_min_ratio " + std::to_string(cos_min_ratio) : "");
   return out.str();
 }
 
@@ -127,6 +173,14 @@ Schedule make_schedule(const ConfigSection& train, std::optional<int64_t> total)
       LOOM_CHECK_AS(ConfigError, taken, value.where, ": [train] lr_scheduler_kwargs.", name,
                     " is not an argument of the '", s.kind, "' schedule; it takes ",
                     allowed.empty() ? std::string("none") : allowed);
+      if (name == "warmup_type") {
+        const auto* text = std::get_if<std::string>(&value.value);
+        LOOM_CHECK_AS(ConfigError, text && (*text == "log" || *text == "linear"), value.where,
+                      ": [train] lr_scheduler_kwargs.warmup_type is \"log\" or \"linear\" "
+                      "(DeepSpeed's warm-up curves), not ", value.to_text());
+        s.warmup_log = *text == "log";
+        continue;
+      }
       double number = 0;
       if (const auto* d = std::get_if<double>(&value.value)) number = *d;
       else if (const auto* i = std::get_if<int64_t>(&value.value)) number = static_cast<double>(*i);
@@ -161,6 +215,14 @@ Schedule make_schedule(const ConfigSection& train, std::optional<int64_t> total)
                       ": [train] lr_scheduler_kwargs: set min_lr or min_lr_rate, not both");
         s.min_lr_rate = number;
         min_lr_set = true;
+      } else if (name == "warmup_min_lr") {
+        LOOM_CHECK_AS(ConfigError, number >= 0, value.where,
+                      ": [train] lr_scheduler_kwargs.warmup_min_lr must be >= 0");
+        s.warmup_min_lr = number;
+      } else if (name == "warmup_min_ratio" || name == "cos_min_ratio") {
+        LOOM_CHECK_AS(ConfigError, number >= 0 && number <= 1, value.where,
+                      ": [train] lr_scheduler_kwargs.", name, " must be in [0, 1]");
+        (name == "warmup_min_ratio" ? s.warmup_min_ratio : s.cos_min_ratio) = number;
       }
     }
   }
@@ -172,6 +234,13 @@ Schedule make_schedule(const ConfigSection& train, std::optional<int64_t> total)
     LOOM_CHECK_AS(ConfigError, s.total > s.warmup || s.total == 0, train.where("max_steps"),
                   ": [train] the polynomial schedule decays over max_steps - warm-up steps: "
                   "max_steps (", s.total, ") must exceed the warm-up (", s.warmup, ")");
+  }
+  if (is_deepspeed(s.kind)) {
+    s.warmup = std::max<int64_t>(2, s.warmup);  // DeepSpeed's own clamp (log(1) would divide by 0)
+    LOOM_CHECK_AS(ConfigError, s.kind != "ds_warmup_cosine_lr" || s.total > s.warmup,
+                  train.where("max_steps"), ": [train] DeepSpeed's WarmupCosineLR decays over "
+                  "total_num_steps - warmup_num_steps: max_steps (", s.total,
+                  ") must exceed the warm-up (", s.warmup, ")");
   }
   if (s.kind == "cosine_with_min_lr")
     LOOM_CHECK_AS(ConfigError, min_lr_set, where,

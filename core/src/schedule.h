@@ -24,9 +24,16 @@ struct Schedule {
   double lr_end = 1e-7, power = 1.0;  // polynomial
   int64_t timescale = 0;              // inverse_sqrt
   double min_lr_rate = 0;             // cosine_with_min_lr
+  // DeepSpeed's schedulers (ds_warmup_lr, ds_warmup_decay_lr, ds_warmup_cosine_lr)
+  bool warmup_log = true;             // warmup_type "log" (DeepSpeed's default) or "linear"
+  double warmup_min_lr = 0;           // WarmupLR, WarmupDecayLR
+  double warmup_min_ratio = 0, cos_min_ratio = 1e-4;  // WarmupCosineLR
 
   double lr(int64_t step) const;
   std::string describe() const;
+
+ private:
+  double deepspeed_lr(int64_t step) const;
 };
 
 // From [train]: lr_scheduler_type, learning_rate, warmup_steps or warmup_ratio, max_steps and

@@ -48,18 +48,7 @@ class Rewriter {
   explicit Rewriter(ConfigValue& root) : root_(root) {}
 
   // Removes [train] `key` and returns it (nullopt when absent).
-  std::optional<ConfigValue> take(const std::string& key) {
-    ConfigValue* train = root_.find("train");
-    if (!train || !train->is_table()) return std::nullopt;
-    auto& items = std::get<ConfigTable>(train->value);
-    for (auto it = items.begin(); it != items.end(); ++it)
-      if (it->first == key) {
-        ConfigValue out = std::move(it->second);
-        items.erase(it);
-        return out;
-      }
-    return std::nullopt;
-  }
+  std::optional<ConfigValue> take(const std::string& key) { return take_key(root_, "train", key); }
 
   static bool flag(const std::string& key, const ConfigValue& v) {
     LOOM_CHECK_AS(ConfigError, v.type() == ValueType::Bool, v.where, ": [train] ", key,
@@ -80,13 +69,7 @@ class Rewriter {
   }
 
   ConfigValue& table(const std::string& name, const std::string& where) {
-    if (ConfigValue* t = root_.find(name)) {
-      LOOM_CHECK_AS(ConfigError, t->is_table(), t->where, ": '", name, "' is not a table");
-      return *t;
-    }
-    auto& tables = std::get<ConfigTable>(root_.value);
-    tables.emplace_back(name, ConfigValue{ConfigTable{}, where});
-    return tables.back().second;
+    return table_of(root_, name, where);
   }
 
   // [table] key = value, from [train] `from` (written at value.where); the same key already in

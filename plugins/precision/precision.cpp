@@ -52,19 +52,30 @@ at::ScalarType compute_dtype(Mode m) {
 // again. If any gradient came out inf/NaN, S was too large: the update is skipped (parameters
 // and optimizer state untouched) and S shrinks by backoff_factor. After growth_interval clean
 // steps in a row S grows by growth_factor, so it tracks the largest safe value. These are
-// torch.amp.GradScaler's semantics and defaults.
+// torch.amp.GradScaler's semantics and defaults. DeepSpeed's scaler adds two knobs, here as
+// [precision] keys (a ds_config.json's fp16 section maps onto them): `hysteresis` overflows
+// are tolerated (skipped, S kept) before S backs off, the count restored when S grows (or
+// after every clean step with consecutive_hysteresis), and S never falls below min_scale.
 struct LossScaler {
-  double scale = 65536.0, growth_factor = 2.0, backoff_factor = 0.5;
+  double scale = 65536.0, growth_factor = 2.0, backoff_factor = 0.5, min_scale = 0.0;
   int64_t growth_interval = 2000;
   int64_t growth_tracker = 0;  // clean steps since the last change of scale
+  int64_t hysteresis = 1;      // 1: back off at every overflow (GradScaler)
+  bool consecutive_hysteresis = false;
+  int64_t hysteresis_left = 1;
 
   void update(bool found_inf) {
     if (found_inf) {
-      scale *= backoff_factor;
+      if (hysteresis_left > 1) --hysteresis_left;
+      else scale = std::max(scale * backoff_factor, min_scale);
       growth_tracker = 0;
-    } else if (++growth_tracker == growth_interval) {
+      return;
+    }
+    if (consecutive_hysteresis) hysteresis_left = hysteresis;
+    if (++growth_tracker == growth_interval) {
       scale *= growth_factor;
       growth_tracker = 0;
+      hysteresis_left = hysteresis;
     }
   }
 };
@@ -98,6 +109,13 @@ class Precision final : public loom::Plugin {
                                                  "steps without overflow")
                 .key_float("backoff_factor", 0.5, "fp16: scale multiplier on an overflow")
                 .key_int("growth_interval", 2000, "fp16: clean steps before the scale grows")
+                .key_int("hysteresis", 1, "fp16: overflows skipped at one scale before it backs "
+                                          "off (DeepSpeed's; 1 = GradScaler's)")
+                .key_bool("consecutive_hysteresis", false,
+                          "fp16: restore the hysteresis after every clean step, not only when "
+                          "the scale grows (DeepSpeed's)")
+                .key_float("min_scale", 0.0, "fp16: the scale never backs off below this "
+                                             "(DeepSpeed's min_loss_scale; 0 = no floor)")
                 .key_string("cast_cache", "step",
                             "bf16/fp16 autocast: how long the half copies of the weights live "
                             "(Note [Cast once per update]): step (cast once per update, reused "
@@ -130,7 +148,8 @@ class Precision final : public loom::Plugin {
     mode_name_ = name;
     dtype_ = compute_dtype(mode_);
 
-    for (const char* key : {"init_scale", "growth_factor", "backoff_factor", "growth_interval"})
+    for (const char* key : {"init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                            "hysteresis", "consecutive_hysteresis", "min_scale"})
       LOOM_CHECK_AS(ConfigError, !table.has(key) || loss_scaling(mode_), table.where(key),
                     ": [precision] ", key, " sets the fp16 loss scaler, but mode is '", name,
                     "' (only fp16 and full_fp16 scale the loss); remove it or use an fp16 mode");
@@ -148,6 +167,14 @@ class Precision final : public loom::Plugin {
                   ": [precision] backoff_factor must be in (0, 1), got ", scaler_.backoff_factor);
     LOOM_CHECK_AS(ConfigError, scaler_.growth_interval >= 1, table.where("growth_interval"),
                   ": [precision] growth_interval must be >= 1, got ", scaler_.growth_interval);
+    scaler_.hysteresis = scaler_.hysteresis_left = table.get_int("hysteresis");
+    LOOM_CHECK_AS(ConfigError, scaler_.hysteresis >= 1, table.where("hysteresis"),
+                  ": [precision] hysteresis must be >= 1, got ", scaler_.hysteresis);
+    scaler_.consecutive_hysteresis = table.get_bool("consecutive_hysteresis");
+    scaler_.min_scale = table.get_float("min_scale");
+    LOOM_CHECK_AS(ConfigError, scaler_.min_scale >= 0 && scaler_.min_scale <= scaler_.scale,
+                  table.where("min_scale"), ": [precision] min_scale must be in [0, init_scale "
+                  "(", scaler_.scale, ")], got ", scaler_.min_scale);
     where_mode_ = table.where("mode");
     const std::string cache = table.get_string("cast_cache");
     LOOM_CHECK_AS(ConfigError, cache == "step" || cache == "forward", table.where("cast_cache"),
@@ -202,8 +229,11 @@ class Precision final : public loom::Plugin {
     engine.on(loom::Event::save, [this](loom::Engine& e) {
       auto& values = e.checkpoint().values;
       values["precision.mode"] = mode_name_;
-      if (loss_scaling(mode_))
+      if (loss_scaling(mode_)) {
         values["precision.growth_tracker"] = std::to_string(scaler_.growth_tracker);
+        if (scaler_.hysteresis > 1)
+          values["precision.hysteresis_left"] = std::to_string(scaler_.hysteresis_left);
+      }
     });
     engine.on(loom::Event::load, [this](loom::Engine& e) { load(e); });
     engine.on(loom::Event::teardown, [this](loom::Engine&) {
@@ -477,6 +507,7 @@ class Precision final : public loom::Plugin {
     const bool overflow = found_inf.item<float>() != 0.0f;
     state.grads_scaled = false;
     scaler_.scale = scale;
+    const bool backs_off = scaler_.hysteresis_left <= 1;  // this overflow would shrink the scale
     scaler_.update(overflow);
     if (overflow) {
       state.skip_update = true;
@@ -486,6 +517,13 @@ class Precision final : public loom::Plugin {
                  ": the gradients are inf/NaN at every loss scale down to ", scale,
                  " (loss ", state.loss, "): training diverged or the data holds a NaN; lower "
                  "[train] learning_rate, check the data, or use [precision] mode = \"bf16\"");
+      // At the floor the scale cannot back off: the overflow would repeat every step, skipped
+      // in silence for ever.
+      LOOM_CHECK(!(backs_off && scale <= scaler_.min_scale), "step ",
+                 state.step + 1, ": the gradients are inf/NaN at the loss scale's floor ",
+                 scaler_.min_scale, " ([precision] min_scale; loss ", state.loss, "): training "
+                 "diverged or the data holds a NaN; lower [train] learning_rate, check the data, "
+                 "or use [precision] mode = \"bf16\"");
     }
     state.loss_scale = scaler_.scale;
   }
@@ -508,6 +546,17 @@ class Precision final : public loom::Plugin {
     if (!loss_scaling(mode_)) {
       state.loss_scale = 1.0;
       return;
+    }
+    auto left = values.find("precision.hysteresis_left");
+    scaler_.hysteresis_left = scaler_.hysteresis;
+    if (left != values.end()) {
+      try {
+        scaler_.hysteresis_left = std::stoll(left->second);
+      } catch (const std::exception&) {
+        throw loom::CheckpointError(loom::detail::cat(
+            "checkpoint value precision.hysteresis_left is '", left->second,
+            "', not an integer; the manifest is damaged"));
+      }
     }
     auto tracker = values.find("precision.growth_tracker");
     if (tracker == values.end()) {

@@ -34,7 +34,7 @@ TEST(PluginHost, CommandClashesAreErrorsNamingBoth) {
                     "adds the command 'estimate', which is one of loom's own; rename it");
   EXPECT_FALSE(is_own_command("greet"));
   for (const char* command : {"run", "check", "estimate", "plugins", "env", "consolidate",
-                              "export", "generate", "eval"})
+                              "export", "generate", "eval", "plot"})
     EXPECT_TRUE(is_own_command(command)) << command;
 }
 

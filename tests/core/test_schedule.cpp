@@ -6,7 +6,7 @@
 #include <map>
 
 #include "loom/trainer.h"
-#include "test_util.h"
+#include "job_text.h"
 
 namespace loom {
 namespace {
@@ -80,14 +80,7 @@ TEST(Schedule, EveryStepsRateEqualsTransformersGetScheduler) {
   for (const Case& c : cases())
     script += "print('" + c.name + "', *[repr(r) for r in rates('" + c.type + "', " +
               std::to_string(c.warmup) + ", " + c.kwargs + ")])\n";
-  std::istringstream out(test::run_python(script));
-  std::map<std::string, std::vector<double>> reference;
-  for (std::string line; std::getline(out, line);) {
-    std::istringstream words(line);
-    std::string name;
-    words >> name;
-    for (double r; words >> r;) reference[name].push_back(r);
-  }
+  auto reference = test::named_numbers(test::run_python(script));
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
     const auto& expected = reference[c.name];

@@ -5,24 +5,17 @@
 #include <gtest/gtest.h>
 
 #include "loom/trainer.h"
-#include "test_util.h"
+#include "job_text.h"
 
 namespace loom {
 namespace {
 
 using test::TempDir;
 
-// The suites' tiny GPT job with `train_extra` in [train] and `tables` after it.
-std::string job(const std::string& out, const std::string& train_extra, const std::string& tables) {
-  std::string text = test::tiny_gpt_job(out);
-  text.insert(text.find("[model]"), train_extra + "\n");
-  return text + tables;
-}
+using test::config_hash_of;
 
-std::string hash_of(const std::string& description) {
-  const auto at = description.find("config hash ");
-  EXPECT_NE(at, std::string::npos) << description;
-  return description.substr(at + 12, 16);
+std::string job(const std::string& out, const std::string& train_extra, const std::string& tables) {
+  return test::tiny_gpt_job_with(out, train_extra, tables);
 }
 
 TEST(TrainerNames, TheTrainersSpellingsResolveToLoomsOwnJob) {
@@ -38,7 +31,7 @@ TEST(TrainerNames, TheTrainersSpellingsResolveToLoomsOwnJob) {
   auto own = Trainer::from_text(job(a.str(), "save_steps = 0\nsave_final = false\n", loom_tables),
                                 a.path());
   const std::string described = hf->describe();
-  EXPECT_EQ(hash_of(described), hash_of(own->describe())) << described;
+  EXPECT_EQ(config_hash_of(described), config_hash_of(own->describe())) << described;
   for (const char* line : {"[train] bf16 = true -> [precision] mode = \"bf16\"",
                            "[train] gradient_checkpointing = true -> a [checkpointing] table",
                            "[train] optim = \"adamw_torch_fused\" -> [optimizer] name = \"adamw\"",
@@ -56,10 +49,10 @@ TEST(TrainerNames, FlagsThatAreFalseAndTf32BesideBf16ChangeNothingElse) {
   auto plain = Trainer::from_text(job(dir.str(), "", ""), dir.path());
   auto off = Trainer::from_text(job(dir.str(), "bf16 = false\ngradient_checkpointing = false\n", ""),
                                 dir.path());
-  EXPECT_EQ(hash_of(off->describe()), hash_of(plain->describe()));
+  EXPECT_EQ(config_hash_of(off->describe()), config_hash_of(plain->describe()));
   auto both = Trainer::from_text(job(dir.str(), "bf16 = true\ntf32 = true\n", ""), dir.path());
   auto bf16 = Trainer::from_text(job(dir.str(), "", "[precision]\nmode = \"bf16\"\n"), dir.path());
-  EXPECT_EQ(hash_of(both->describe()), hash_of(bf16->describe()));
+  EXPECT_EQ(config_hash_of(both->describe()), config_hash_of(bf16->describe()));
   EXPECT_NE(both->describe().find("tf32 = true beside bf16"), std::string::npos);
 }
 

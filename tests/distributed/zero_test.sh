@@ -332,5 +332,23 @@ if [ $a0 -ne 0 ] && [ $a1 -ne 0 ] && grep -q "auto_find_batch_size chose per-dev
   ok "auto_find_batch_size: ranks that chose differently are an error"
 else fail "auto_find_batch_size disagreement (exit $a0, $a1): $(tail -3 "$work/auto-split0.log")"; fi
 
+# Note [DeepSpeed config files]: the job without its [zero] table, driven by a ds_config.json
+# that says the same (stage 3, the buckets, AdamW's eps, 8 = 2 x 2 x 2 ranks), trains to the
+# very parameters of the loom-keyed stage-3 run on 2 ranks.
+sed '/^\[zero\]/,$d' "$job" >"$work/ds_job.toml"
+cat >"$work/ds3.json" <<'JSON'
+{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+  "gradient_clipping": 0.5, "steps_per_print": 10,
+  "optimizer": { "type": "AdamW", "params": { "lr": 1e-3, "eps": 1e-5 } },
+  "zero_optimization": { "stage": 3, "reduce_bucket_size": 20000, "contiguous_gradients": true,
+                         "stage3_param_persistence_threshold": 0 } }
+JSON
+saved_job=$job job=$work/ds_job.toml
+if ranks mpi 2 "$work/ds-s3" --deepspeed "$work/ds3.json" &&
+   d=$(same_params "$work/adamw-s3-n2" "$work/ds-s3" 0); then
+  ok "a DeepSpeed config file, stage 3 on 2 ranks == the loom-keyed job ($d)"
+else fail "DeepSpeed config stage 3: ${d:-} $(tail -3 "$work/ds-s3.log")"; fi
+job=$saved_job
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A relocatable SDK and out-of-tree plugins: installs loom into a temporary prefix, moves the
-# prefix, builds examples/third_party_plugin (ema and hello, five lines of CMake) against the
-# moved package with LibTorch found through LOOM_PYTHON (no path of this build in the package's
-# CMake files), and trains with both through the installed `loom`: the EMA of the weights equals
-# torch's AveragedModel fed the checkpoint of every step, and a resume continues the average.
+# prefix, runs the moved `loom` without LD_LIBRARY_PATH, builds examples/third_party_plugin (ema
+# and hello, five lines of CMake) against the moved package with LibTorch found through
+# LOOM_PYTHON (no path of this build in the package's CMake files), and trains with both through
+# the installed `loom`: the EMA of the weights equals torch's AveragedModel fed the checkpoint of
+# every step, and a resume continues the average.
 # usage: third_party_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -euo pipefail
 build=$1 src=$2 python=$3
@@ -11,6 +12,30 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
 mv "$work/prefix" "$work/moved"
+# The moved install runs without LD_LIBRARY_PATH: its run paths hold $ORIGIN (loom's libraries
+# and plugins) and the real folder of the build's venv (LibTorch), nothing of the build tree.
+torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))")
+torch_lib=$(realpath "$torch_dir/lib")
+for file in "$work/moved/bin/loom" "$work/moved/lib/libloom_core.so" \
+            "$work/moved/lib/loom/plugins/loom_gpt.so"; do
+  runpath=$(readelf -d "$file" | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]/\2/p')
+  IFS=: read -ra entries <<<"$runpath"
+  for entry in "${entries[@]}"; do
+    if [[ $entry != '$ORIGIN'* && $entry != "$torch_lib" ]]; then
+      echo "FAIL: ${file#"$work/"} looks for libraries in $entry"; exit 1
+    fi
+  done
+done
+echo "ok: the installed files' run paths are \$ORIGIN/... and $torch_lib"
+moved_loom() { env -u LD_LIBRARY_PATH "$work/moved/bin/loom" "$@"; }
+version=$(moved_loom --version)
+grep -q "^loom 0.1.0" <<<"$version"
+checked=$(moved_loom check "$src/examples/demo.toml")
+grep -q "ok: the job is valid" <<<"$checked"
+listing=$(moved_loom plugins)
+grep -q "file: $work/moved/lib/loom/plugins/loom_gpt.so" <<<"$listing"
+if grep -q "FAILED TO LOAD" <<<"$listing"; then grep -A2 "FAILED TO LOAD" <<<"$listing"; exit 1; fi
+echo "ok: the moved loom runs without LD_LIBRARY_PATH (--version, check; plugins from its lib/)"
 torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
 if grep -rqF "$torch_prefix" "$work/moved/lib/cmake"; then
   echo "FAIL: the installed CMake files name this machine's torch ($torch_prefix)"; exit 1
@@ -86,4 +111,4 @@ assert all(torch.equal(other[n], ema[n]) for n in names), "the resumed run's ave
 print(f"ema of {len(names)} tensors equals AveragedModel's (worst {worst:.1e}); the resumed run's is bitwise")
 PY
 echo "ok: the EMA equals torch's AveragedModel over the checkpoints, and resumes bitwise"
-echo "8 passed, 0 failed"
+echo "10 passed, 0 failed"

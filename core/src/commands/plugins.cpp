@@ -37,7 +37,8 @@ std::map<std::string, std::pair<Command, std::string>> plugin_commands(PluginHos
 
 bool is_own_command(const std::string& name) {
   static const std::set<std::string> own = {"run", "check", "estimate", "plugins", "env",
-                                            "consolidate", "export", "generate", "eval"};
+                                            "consolidate", "export", "generate", "eval",
+                                            "plot"};
   return own.count(name) > 0;
 }
 

@@ -174,6 +174,74 @@ for step in range()" + std::to_string(steps) + R"():
   EXPECT_EQ(trainer->engine().state().skipped_updates, 3);
 }
 
+// DeepSpeed's scaler knobs (a ds_config.json's fp16 section): `hysteresis` overflows skipped at
+// one scale before it backs off, restored when the scale grows (or after every clean step with
+// consecutive_hysteresis), and a floor. The trajectory equals DeepSpeed's DynamicLossScaler
+// rule, written out in Python; an overflow at the floor is a divergence, named.
+TEST(Precision, HysteresisAndTheFloorFollowDeepSpeedsScaler) {
+  const std::vector<int64_t> overflow_steps = {1, 2, 3, 6, 8, 9, 10, 11};
+  const int steps = 14;
+  for (const bool consecutive : {false, true}) {
+    SCOPED_TRACE(consecutive ? "consecutive_hysteresis" : "hysteresis");
+    TempDir dir;
+    std::string job = test::tiny_gpt_job(dir.str());
+    job.replace(job.find("max_steps = 4"), 13, "max_steps = " + std::to_string(steps));
+    auto trainer = Trainer::from_text(
+        with_precision(job, std::string("mode = \"fp16\"\ninit_scale = 1024\ngrowth_interval = 2\n"
+                                        "hysteresis = 2\nmin_scale = 256\nconsecutive_hysteresis = ") +
+                                (consecutive ? "true" : "false")),
+        dir.path());
+    trainer->setup();
+    poison_steps(trainer->engine(), overflow_steps);
+    std::vector<double> loom_scales;
+    std::string error;
+    try {
+      while (trainer->step()) loom_scales.push_back(trainer->engine().state().loss_scale);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    std::string pattern;
+    for (int64_t s : overflow_steps) pattern += std::to_string(s) + ",";
+    // DeepSpeed's rule: on overflow, back off (to the floor at least) only when the hysteresis
+    // is spent, else spend one; on a clean step restore it (consecutive) and grow after
+    // scale_window steps since the last overflow, restoring it then too. An overflow that
+    // cannot back off (at the floor) ends the run.
+    const std::string out = run_python(R"(
+scale, window, floor, delayed, consecutive = 1024.0, 2, 256.0, 2, )" +
+                                       std::string(consecutive ? "True" : "False") + R"(
+left, last_overflow = delayed, -1
+for it in range()" + std::to_string(steps) + R"():
+    if it in ()" + pattern + R"():
+        if left == 1:
+            if scale <= floor:
+                print('floor'); break
+            scale = max(scale / 2, floor)
+        else:
+            left -= 1
+        last_overflow = it
+    else:
+        if consecutive:
+            left = delayed
+        if (it - last_overflow) % window == 0:
+            left = delayed
+            scale *= 2
+    print(repr(scale))
+)");
+    std::istringstream lines(out);
+    std::vector<double> reference;
+    bool floor_reached = false;
+    for (std::string word; lines >> word;) {
+      if (word == "floor") floor_reached = true;
+      else reference.push_back(std::stod(word));
+    }
+    EXPECT_EQ(loom_scales, reference) << out;
+    EXPECT_EQ(!error.empty(), floor_reached) << error;
+    if (floor_reached)
+      EXPECT_NE(error.find("inf/NaN at the loss scale's floor 256 ([precision] min_scale"),
+                std::string::npos) << error;
+  }
+}
+
 TEST(Precision, GradientsReachTheUpdateUnscaled) {
   // With clipping off and lr 0 nothing moves, so fp16 (scale 2^16) and fp32 see the same batch:
   // the grad norm the core reports must be the unscaled one.
@@ -479,7 +547,9 @@ TEST(Precision, BadScalerValuesAreErrors) {
       {"init_scale = 0.0", "[precision] init_scale must be a positive number, got 0"},
       {"growth_factor = 1.0", "[precision] growth_factor must be > 1, got 1"},
       {"backoff_factor = 1.5", "[precision] backoff_factor must be in (0, 1), got 1.5"},
-      {"growth_interval = 0", "[precision] growth_interval must be >= 1, got 0"}};
+      {"growth_interval = 0", "[precision] growth_interval must be >= 1, got 0"},
+      {"hysteresis = 0", "[precision] hysteresis must be >= 1, got 0"},
+      {"min_scale = 1e6", "[precision] min_scale must be in [0, init_scale (65536)], got 1e+06"}};
   for (const auto& [line, message] : cases) {
     TempDir dir;
     auto build = [&] { return Trainer::from_text(

@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# The example jobs of examples/README.md, each run at tiny scale (3 steps; the GPT jobs with 2
+# blocks 32 wide on 32-byte windows) by the very command its table shows: the command must be
+# in the table as written, and runs from the source root with this build's binaries, the test's
+# Python, a master port of its own and mpirun's options for a shared machine, plus `--set`
+# overrides. Each run is held to what its row claims: every step's loss finite in
+# metrics.jsonl; the chat SFT's evaluation and LoRA adapter files; the DDP job's losses equal
+# under loom-launch, mpirun and torchrun; ZeRO-3's model-state report from every rank and a
+# checkpoint of shards; NVMe offload's swap files made in nvme_path and removed; the MoE
+# metrics. The stories run by other tests (demo, finetune_lm, classify) are checked to still
+# be run there; finetune_lm and classify are `loom check`ed on examples/tiny_models.py's
+# folders, which the chat SFT trains from.
+# usage: examples_test.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+build=$1 src=$2 python=$3
+work=$(mktemp -d)
+trap cleanup_work EXIT  # testlib.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# shellcheck source=../distributed/testlib.sh
+source "$src/tests/distributed/testlib.sh"
+table=$src/examples/README.md
+cd "$src" || exit 1
+start=$SECONDS
+
+# The GPT jobs at tiny scale; only the final checkpoint is written.
+tiny=(--set train.max_steps=3 --set train.per_device_train_batch_size=2 --set train.save_steps=0
+      --set train.logging_steps=1 --set train.progress_bar=false --set data.seq_len=32
+      --set model.n_layer=2 --set model.n_embd=32 --set model.n_head=2)
+
+# command_of COMMAND [RANKS]: `cmd`, the array that runs COMMAND (which examples/README.md
+# must show in backticks) here, with RANKS in place of its --nproc-per-node when given.
+command_of() {
+  local command=$1 ranks=${2:-} word previous=""
+  cmd=()
+  if ! grep -qF -- "\`$command\`" "$table"; then
+    fail "examples/README.md no longer shows \`$command\`"
+    return 1
+  fi
+  for word in $command; do
+    [ -n "$ranks" ] && [ "$previous" = --nproc-per-node ] && word=$ranks
+    case $word in
+      build/bin/*) cmd+=("$build/bin/${word#build/bin/}") ;;
+      .venv/bin/python) cmd+=("$python") ;;
+      *) cmd+=("$word") ;;
+    esac
+    case $word in
+      build/bin/loom-launch | torch.distributed.run) port=$((port + 1)); cmd+=(--master-port "$port") ;;
+      mpirun) cmd+=(--oversubscribe --bind-to none) ;;
+    esac
+    previous=$word
+  done
+}
+# story NAME COMMAND [--ranks N] ARGS...: COMMAND (as command_of) with ARGS; output in
+# $work/NAME.log (the caller shows its end on a failure), its run in $work/NAME.
+story() {
+  local name=$1 command=$2 ranks=""
+  shift 2
+  if [ "${1:-}" = --ranks ]; then ranks=$2; shift 2; fi
+  command_of "$command" "$ranks" || return 1
+  timeout 300 "${cmd[@]}" "$@" --set "train.output_dir=$work/$name" >"$work/$name.log" 2>&1
+}
+# steps_ok NAME STEPS [FIELD...]: $work/NAME/metrics.jsonl has the step lines 1..STEPS, each
+# with a finite loss and FIELDs; prints the losses.
+steps_ok() {
+  "$python" - "$work/$1/metrics.jsonl" "${@:2}" <<'PY'
+import json, math, sys
+file, steps, fields = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rows = [json.loads(line) for line in open(file)]
+train = [r for r in rows if "loss" in r]
+assert [r["step"] for r in train] == list(range(1, steps + 1)), [r["step"] for r in train]
+for r in train:
+    for field in ["loss"] + fields:
+        assert field in r and math.isfinite(r[field]), (field, r)
+print(" ".join(repr(r["loss"]) for r in train))
+PY
+}
+
+# --- stories 1-3 are run by other tests: still there, under the name the table gives.
+for pair in "examples/demo.toml:tests/e2e/cli_test.sh" \
+            "datasets/finetune_lm.toml:tests/plugins/gpt/test_gpt_hf.cpp" \
+            "datasets/classify.toml:tests/plugins/bert/test_bert_hf.cpp"; do
+  grep -qF "${pair%%:*}" "${pair#*:}" && ok "${pair%%:*} is run by ${pair#*:}" ||
+    fail "${pair#*:} no longer runs ${pair%%:*}; examples/README.md says it does"
+done
+for command in "build/bin/loom run examples/demo.toml" \
+               "build/bin/loom run examples/datasets/finetune_lm.toml" \
+               "build/bin/loom run examples/datasets/classify.toml"; do
+  command_of "$command" && ok "the table shows \`$command\`"
+done
+
+# --- 2-4: the model folders of examples/tiny_models.py.
+models=$work/models
+if "$python" examples/tiny_models.py "$models" >"$work/models.log" 2>&1; then
+  ok "tiny_models.py writes my-gpt2, my-bert, my-llama"
+else fail "tiny_models.py: $(tail -3 "$work/models.log")"; fi
+for check in "finetune_lm my-gpt2" "classify my-bert" "finetune_lm my-llama --set train.model=llama"; do
+  read -r job folder extra <<<"$check"
+  # shellcheck disable=SC2086
+  if out=$("$build/bin/loom" check "examples/datasets/$job.toml" \
+             --set "model.from_pretrained=$models/$folder" $extra 2>&1); then
+    ok "loom check $job.toml on $folder"
+  else fail "check $job.toml on $folder: $(tail -3 <<<"$out")"; fi
+done
+
+# --- 4: Llama LoRA SFT on chat JSONL, as written but 3 steps (an evaluation at the third).
+if story chat-sft "build/bin/loom run examples/datasets/chat_sft.toml" \
+     --set "model.from_pretrained=$models/my-llama" --set train.max_steps=3 \
+     --set train.eval_steps=3 --set train.progress_bar=false &&
+   losses=$(steps_ok chat-sft 3 trained_tokens) &&
+   "$python" - "$work/chat-sft" <<'PY'; then
+import json, math, sys
+from safetensors import safe_open
+out = sys.argv[1]
+evals = [json.loads(l) for l in open(out + "/metrics.jsonl") if '"eval_loss"' in l]
+assert [e["step"] for e in evals] == [3] and math.isfinite(evals[0]["eval_loss"]), evals
+config = json.load(open(out + "/adapter_config.json"))
+assert config["r"] == 16 and config["task_type"] == "CAUSAL_LM", config
+with safe_open(out + "/adapter_model.safetensors", "np") as f:
+    keys = list(f.keys())
+assert any("q_proj.lora_A" in k for k in keys) and any("down_proj.lora_B" in k for k in keys), keys
+PY
+  ok "chat SFT with LoRA: losses $losses, eval_loss, the PEFT adapter files"
+else fail "chat SFT: $(tail -3 "$work/chat-sft.log")"; fi
+
+# --- 5: DDP on 2 ranks under each launcher: one world of 2 each time, the same losses.
+ddp=examples/distributed/ddp.toml
+launchers=("build/bin/loom-launch --nproc-per-node 2 build/bin/loom run $ddp"
+           "mpirun -np 2 build/bin/loom run $ddp"
+           ".venv/bin/python -m torch.distributed.run --nproc-per-node 2 --no-python build/bin/loom run $ddp")
+names=(ddp-loom-launch ddp-mpirun ddp-torchrun)
+ddp_losses=()
+for i in 0 1 2; do
+  name=${names[$i]}
+  if story "$name" "${launchers[$i]}" "${tiny[@]}" && losses=$(steps_ok "$name" 3 ddp_comm_s) &&
+     grep -q "ddp: .*2 ranks" "$work/$name.log"; then
+    ok "DDP under ${name#ddp-}: 2 ranks, losses $losses"
+    ddp_losses+=("$losses")
+  else fail "DDP $name: $(grep -v '^\s*$' "$work/$name.log" | tail -3)"; fi
+done
+if [ ${#ddp_losses[@]} -eq 3 ] && "$python" - "${ddp_losses[@]}" <<'PY'; then
+import sys
+runs = [[float(x) for x in losses.split()] for losses in sys.argv[1:]]
+worst = max(abs(a - b) / abs(b) for run in runs[1:] for a, b in zip(run, runs[0]))
+assert worst <= 1e-6, runs
+PY
+  ok "the three launchers give the same losses"
+else fail "DDP losses differ between launchers: ${ddp_losses[*]}"; fi
+
+# --- 6: ZeRO-3, the 4-rank story on 2 ranks. The tiny model's tensors are all below stage 3's
+# persistence threshold, which would keep them whole: 0 shards every block's weights.
+shard_all=(--set zero.stage3_param_persistence_threshold=0)
+if story zero3 "build/bin/loom-launch --nproc-per-node 4 build/bin/loom run examples/distributed/zero3.toml" \
+     --ranks 2 "${tiny[@]}" "${shard_all[@]}" --set train.log_all_ranks=true &&
+   losses=$(steps_ok zero3 3 zero_comm_s) &&
+   grep -q "rank 0.*zero: model state on rank 0 after the first update" "$work/zero3.log" &&
+   grep -q "rank 1.*zero: model state on rank 1 after the first update" "$work/zero3.log" &&
+   [ -f "$work/zero3/checkpoint-3/optimizer-00001-of-00002.safetensors" ] &&
+   "$build/bin/loom" consolidate "$work/zero3/checkpoint-3" "$work/zero3.safetensors" >/dev/null 2>&1; then
+  ok "ZeRO-3 on 2 ranks: losses $losses, both ranks' model-state report, a shard per rank that consolidates"
+else fail "ZeRO-3: $(grep -v '^\s*$' "$work/zero3.log" | tail -3)"; fi
+
+# --- 7: NVMe offload into a folder of the test's: swap files there during the run, none after.
+nvme=$work/nvme
+mkdir -p "$nvme"
+if command_of "build/bin/loom run examples/offload/nvme.toml"; then
+  timeout 300 "${cmd[@]}" "${tiny[@]}" "${shard_all[@]}" --set "train.output_dir=$work/offload" \
+    --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$nvme\"}" \
+    --set "zero.offload_param={device=\"nvme\", nvme_path=\"$nvme\"}" >"$work/offload.log" 2>&1 &
+  pid=$! most=0
+  while kill -0 $pid 2>/dev/null; do
+    files=$(find "$nvme" -name 'loom-swap-*' | wc -l)
+    [ "$files" -gt "$most" ] && most=$files
+    sleep 0.05
+  done
+  wait $pid
+  rc=$?
+  if [ $rc -eq 0 ] && losses=$(steps_ok offload 3 offload_param_wait_s) && [ "$most" -eq 2 ] &&
+     [ -z "$(ls -A "$nvme")" ]; then
+    ok "NVMe offload: losses $losses, 2 swap files in nvme_path during the run, none after"
+  else fail "NVMe offload: exit $rc, at most $most swap file(s), left: $(ls -A "$nvme") $(tail -3 "$work/offload.log")"; fi
+fi
+
+# --- 8: MoE, experts over 2 ranks.
+if story moe "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run examples/moe/moe.toml" \
+     "${tiny[@]}" &&
+   losses=$(steps_ok moe 3 aux_loss moe_load_max_over_mean moe_dropped_fraction) &&
+   grep -q "8 experts, top-2, .* 2-way expert parallel" "$work/moe.log" &&
+   "$python" -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '\"aux_loss\"' in l]
+assert len(rows) == 3 and all(r['aux_loss'] > 0 for r in rows), rows" "$work/moe/metrics.jsonl"; then
+  ok "MoE, expert parallel on 2 ranks: losses $losses, aux_loss and the moe_* metrics"
+else fail "MoE: $(grep -v '^\s*$' "$work/moe.log" | tail -3)"; fi
+
+# --- 9: a job driven by a DeepSpeed config file: ZeRO-2 with NVMe offload (the swap file sent to
+# the test's folder by --set, which has the last word over the file), then the same job with the
+# ZeRO-3 file on 2 ranks; the log says what each DeepSpeed key became.
+if story deepspeed2 "build/bin/loom run examples/deepspeed/job.toml" "${tiny[@]}" \
+     --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$nvme\"}" &&
+   losses=$(steps_ok deepspeed2 3) &&
+   grep -qF 'scheduler.type = "WarmupDecayLR" -> [train] lr_scheduler_type = "ds_warmup_decay_lr"' "$work/deepspeed2.log" &&
+   grep -qF 'zero_optimization.stage = 2 -> [zero] stage = 2' "$work/deepspeed2.log" &&
+   grep -qF 'contiguous_gradients changes nothing in loom' "$work/deepspeed2.log" &&
+   [ -z "$(ls -A "$nvme")" ]; then
+  ok "DeepSpeed file, ZeRO-2 with NVMe offload: losses $losses, every key named in the log"
+else fail "DeepSpeed ZeRO-2: $(grep -v '^\s*$' "$work/deepspeed2.log" | tail -3)"; fi
+if story deepspeed3 "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run examples/deepspeed/job.toml --deepspeed examples/deepspeed/ds_zero3.json" \
+     "${tiny[@]}" "${shard_all[@]}" &&
+   losses=$(steps_ok deepspeed3 3 zero_comm_s) &&
+   grep -qF 'zero_optimization.stage = 3 -> [zero] stage = 3' "$work/deepspeed3.log" &&
+   [ -f "$work/deepspeed3/checkpoint-3/optimizer-00001-of-00002.safetensors" ]; then
+  ok "DeepSpeed file, ZeRO-3 on 2 ranks: losses $losses, a shard per rank"
+else fail "DeepSpeed ZeRO-3: $(grep -v '^\s*$' "$work/deepspeed3.log" | tail -3)"; fi
+
+echo "$passed passed, $failed failed in $((SECONDS - start)) s"
+[ "$failed" -eq 0 ]
