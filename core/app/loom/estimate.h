@@ -27,8 +27,9 @@ namespace loom::estimate {
 // largest tensor's share); nvme+p (stage 3, offload_param) also moves the units' weight shards
 // there, memory keeping the weights outside units, two gathered units and three shards in
 // flight. Activations and the rest of the peak (workspace, data, autocast's half
-// copies, the driver's buffers) are measured: the job runs two steps at per-device batch 1 and 2 (the second step's peaks count)
-// in each precision on one rank, and the peak above the model states is split into a part per
+// copies, the driver's buffers) are measured: the job runs two steps at per-device batches 2
+// and 3 (1 and 2 where the job's batch is below 3: Note [Probe batches]; the second step's
+// peaks count) in each precision on one rank, and the peak above the model states is split into a part per
 // sample and a fixed part. With bf16 autocast the half copies are 2 B per parameter of the fixed
 // part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
 enum class Precision { fp32, bf16, full_bf16 };
@@ -51,6 +52,9 @@ struct ModelCounts {
   // Frozen tensors held only as Linear weights/biases: 2 B, not 4, under autocast (Note [Frozen
   // weights in half]; 0 where the job sets [precision] frozen_weights = "fp32").
   double frozen_linear_params = 0;
+  // [zero] reduce_bucket_size: stages 1-3 pack each bucket's gradients into an fp32 send buffer
+  // during backward (Note [Gradient buckets in the peak] in estimate.cpp).
+  double reduce_bucket_bytes = 25.0 * (1 << 20);
 };
 
 // Activations of one precision, measured by the probe.

@@ -118,6 +118,9 @@ struct ProbeResult {
   double params_per_unit = 0;  // every parameter of the first unit
 };
 
+// The lower of the two probe batches (Note [Probe batches]).
+int64_t lower_probe_batch(int64_t job_batch) { return job_batch >= 3 ? 2 : 1; }
+
 // `run` false: the model set up and counted, no step run.
 ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t batch,
                   bool has_zero, const std::filesystem::path& out, bool run = true) {
@@ -171,6 +174,10 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   if (const auto v = setting(job, "zero", "stage3_param_persistence_threshold")) {
     if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
     if (auto* i = std::get_if<int64_t>(&v->value)) persistence = static_cast<double>(*i);
+  }
+  if (const auto v = setting(job, "zero", "reduce_bucket_size")) {
+    if (auto* f = std::get_if<double>(&v->value)) r.counts.reduce_bucket_bytes = *f;
+    if (auto* i = std::get_if<int64_t>(&v->value)) r.counts.reduce_bucket_bytes = static_cast<double>(*i);
   }
   double first_unit = -1;
   for (nn::UnitList* list : engine.unit_lists())
@@ -252,6 +259,16 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
   // gradients (one rank has none; the probes run on one).
   if (stage == 0 && N > 1) r.buffers += m.trainable * 4;
+  // Note [Gradient buckets in the peak]: at stages 1-3 the driver packs each bucket's gradients
+  // into an fp32 send buffer as backward makes them, on one rank too; the first bucket fills
+  // while the activations are near their peak (the probes, at stage 0 on one rank, have none).
+  // Stages 1-2 bucket the whole model, stage 3 a unit at a time. Measured on a 0.36 M-parameter
+  // GPT at batch 12 in full_bf16: +1.40 MiB at stages 1-2, +0.55 MiB at stage 3, none with
+  // 100 kB buckets.
+  if (stage >= 1) {
+    const double bucketed = stage >= 3 ? m.largest_unit_params : m.trainable;
+    r.buffers += std::min(bucketed * 4, m.reduce_bucket_bytes);
+  }
   if (on_nvme && stage >= 1 && b.master > 0) {
     // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
     // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
@@ -404,6 +421,13 @@ Report estimate_loaded(const Job& job, const Options& options) {
     return with;
   };
 
+  // Note [Probe batches]: the probes run two batches a sample apart and the activations are
+  // the line through their peaks. At batch 1 a fixed transient can set the peak instead of the
+  // activations (on a CPU without bf16 instructions full_bf16's peak rose 0.14 MiB from batch
+  // 1 to 2 and 0.70 MiB per sample beyond, so the line from batch 1 fell 13 % short at batch
+  // 12): where the job's batch is 3 or more the probes take batches 2 and 3, never above the
+  // job's own batch, else 1 and 2.
+  const int64_t low = lower_probe_batch(report.batch);
   double per_unit = 0;
   // The whole model set up once (no step): its counts, its units, its setup peak in the first
   // precision probed. Without probes that is all.
@@ -455,8 +479,9 @@ Report estimate_loaded(const Job& job, const Options& options) {
             a.setup_peak = run_probe("the whole model set up, " + name, with, 1, false).setup_peak;
           // above[u][b]: the peaks above the proxy's own model states, units u + 1, batch b + 1.
           double above[3][2], update[3] = {0, 0, 0};
-          // Batch 1 first, and out as soon as a second unit adds nothing (a flat peak: below).
-          for (int64_t b = 1; b <= 2; ++b)
+          // The lower batch first, and out as soon as a second unit adds nothing (a flat peak:
+          // below).
+          for (int64_t b = low; b <= low + 1; ++b)
             for (int u = 1; u <= 3; ++u) {
               std::vector<std::string> proxy = with;
               proxy.push_back("model." + unit_key + "=" + std::to_string(u));
@@ -466,11 +491,11 @@ Report estimate_loaded(const Job& job, const Options& options) {
               built = true;
               const double states =
                   row(r.counts, 0, Offload::none, precision, 1, {}, 0, true).model_states();
-              above[u - 1][b - 1] = r.backward_peak - states;
+              above[u - 1][b - low] = r.backward_peak - states;
               update[u - 1] = std::max(update[u - 1], r.update_peak - states);
               if (u == 2)
-                LOOM_CHECK(above[1][b - 1] > above[0][b - 1], "a second unit adds nothing to "
-                           "the peak at batch ", b, " (", above[0][b - 1] / 1048576,
+                LOOM_CHECK(above[1][b - low] > above[0][b - low], "a second unit adds nothing "
+                           "to the peak at batch ", b, " (", above[0][b - low] / 1048576,
                            " MiB above the model states): a fixed spike sets it");
             }
           // Each unit must add to the peak, and the same each time: a peak that some fixed
@@ -479,7 +504,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
           for (int b = 0; b < 2; ++b) {
             const double one = above[1][b] - above[0][b], two = above[2][b] - above[1][b];
             LOOM_CHECK(one > 0 && two > 0 && std::abs(two - one) <= 0.1 * std::max(one, two),
-                       "their peaks at batch ", b + 1, " are not on a line (",
+                       "their peaks at batch ", b + low, " are not on a line (",
                        above[0][b] / 1048576, ", ", above[1][b] / 1048576, ", ",
                        above[2][b] / 1048576, " MiB above the model states)");
           }
@@ -489,7 +514,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
           const double second[3] = {above[0][1], above[1][1], above[2][1]};
           const double peak1 = whole(first), peak2 = whole(second);
           a.per_sample = std::max(0.0, peak2 - peak1);
-          a.fixed = std::max(0.0, peak1 - a.per_sample);
+          a.fixed = std::max(0.0, peak1 - static_cast<double>(low) * a.per_sample);
           a.update = std::max(0.0, whole(update));
           a.measured = true;
           a.proxied = true;
@@ -507,16 +532,17 @@ Report estimate_loaded(const Job& job, const Options& options) {
         }
       }
       double peaks[2] = {0, 0}, update_peaks[2] = {0, 0};
-      for (int64_t b = 1; b <= 2; ++b) {
+      for (int64_t b = low; b <= low + 1; ++b) {
         const ProbeResult r = run_probe("two steps of the whole model, " + name, with, b, true);
         a.setup_peak = std::max(a.setup_peak, r.setup_peak);
-        update_peaks[b - 1] = r.update_peak;
-        peaks[b - 1] = r.backward_peak;
+        update_peaks[b - low] = r.update_peak;
+        peaks[b - low] = r.backward_peak;
       }
       const Row states = row(report.model, 0, Offload::none, precision, 1, {}, 0, true);
       a.measured = true;
       a.per_sample = std::max(0.0, peaks[1] - peaks[0]);
-      a.fixed = std::max(0.0, peaks[0] - a.per_sample - states.model_states());
+      a.fixed = std::max(0.0, peaks[0] - static_cast<double>(low) * a.per_sample -
+                                  states.model_states());
       a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states.model_states());
     } catch (const ConfigError&) {
       throw;  // the job itself is wrong: say so, as loom check would
@@ -635,7 +661,9 @@ std::string format(const Report& r) {
            "bf16 autocast adds 2 B per parameter of half copies that live from forward to "
            "backward, at every stage\n";
   } else {
-    out << "activations (two steps at batch 1 and 2 on one rank; the second step's peaks above the model states):\n";
+    const int64_t low = lower_probe_batch(r.batch);
+    out << "activations (two steps at batch " << low << " and " << low + 1
+        << " on one rank; the second step's peaks above the model states):\n";
     for (Precision p : kPrecisions) {
       const Activations& a = r.activations[static_cast<int>(p)];
       out << "  " << to_string(p) << ": ";
@@ -720,7 +748,7 @@ double ram_limit() {
 
 // Note [Auto batch size]: HF's auto_find_batch_size halves the batch after each out-of-memory
 // error; on a CPU an out-of-memory is the kernel's OOM killer, not an exception, so loom measures
-// instead. The job runs twice as `loom estimate` probes it (batch 1 and 2, two steps each, one
+// instead. The job runs twice as `loom estimate` probes it (two batches, two steps each, one
 // process, zero stage 0 in memory: nothing written beside a temporary folder), in its own
 // precision; the estimate for its stage, offload and world size then gives the largest batch
 // within the budget, and plan_batch keeps its samples per step exact. The budget is per rank:
@@ -752,7 +780,7 @@ Job with_auto_batch(Job job) {
   const std::string where = budget_value ? budget_value->where : "[train] memory_budget";
   double budget = 0;
   if (budget_text != "auto") budget = estimate::parse_size(where + ": [train] memory_budget", budget_text);
-  log::info("auto_find_batch_size: probing ", job.file.string(), " at batch 1 and 2");
+  log::info("auto_find_batch_size: probing ", job.file.string(), " at two small batches");
   const log::Level level = log::level();  // the probes' runs set their own
   estimate::Report report;
   try {
