@@ -27,6 +27,8 @@ usage:
   loom run JOB.toml [--set table.key=value ...]    train
       --deepspeed FILE       read a DeepSpeed config (ds_config.json) onto the job's tables,
                              as [train] deepspeed = "FILE" does (also for check, estimate)
+      --allow-job-plugins    load plugins from the folders of the job's [plugins] path (any
+                             command that reads a job; or LOOM_ALLOW_JOB_PLUGINS=1)
   loom check JOB.toml [--set table.key=value ...]  validate the job (plugins, keys, types)
   loom estimate JOB.toml [options] [--set ...]     memory per rank for every ZeRO stage,
                                                    offload and precision (short probe runs)
@@ -89,6 +91,7 @@ struct Args {
   loom::plot::Options plot;
   double params = 0;
   bool has_prompt = false;
+  bool allow_job_plugins = false;
 };
 
 int64_t integer_of(const std::string& flag, const std::string& text) {
@@ -159,6 +162,8 @@ Args parse(int argc, char** argv) {
       args.overrides.push_back(a.substr(6));
     } else if (a == "--path") {
       args.paths.emplace_back(value("--path"));
+    } else if (a == "--allow-job-plugins") {
+      args.allow_job_plugins = true;  // Note [Job plugin paths] in loom/trainer.h
     } else if (args.command == "generate" && a == "--prompt") {
       args.generate.prompt = value("--prompt");
       args.has_prompt = true;
@@ -265,6 +270,7 @@ int main(int argc, char** argv) {
                               "or a plugin's command (loom --help lists them)");
     }
     Args args = parse(argc, argv);
+    if (args.allow_job_plugins) loom::allow_job_plugins();
     if (args.command == "env") {
       std::cout << "loom         " << LOOM_VERSION << " (" << LOOM_BUILD_STRING << ")\n"
                 << loom::cpu::describe_environment();

@@ -150,7 +150,7 @@ std::unique_ptr<Comm> make_comm(const CommOptions& options) {
   if (name == "auto") {
     if (env.world_size == 1) name = "local";
     else if (options.cuda && nccl_built()) name = "nccl";
-    else if (env.launcher == "openmpi") name = "mpi";
+    else if (env.launcher == "openmpi" || env.launcher == "pmix") name = "mpi";
     else name = "gloo";
   }
   std::unique_ptr<Comm> comm;

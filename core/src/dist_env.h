@@ -1,6 +1,7 @@
 // dist_env.h (core-internal) — who this process is among the ranks of a job, read from the
 // environment its launcher set: torchrun / loom-launch (RANK, WORLD_SIZE, ...), Open MPI's
-// mpirun (OMPI_COMM_WORLD_*), or Slurm's srun (SLURM_PROCID, ...). No environment: one rank.
+// mpirun (OMPI_COMM_WORLD_*), Slurm's srun (SLURM_PROCID, ...), or another PMIx launcher
+// (PMIX_RANK). No environment: one rank.
 #pragma once
 
 #include <string>
@@ -9,10 +10,14 @@ namespace loom {
 
 struct DistEnv {
   int rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
+  int node_rank = 0;  // this node's index: GROUP_RANK or NODE_RANK (torchrun), SLURM_NODEID
   std::string master_addr = "127.0.0.1";
-  bool master_addr_given = false;  // MASTER_ADDR was set (else the loopback default above)
+  // The variable master_addr came from: MASTER_ADDR, or the Slurm node list whose first host it
+  // is; empty for the loopback default above.
+  std::string master_addr_from;
   int master_port = 29500;
-  std::string launcher = "none";  // torchrun | openmpi | slurm | none
+  std::string master_port_from;  // MASTER_PORT, SLURM_JOB_ID, or empty for the default
+  std::string launcher = "none";  // torchrun | openmpi | slurm | pmix | none
   int restart_count = 0;          // TORCHELASTIC_RESTART_COUNT (loom-launch restarts)
   // torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT
   // (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 joins it as a client instead of serving it.
@@ -20,8 +25,15 @@ struct DistEnv {
 };
 
 // Throws ConfigError naming the variable when a value is malformed or inconsistent
-// (RANK >= WORLD_SIZE...).
+// (RANK >= WORLD_SIZE, a hostlist that does not parse, SLURM_NODEID past the node list...).
+// Under srun without MASTER_ADDR, a job on several nodes meets at the first host of the step's
+// node list; without MASTER_PORT, any srun job at 10000 + SLURM_JOB_ID % 20000 (below the
+// kernel's ephemeral ports, and different for jobs that share a node).
 DistEnv detect_dist_env();
+
+// One line saying which rendezvous settings were derived rather than given (MASTER_ADDR from
+// Slurm's node list, MASTER_PORT from the job id), for the launch's log; empty when none were.
+std::string describe_derived_rendezvous(const DistEnv& env);
 
 // Note [Solo probes]: while a SoloScope lives, detect_dist_env() says this process is a world of
 // one (rank 0, no launcher) whatever the launcher set; the local rank is kept, so a GPU probe

@@ -24,6 +24,7 @@
 #include "evaluation/evaluator.h"
 #include "run_checkpoint.h"
 #include "device.h"
+#include "dist_env.h"
 #include "engine_factory.h"
 #include "job.h"
 #include "param_groups.h"
@@ -215,9 +216,19 @@ class EngineImpl final : public Engine, public Trainer {
               ".", TORCH_VERSION_PATCH, " (", LOOM_BUILD_CUDA, " build) | device ", device_.str(),
               " | intra-op threads ", at::get_num_threads(), " | ranks ", comm_->world_size(),
               " (", comm_->backend(), ")");
+    // Where the rendezvous (gloo, nccl) met, when loom derived the address or port from
+    // Slurm's variables rather than being told.
+    if (comm_->backend() == "gloo" || comm_->backend() == "nccl") {
+      const std::string derived = describe_derived_rendezvous(detect_dist_env());
+      if (!derived.empty()) log::info(derived);
+    }
     log::info("job ", job_.file.string(), " (config hash ", job_.hash(), ")");
     for (const auto& note : job_.notes) log::info("job: ", note);
     for (const auto& warning : job_.warnings) log::warn("job: ", warning);
+    // The code this run loads, by the real file of each plugin (a link named with its target).
+    for (const auto& plugin : prepared_->host().plugins())
+      if (!plugin->builtin())
+        log::info("plugin ", plugin->name, " ", plugin->version, " from ", plugin->file_label());
     log::info("cpu ", cpu::read_cpu_info().model, " | oneDNN isa ", cpu::isa_in_effect().summary());
     if (!malloc_note.empty()) log::info(malloc_note);  // Note [Freed memory kept]
 

@@ -1,17 +1,22 @@
-// Plugin discovery and loading. Checks, in this order: the file exists; its ABI record (Note
-// [ABI record] in loom/plugin.h, read from the ELF file before the library is loaded, so none
-// of the plugin's code has run) has the host's API version and build (LibTorch version, C++
-// ABI, device); it loads (dlopen with RTLD_NOW, so a missing symbol fails here with the
-// loader's message); it exports loom_plugin_entry, whose version agrees. Only then is any C++
-// of the plugin called.
+// Plugin discovery and loading. Checks, in this order: the file exists; nobody but root, the
+// user and loom's installer can change it or a folder above it (Note [Trusted plugin files]);
+// its ABI record (Note [ABI record] in loom/plugin.h, read from the ELF file before the library
+// is loaded, so none of the plugin's code has run) has the host's API version and build
+// (LibTorch version, C++ ABI, device); it loads (dlopen with RTLD_NOW, so a missing symbol fails
+// here with the loader's message); it exports loom_plugin_entry, whose version agrees. Only then
+// is any C++ of the plugin called.
 #include "plugin_host.h"
 
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 
 #include <elf.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -20,6 +25,7 @@
 
 #include "builtin.h"
 #include "loom/log.h"
+#include "loom/trainer.h"
 
 namespace loom {
 namespace {
@@ -76,7 +82,105 @@ AbiRead read_abi_record(const std::filesystem::path& file, loom_plugin_abi& reco
   return AbiRead::no_record;
 }
 
+// Note [Trusted plugin files]: loading a plugin runs its code as the user, so a plugin file
+// that someone else can replace is someone else's code. As ld.so does for the libraries of a
+// setuid program (and OpenSSH for authorized_keys), the host refuses a plugin when the file, or
+// any folder on its path up to /, is
+//  - writable by group or others (mode bits 020 or 002), or
+//  - owned by anyone but root, the user (effective uid), or the owner of libloom_core's file
+//    (whoever installed loom: the user already runs that account's code, and a shared install
+//    by a software account is common).
+// One exception, for /tmp and its like: a folder with the sticky bit (mode 1000), owned by a
+// trusted account, may be writable by others when it lies above the plugin's own folder. In
+// it others may add entries but may not rename or remove ours, so a safe folder below it stays
+// safe (a test's mkdtemp folder in /tmp, an install under /tmp). The plugin's own folder gets
+// no exception: a world-writable /tmp holding loom_x.so itself is refused, since anyone can
+// put a loom_<name>.so there before the user does. A plugin found through symbolic links is
+// checked along every path that reaches it: the folders the link was named in, the link's
+// folder with its own links resolved, and the real file's folders.
+struct PathCheck {
+  uid_t user = geteuid();
+  uid_t installer = 0;
+  PathCheck() {
+    struct stat core {};
+    const auto core_file = boost::dll::this_line_location();
+    installer = ::stat(core_file.c_str(), &core) == 0 ? core.st_uid : 0;
+  }
+  bool trusted_owner(uid_t owner) const {
+    return owner == 0 || owner == user || owner == installer;
+  }
+
+  enum class Role { file, own_folder, folder_above };
+
+  // Throws PluginError naming `entry` and its mode when it breaks the rule; `plugin` is the
+  // path the plugin was named by.
+  void check(const std::filesystem::path& entry, Role role,
+             const std::filesystem::path& plugin) const {
+    struct stat info {};
+    if (::stat(entry.c_str(), &info) != 0) return;  // a missing file is reported by the caller
+    const std::string what =
+        role == Role::file         ? detail::cat("plugin file '", entry.string(), "'")
+        : role == Role::own_folder ? detail::cat("folder '", entry.string(), "' (holding plugin '",
+                                                 plugin.string(), "')")
+                                   : detail::cat("folder '", entry.string(), "' (above plugin '",
+                                                 plugin.string(), "')");
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    LOOM_CHECK_AS(PluginError, trusted_owner(info.st_uid), what, " is owned by uid ",
+                  info.st_uid, " (mode ", mode, "), not by root, you (uid ", user,
+                  ") or loom's installer (uid ", installer, "): that account could swap the "
+                  "plugin's code, so loom does not load it; move the plugin to a folder of "
+                  "yours, or chown it");
+    const bool others_write = info.st_mode & (S_IWGRP | S_IWOTH);
+    const bool sticky_above =
+        role == Role::folder_above && S_ISDIR(info.st_mode) && (info.st_mode & S_ISVTX);
+    LOOM_CHECK_AS(PluginError, !others_write || sticky_above, what, " is writable by ",
+                  (info.st_mode & S_IWGRP) && (info.st_mode & S_IWOTH) ? "group and others"
+                  : (info.st_mode & S_IWGRP)                           ? "its group"
+                                                                       : "others",
+                  " (mode ", mode, "): whoever may write there could swap the plugin's code, "
+                  "so loom does not load it; fix it with chmod go-w '", entry.string(), "'");
+  }
+
+  // The file and every folder above it, up to /.
+  void check_chain(const std::filesystem::path& file, const std::filesystem::path& plugin) const {
+    check(file, Role::file, plugin);
+    Role role = Role::own_folder;
+    for (auto folder = file.parent_path(); !folder.empty(); folder = folder.parent_path()) {
+      check(folder, role, plugin);
+      role = Role::folder_above;
+      if (folder == folder.root_path()) break;
+    }
+  }
+};
+
+// `found_as`: the path the plugin was named by (absolute); `real`: it with every link resolved.
+void check_trusted(const std::filesystem::path& found_as, const std::filesystem::path& real) {
+  static const PathCheck rule;
+  rule.check_chain(found_as, found_as);
+  std::error_code ec;
+  const auto folder = std::filesystem::canonical(found_as.parent_path(), ec);
+  if (!ec && folder != found_as.parent_path())
+    rule.check_chain(folder / found_as.filename(), found_as);
+  if (real != found_as) rule.check_chain(real, found_as);
+}
+
+std::atomic<bool> job_plugins_allowed_flag{false};
+
 }  // namespace
+
+void allow_job_plugins(bool allowed) { job_plugins_allowed_flag = allowed; }
+
+bool job_plugins_allowed() {
+  if (job_plugins_allowed_flag) return true;
+  const char* env = std::getenv("LOOM_ALLOW_JOB_PLUGINS");
+  return env && std::string(env) == "1";
+}
+
+std::string LoadedPlugin::file_label() const {
+  if (found_as.empty() || found_as == file) return file.string();
+  return found_as.string() + " -> " + file.string();
+}
 
 PluginHost::PluginHost() : search_path_(default_search_path()) {
   for (auto& builtin : make_builtin_plugins()) {
@@ -126,6 +230,8 @@ LoadedPlugin& PluginHost::load(const std::filesystem::path& file) {
     if (record->file == absolute) return *record;
   LOOM_CHECK_AS(PluginError, std::filesystem::exists(absolute), "plugin file '", file.string(),
                 "' does not exist; check the name and the plugin search path");
+  const auto found_as = std::filesystem::absolute(file, ec).lexically_normal();
+  check_trusted(found_as, absolute);  // Note [Trusted plugin files]
 
   // Before the library is loaded: the ABI record (Note [ABI record]).
   loom_plugin_abi abi{};
@@ -179,6 +285,7 @@ LoadedPlugin& PluginHost::load(const std::filesystem::path& file) {
   record->version = info->version ? info->version : "";
   record->build = build;
   record->file = absolute;
+  record->found_as = found_as;
   record->destroy = info->destroy;
   LOOM_CHECK_AS(PluginError, !record->name.empty() && info->create && info->destroy, "'",
                 absolute.string(), "': its plugin info lacks a name or a factory");
@@ -192,7 +299,8 @@ LoadedPlugin& PluginHost::load(const std::filesystem::path& file) {
     std::lock_guard<std::mutex> lock(libraries_mutex);
     libraries().push_back(std::move(library));
   }
-  log::debug("loaded plugin ", record->name, " ", record->version, " from ", absolute.string());
+  log::debug("loaded plugin ", record->name, " ", record->version, " from ",
+             record->file_label());
   plugins_.push_back(std::move(record));
   return *plugins_.back();
 }

@@ -13,10 +13,14 @@ namespace loom {
 
 struct LoadedPlugin {
   std::string name, version, build;
-  std::filesystem::path file;  // empty for built-ins
+  std::filesystem::path file;      // the real file, symlinks resolved; empty for built-ins
+  std::filesystem::path found_as;  // the path it was found or named by (absolute)
   Plugin* plugin = nullptr;    // owned by the host; destroyed by the library's own deleter
   void (*destroy)(Plugin*) = nullptr;
   bool builtin() const { return file.empty(); }
+  // What the run header and `loom check` name: the file, or "link -> target" when it was found
+  // through a symbolic link.
+  std::string file_label() const;
 };
 
 class PluginHost {
@@ -32,9 +36,10 @@ class PluginHost {
   void prepend_search_path(const std::vector<std::filesystem::path>& folders);
   const std::vector<std::filesystem::path>& search_path() const { return search_path_; }
 
-  // Loads one plugin file. Throws PluginError naming the file for a missing file, a library
-  // that does not load (with the loader's message: missing symbols...), a library without
-  // loom_plugin_entry, an API version or build mismatch.
+  // Loads one plugin file. Throws PluginError naming the file for a missing file, a file or
+  // folder others may write to (Note [Trusted plugin files]), a library that does not load
+  // (with the loader's message: missing symbols...), a library without loom_plugin_entry, an
+  // API version or build mismatch.
   LoadedPlugin& load(const std::filesystem::path& file);
   // The plugin called `name`: already loaded or built in, else the file loom_<name>.so on the
   // search path (first folder wins). nullptr if there is none.

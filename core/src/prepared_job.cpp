@@ -18,7 +18,7 @@
 namespace loom {
 
 std::string plugin_label(const LoadedPlugin* p) {
-  return p->builtin() ? "core (built in)" : p->name + " " + p->version + ", " + p->file.string();
+  return p->builtin() ? "core (built in)" : p->name + " " + p->version + ", " + p->file_label();
 }
 
 PreparedJob::PreparedJob(Job job, Purpose purpose)
@@ -267,6 +267,13 @@ std::string PreparedJob::describe() const {
   // Note [Plugin order]: the order of attach and of every event's handlers.
   out << "\n  order     ";
   for (auto* p : resolved_.active) out << " " << p->name;
+  // Every plugin library loaded for the job, by the file that runs (links resolved).
+  const char* heading = "\n  files      ";
+  for (const auto& p : host_.plugins()) {
+    if (p->builtin()) continue;
+    out << heading << p->name << " " << p->version << ": " << p->file_label();
+    heading = "\n             ";
+  }
   if (steps_by_epochs())
     out << "\n  epochs     " << train.get_float("num_train_epochs")
         << " (steps counted when the data is read)";

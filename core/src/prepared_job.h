@@ -77,7 +77,8 @@ class PreparedJob {
   bool default_ddp_ = false;
 };
 
-// The label `loom check` and the run header give a plugin: "core (built in)" or its file.
+// The label `loom check` and the run header give a plugin: "core (built in)" or its file
+// (LoadedPlugin::file_label).
 std::string plugin_label(const LoadedPlugin* plugin);
 
 }  // namespace loom

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "loom/log.h"
+#include "loom/trainer.h"
 
 namespace loom {
 namespace {
@@ -417,13 +418,21 @@ ResolvedJob resolve(const Job& job, PluginHost& host) {
 
   // [plugins] first: it extends the search path everything else is found on.
   out.sections["plugins"] = validate("plugins", job.table("plugins"), core["plugins"], file);
+  const auto& plugins = out.sections["plugins"];
+  const std::vector<std::string> folders = plugins.get_strings("path");
+  // Note [Job plugin paths] (loom/trainer.h): a job file may not load code unless allowed.
+  LOOM_CHECK_AS(ConfigError, folders.empty() || job_plugins_allowed(), plugins.where("path"),
+                ": [plugins] path = ", plugins.get("path")->to_text(), " would load plugins from "
+                "folders this job file names, and a plugin is code that runs as you; loom does "
+                "that only when you allow it: run loom with --allow-job-plugins, or set "
+                "LOOM_ALLOW_JOB_PLUGINS=1 (or put the folders on LOOM_PLUGIN_PATH instead)");
   std::vector<std::filesystem::path> extra;
-  for (const auto& folder : out.sections["plugins"].get_strings("path")) {
+  for (const auto& folder : folders) {
     std::filesystem::path p(folder);
     extra.push_back(p.is_absolute() ? p : job.dir / p);
     std::error_code ec;
     LOOM_CHECK_AS(ConfigError, std::filesystem::is_directory(extra.back(), ec),
-                  out.sections["plugins"].where("path"), ": [plugins] path '", folder, "' is not a "
+                  plugins.where("path"), ": [plugins] path '", folder, "' is not a "
                   "folder ('", extra.back().string(), "'); name folders of plugin .so files, "
                   "relative to the job file");
   }

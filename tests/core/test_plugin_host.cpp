@@ -1,7 +1,12 @@
 // The plugin host: discovery, every refusal (missing, not a plugin, missing symbol, API and
-// build mismatch), and exclusive slots.
+// build mismatch, a job's plugin folder not allowed, a file others may write), and exclusive
+// slots.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "loom/error.h"
 #include "loom/plugin.h"
@@ -178,6 +183,128 @@ TEST(PluginHost, PluginSchemaIsValidated) {
   EXPECT_THROW_WITH(with_tables(dir, "[recorder]\n"), ConfigError, "[recorder] needs 'file'");
   EXPECT_THROW_WITH(with_tables(dir, "[recorder]\nfile = \"x\"\nfiel = 1\n"), ConfigError,
                     "unknown key 'fiel' in [recorder]", "did you mean 'file'");
+}
+
+// Note [Job plugin paths]: for each test, job plugin folders allowed or not, whatever the
+// suite's main() and the environment said; both restored afterwards.
+class JobPluginPermission {
+ public:
+  explicit JobPluginPermission(bool allowed) {
+    if (const char* env = std::getenv("LOOM_ALLOW_JOB_PLUGINS")) saved_env_ = env;
+    unsetenv("LOOM_ALLOW_JOB_PLUGINS");
+    allow_job_plugins(allowed);
+  }
+  ~JobPluginPermission() {
+    if (saved_env_) setenv("LOOM_ALLOW_JOB_PLUGINS", saved_env_->c_str(), 1);
+    allow_job_plugins(true);  // as test_main.cpp leaves it
+  }
+
+ private:
+  std::optional<std::string> saved_env_;
+};
+
+TEST(JobPluginPaths, AreRefusedUnlessTheUserAllowsThem) {
+  TempDir dir;
+  JobPluginPermission denied(false);
+  EXPECT_THROW_WITH(with_tables(dir, "[recorder]\nfile = \"x\"\n"), ConfigError,
+                    (dir / "job.toml").string() + ":", "[plugins] path = \"" LOOM_TEST_PLUGIN_DIR "\"",
+                    "--allow-job-plugins", "LOOM_ALLOW_JOB_PLUGINS=1", "LOOM_PLUGIN_PATH");
+  setenv("LOOM_ALLOW_JOB_PLUGINS", "0", 1);
+  EXPECT_THROW(with_tables(dir, "[recorder]\nfile = \"x\"\n"), ConfigError);
+  // The two ways to allow them: the environment, and the setter the CLI's flag calls.
+  setenv("LOOM_ALLOW_JOB_PLUGINS", "1", 1);
+  EXPECT_NO_THROW(with_tables(dir, "[recorder]\nfile = \"x\"\n"));
+  unsetenv("LOOM_ALLOW_JOB_PLUGINS");
+  allow_job_plugins(true);
+  EXPECT_NO_THROW(with_tables(dir, "[recorder]\nfile = \"x\"\n"));
+}
+
+// The installed folder and LOOM_PLUGIN_PATH are the user's own choice: no permission needed.
+TEST(JobPluginPaths, InstalledPluginsAndLoomPluginPathNeedNoPermission) {
+  TempDir dir;
+  JobPluginPermission denied(false);
+  EXPECT_NO_THROW(Trainer::from_text(tiny_gpt_job(dir.str()), dir.path()));
+  const char* saved = std::getenv("LOOM_PLUGIN_PATH");
+  const std::optional<std::string> before = saved ? std::optional<std::string>(saved) : std::nullopt;
+  setenv("LOOM_PLUGIN_PATH", LOOM_TEST_PLUGIN_DIR, 1);
+  EXPECT_NO_THROW(
+      Trainer::from_text(tiny_gpt_job(dir.str()) + "\n[recorder]\nfile = \"x\"\n", dir.path()));
+  if (before) setenv("LOOM_PLUGIN_PATH", before->c_str(), 1);
+  else unsetenv("LOOM_PLUGIN_PATH");
+}
+
+// Note [Trusted plugin files]: a copy of the recorder plugin in `folder`, resolved through a job.
+std::unique_ptr<Trainer> recorder_from(const TempDir& dir, const std::filesystem::path& folder,
+                                       const std::vector<std::string>& overrides = {}) {
+  const std::string job = tiny_gpt_job(dir.str()) + "\n[plugins]\npath = \"" + folder.string() +
+                          "\"\n[recorder]\nfile = \"events.txt\"\n";
+  return Trainer::from_text(job, dir.path(), overrides);
+}
+
+void set_mode(const std::filesystem::path& path, mode_t mode) {
+  ASSERT_EQ(::chmod(path.c_str(), mode), 0) << path;
+}
+
+TEST(TrustedPluginFiles, AFileOrFolderOthersMayWriteIsRefusedNamingIt) {
+  TempDir dir;
+  const auto above = dir / "above";
+  const auto folder = above / "plugins";
+  std::filesystem::create_directories(folder);
+  const auto file = folder / "loom_recorder.so";
+  std::filesystem::copy_file(LOOM_TEST_PLUGIN_DIR "/loom_recorder.so", file);
+  set_mode(above, 0755);
+  set_mode(folder, 0755);
+  set_mode(file, 0664);
+  EXPECT_THROW_WITH(recorder_from(dir, folder), PluginError,
+                    "plugin file '" + file.string() + "' is writable by its group (mode 0664)",
+                    "chmod go-w '" + file.string() + "'");
+  set_mode(file, 0755);
+  set_mode(folder, 0777);
+  EXPECT_THROW_WITH(recorder_from(dir, folder), PluginError,
+                    "folder '" + folder.string() + "' (holding plugin '" + file.string() +
+                        "') is writable by group and others (mode 0777)",
+                    "chmod go-w '" + folder.string() + "'");
+  // A sticky folder (as /tmp) is accepted above the plugin's own folder, never as that folder.
+  set_mode(folder, 01777);
+  EXPECT_THROW_WITH(recorder_from(dir, folder), PluginError, "(mode 1777)");
+  set_mode(folder, 0755);
+  set_mode(above, 0757);
+  EXPECT_THROW_WITH(recorder_from(dir, folder), PluginError,
+                    "folder '" + above.string() + "' (above plugin '" + file.string() +
+                        "') is writable by others (mode 0757)");
+  set_mode(above, 01777);
+  EXPECT_NO_THROW(recorder_from(dir, folder));
+  set_mode(above, 0755);
+  // Another account's file: only root can make one here.
+  if (geteuid() != 0) GTEST_SKIP() << "not root: cannot give the file to another user";
+  ASSERT_EQ(::chown(file.c_str(), 65534, static_cast<gid_t>(-1)), 0);
+  EXPECT_THROW_WITH(recorder_from(dir, folder), PluginError,
+                    "plugin file '" + file.string() + "' is owned by uid 65534", "chown");
+}
+
+// A plugin found through a symbolic link is named as `link -> target` by `loom check` and by the
+// run header, which names every loaded plugin's file.
+TEST(TrustedPluginFiles, CheckAndTheRunHeaderNameEachPluginsRealFile) {
+  TempDir dir;
+  const auto folder = dir / "links";
+  std::filesystem::create_directory(folder);
+  const auto target = std::filesystem::canonical(LOOM_TEST_PLUGIN_DIR "/loom_recorder.so");
+  std::filesystem::create_symlink(target, folder / "loom_recorder.so");
+  const std::string named = (folder / "loom_recorder.so").string() + " -> " + target.string();
+  auto trainer = recorder_from(dir, folder, {"train.log_level=info"});
+  const std::string check = trainer->describe();
+  EXPECT_NE(check.find("recorder 1.0.0: " + named), std::string::npos) << check;
+  testing::internal::CaptureStderr();
+  trainer->setup();
+  const std::string header = testing::internal::GetCapturedStderr();
+  EXPECT_NE(header.find("plugin recorder 1.0.0 from " + named), std::string::npos) << header;
+  // The model's plugin, a plain file, by the path `loom check` gives it.
+  const std::string gpt = "(plugin gpt 0.1.0, ";
+  const size_t at = check.find(gpt);
+  ASSERT_NE(at, std::string::npos) << check;
+  const std::string gpt_file = check.substr(at + gpt.size(), check.find(')', at) - at - gpt.size());
+  EXPECT_TRUE(std::filesystem::is_regular_file(gpt_file)) << gpt_file;
+  EXPECT_NE(header.find("plugin gpt 0.1.0 from " + gpt_file + "\n"), std::string::npos) << header;
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Two "hosts" on one machine: two network namespaces joined by a veth pair (10.77.0.1 and
 # 10.77.0.2), two ranks in each, rank 0's store on 10.77.0.1. ZeRO stage 3 over gloo (ranks
-# started with torchrun's variables in each namespace) and over mpi (mpirun starts its daemon
-# in the other namespace through an rsh agent that enters it) ends with the parameters of one
-# process. Needs root and `ip netns`; exits 77 (skipped) with a message where either is missing.
+# started with torchrun's variables in each namespace; or one rank in each with srun's, rank 0's
+# host found by name in the node list) and over mpi (mpirun starts its daemon in the other
+# namespace through an rsh agent that enters it) ends with the parameters of one process.
+# Needs root and `ip netns`; exits 77 (skipped) with a message where either is missing.
 # usage: netns_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 build=$1 src=$2 python=$3
@@ -64,6 +65,27 @@ for r in 0 1 2 3; do eval "wait \$pid$r"; codes="$codes$?"; done
 if [ "$codes" = 0000 ] && d=$(same_params "$work/ref" "$work/gloo"); then
   ok "gloo across two network namespaces, 2 + 2 ranks, stage 3 == 1 process ($d)"
 else fail "gloo across namespaces (exit codes $codes): ${d:-} $(tail -3 "$work/gloo0.log") $(tail -3 "$work/gloo2.log")"; fi
+
+# --- srun's variables and no MASTER_ADDR/MASTER_PORT, one rank per host: rank 0's host is the
+# first of the step's node list, the port comes from the job id. The hosts have names there,
+# from a hosts file that each rank's own mount namespace puts over /etc/hosts.
+{ cat /etc/hosts; printf '10.77.0.1 loom-node01\n10.77.0.2 loom-node02\n'; } >"$work/etc-hosts"
+jobid=$((100000 + RANDOM))
+for r in 0 1; do
+  ip netns exec "${ns[$r]}" unshare --mount sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' \
+    "$work/etc-hosts" env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE SLURM_JOB_ID=$jobid \
+    SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_NODEID=$r SLURM_LOCALID=0 SLURM_STEP_TASKS_PER_NODE='1(x2)' \
+    SLURM_STEP_NODELIST='loom-node[01-02]' timeout 300 "$loom" run "$job" \
+    --set "train.output_dir=$work/srun" "${common[@]}" --set train.per_device_train_batch_size=4 \
+    --set 'distributed.backend="gloo"' --set 'train.log_level="info"' >"$work/srun$r.log" 2>&1 &
+  eval "spid$r=\$!"
+done
+wait $spid0; c0=$?; wait $spid1; c1=$?
+said="MASTER_ADDR = loom-node01, the first host of SLURM_STEP_NODELIST; MASTER_PORT = $((10000 + jobid % 20000)) from SLURM_JOB_ID"
+if [ $c0 -eq 0 ] && [ $c1 -eq 0 ] && grep -qF "$said" "$work/srun0.log" &&
+   d=$(same_params "$work/ref" "$work/srun"); then
+  ok "srun's variables without MASTER_ADDR across two namespaces, 1 + 1 ranks == 1 process ($d)"
+else fail "srun across namespaces (exit codes $c0 $c1): ${d:-} $(grep -F 'MASTER_' "$work/srun0.log") $(tail -3 "$work/srun0.log") $(tail -3 "$work/srun1.log")"; fi
 
 # --- mpi: mpirun in host 0; its rsh agent starts the daemon for 10.77.0.2 inside host 1
 cat >"$work/agent" <<AGENT

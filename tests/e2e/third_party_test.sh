@@ -57,13 +57,21 @@ loom=$work/moved/bin/loom
 listing=$("$loom" plugins --path "$work/plugins")
 grep -q "^hello 1.0.0" <<<"$listing" && grep -q "^ema 1.0.0" <<<"$listing"
 echo "ok: the installed loom lists them"
-"$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" \
+# Note [Job plugin paths]: a job's [plugins] path loads code only when the user allows it.
+out=$("$loom" check "$src/examples/demo.toml" --set "plugins.path=$work/plugins" 2>&1 || true)
+grep -q "would load plugins from folders this job file names" <<<"$out"
+grep -q -- "--allow-job-plugins, or set LOOM_ALLOW_JOB_PLUGINS=1" <<<"$out"
+checked=$(LOOM_ALLOW_JOB_PLUGINS=1 "$loom" check "$src/examples/demo.toml" \
+  --set "plugins.path=$work/plugins" --set hello.every=2)
+grep -q "hello 1.0.0: $work/plugins/loom_hello.so" <<<"$checked"
+echo "ok: a job's plugin folder is refused unless allowed (flag or LOOM_ALLOW_JOB_PLUGINS=1)"
+"$loom" run "$src/examples/demo.toml" --allow-job-plugins --set "plugins.path=$work/plugins" \
   --set hello.every=2 --set train.max_steps=4 --set "train.output_dir=$work/run" \
   --set train.resume= > "$work/run.log" 2>&1 || { cat "$work/run.log"; exit 1; }
 grep -q "hello from a third-party plugin at step 4" "$work/run.log"
 grep -q '"hello_greetings":2' "$work/run/metrics.jsonl"
 echo "ok: trained with hello (greeting logged, metric written)"
-out=$("$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" --set hello.every=0 --set "train.output_dir=$work/bad" 2>&1 || true)
+out=$("$loom" run "$src/examples/demo.toml" --allow-job-plugins --set "plugins.path=$work/plugins" --set hello.every=0 --set "train.output_dir=$work/bad" 2>&1 || true)
 grep -q "\[hello\] every must be positive, got 0" <<<"$out"
 echo "ok: its config error reaches the user"
 help=$(LOOM_PLUGIN_PATH=$work/plugins "$loom" --help)
@@ -78,7 +86,8 @@ echo "ok: its command is listed by loom --help and runs, its error is loom's one
 
 # EMA: 6 steps with a checkpoint after each; then 3 steps, and a resume for 3 more.
 ema_run() {  # OUT MAX_STEPS
-  "$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" --set ema.decay=0.8 \
+  LOOM_ALLOW_JOB_PLUGINS=1 "$loom" run "$src/examples/demo.toml" --set "plugins.path=$work/plugins" \
+    --set ema.decay=0.8 \
     --set train.max_steps="$2" --set train.save_steps=1 --set "train.output_dir=$1" \
     --set train.resume=latest --set train.progress_bar=false >>"$1.log" 2>&1 || { cat "$1.log"; exit 1; }
 }
@@ -111,4 +120,4 @@ assert all(torch.equal(other[n], ema[n]) for n in names), "the resumed run's ave
 print(f"ema of {len(names)} tensors equals AveragedModel's (worst {worst:.1e}); the resumed run's is bitwise")
 PY
 echo "ok: the EMA equals torch's AveragedModel over the checkpoints, and resumes bitwise"
-echo "10 passed, 0 failed"
+echo "11 passed, 0 failed"

@@ -71,6 +71,16 @@ class Trainer {
   virtual Engine& engine() = 0;
 };
 
+// Note [Job plugin paths]: a job's [plugins] path makes loom load (and so run) the libraries in
+// the folders it names, and job files travel between people; so a job naming [plugins] path is
+// a ConfigError unless the user allowed it: `loom ... --allow-job-plugins` (the CLI calls
+// allow_job_plugins()) or LOOM_ALLOW_JOB_PLUGINS=1 in the environment. The installed plugin
+// folder and LOOM_PLUGIN_PATH, which the user sets up, need no permission. Whatever allowed a
+// folder, its plugins are still checked as every plugin is (Note [Trusted plugin files]).
+void allow_job_plugins(bool allowed = true);
+// Whether jobs may name plugin folders now: allow_job_plugins(true) or LOOM_ALLOW_JOB_PLUGINS=1.
+bool job_plugins_allowed();
+
 // Plugin commands (Plugin::commands): the usage line of every command of the plugins on the
 // search path (extra_path first), for `loom --help`; and running one by name. run_plugin_command
 // returns nullopt when no plugin has `name`; two plugins with one command name, or a command

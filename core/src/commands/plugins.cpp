@@ -89,7 +89,7 @@ std::string describe_plugins(const std::vector<std::filesystem::path>& extra_pat
   for (const auto& record : host.plugins()) {
     out << "\n" << record->name << " " << record->version << " — "
         << record->plugin->description() << "\n";
-    out << "    file: " << (record->builtin() ? "(built into libloom_core)" : record->file.string())
+    out << "    file: " << (record->builtin() ? "(built into libloom_core)" : record->file_label())
         << "\n";
     auto slots = record->plugin->slots();
     for (const auto& schema : record->plugin->schemas())
