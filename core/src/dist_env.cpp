@@ -142,6 +142,9 @@ DistEnv detect_dist_env() {
     env.master_port = 10000 + static_cast<int>(long_env("SLURM_JOB_ID") % 20000);
     env.master_port_from = "SLURM_JOB_ID";
   }
+  env.restart_count = int_env("TORCHELASTIC_RESTART_COUNT", 0);
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"))
+    env.agent_store = std::string(agent) == "True" || std::string(agent) == "1";
   LOOM_CHECK_AS(ConfigError, env.world_size >= 1, "the launcher says the world has ",
                 env.world_size, " ranks");
   LOOM_CHECK_AS(ConfigError, env.rank < env.world_size, "the launcher (", env.launcher,

@@ -220,9 +220,14 @@ TEST(DistEnv, TorchrunOnSeveralNodesReadsItsGroupRank) {
   LauncherEnv launcher({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
                         {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"}, {"NODE_RANK", "7"},
                         {"MASTER_ADDR", "node01"}, {"MASTER_PORT", "29400"},
+                        {"TORCHELASTIC_RESTART_COUNT", "2"},
+                        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
                         {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}});  // torchrun inside srun
   DistEnv env = detect_dist_env();
   EXPECT_EQ(env.launcher, "torchrun");
+  // torchrun's agent serves the store already (rank 0 joins it), and the restart it is on.
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 2);
   EXPECT_EQ(env.node_rank, 1);
   EXPECT_EQ(env.local_world_size, 4);
   EXPECT_EQ(env.master_addr, "node01");
