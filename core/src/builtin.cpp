@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <tuple>
 #include <sstream>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "loom/data.h"
 #include "loom/engine.h"
 #include "loom/error.h"
+#include "loom/log.h"
 #include "loom/update_rule.h"
 
 namespace loom {
@@ -63,6 +65,133 @@ void check_random_tokens(const ConfigSection& c) {
                 ": [data] task must be \"classification\" or \"lm\", not \"", task, "\"");
   LOOM_CHECK_AS(ConfigError, c.get_int("num_labels") >= 1, c.where("num_labels"),
                 ": [data] num_labels must be at least 1");
+}
+
+// Note [Data against the model]: a token id at or above the model's vocabulary, or a label at or
+// above its classes, used to pass every check and fail at the first forward, after output_dir
+// held run.json and an empty metrics.jsonl; so each data source checks its data against the
+// model in validate() (`loom check` and `loom run` alike, before anything is built or written).
+// The limits are the model's as the job states them, in transformers' names, which every model
+// table and every config.json uses: `vocab_size` and `num_labels` of the [model] table, or of
+// its from_pretrained folder's config.json (num_labels there: the size of id2label, as
+// transformers counts). A model that states neither (a test plugin's) gets no check. A full
+// pass over a file costs a read of it; past kFullScanBytes, the cost of reading far more data
+// than a run of most jobs trains on, a sample of evenly spread stripes is read instead, and one
+// info line says so (an id outside it is still refused by the model's own check at its
+// forward).
+struct ModelLimit {
+  int64_t value = 0;   // 0: the job states none
+  std::string source;  // for messages: "[model] vocab_size (job.toml:12)"
+};
+
+// The model's `key` (vocab_size | num_labels), from the job's [model] table or its
+// from_pretrained config.json.
+ModelLimit model_limit(const Plugin::JobTables& job, const char* key) {
+  const ConfigSection* model = job("model");
+  if (!model) return {};
+  const bool pretrained = model->schema().find("from_pretrained") &&
+                          !model->get_string("from_pretrained").empty();
+  if (model->schema().find(key) && (model->has(key) || !pretrained))
+    return {model->get_int(key), detail::cat("[model] ", key, " (", model->where(key), ")")};
+  if (!pretrained) return {};
+  const std::string file =
+      (std::filesystem::path(job.resolve_path(model->get_string("from_pretrained"))) /
+       "config.json").string();
+  std::ifstream in(file);
+  if (!in) return {};  // the model plugin names a folder without config.json
+  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) return {};
+  if (std::string(key) == "num_labels" && config.contains("id2label") &&
+      config["id2label"].is_object() && !config["id2label"].empty())
+    return {static_cast<int64_t>(config["id2label"].size()), "the id2label of '" + file + "'"};
+  if (!config.contains(key) || !config[key].is_number_integer()) return {};
+  return {config[key].get<int64_t>(), detail::cat(key, " of '", file, "'")};
+}
+
+constexpr int64_t kFullScanBytes = int64_t{256} << 20;
+constexpr int64_t kSampleStripes = 64;
+
+// Note [Data against the model]: the ids of a file (`width`-byte little-endian ids: 1 for
+// text's bytes, 2 or 4 for tokens) checked below `vocab`, all of them or a sample.
+void check_file_ids(const ConfigSection& c, const std::string& path, const std::string& shown,
+                    int width, const ModelLimit& vocab, const std::string& what_to_do) {
+  if (vocab.value <= 0 || (width == 1 && vocab.value >= 256) ||
+      (width == 2 && vocab.value >= 65536))
+    return;  // every id the file can hold is below it
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;  // refused by the caller's own checks
+  struct stat st {};
+  ::fstat(fd, &st);
+  const int64_t bytes = static_cast<int64_t>(st.st_size), ids = bytes / width;
+  if (ids == 0) {
+    ::close(fd);
+    return;
+  }
+  void* map = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  LOOM_CHECK_AS(DataError, map != MAP_FAILED, "cannot map '", path, "': ", std::strerror(errno));
+  const auto* data = static_cast<const unsigned char*>(map);
+  auto id_at = [&](int64_t i) -> int64_t {
+    if (width == 1) return data[i];
+    if (width == 2) {
+      uint16_t v;
+      std::memcpy(&v, data + i * 2, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, data + i * 4, 4);
+    return v;
+  };
+  // [begin, end) of the ids: the first at or above the vocabulary, or -1.
+  auto first_outside = [&](int64_t begin, int64_t end) -> int64_t {
+    constexpr int64_t kBlock = 1 << 16;
+    for (int64_t b = begin; b < end; b += kBlock) {
+      const int64_t e = std::min(end, b + kBlock);
+      int64_t most = 0;
+      for (int64_t i = b; i < e; ++i) most = std::max(most, id_at(i));  // vectorises
+      if (most < vocab.value) continue;
+      for (int64_t i = b; i < e; ++i)
+        if (id_at(i) >= vocab.value) return i;
+    }
+    return -1;
+  };
+  const bool sample = bytes > kFullScanBytes;
+  ::madvise(map, static_cast<size_t>(bytes), sample ? MADV_RANDOM : MADV_SEQUENTIAL);
+  int64_t bad = -1, checked = 0;
+  if (!sample) {
+    bad = first_outside(0, ids);
+    checked = ids;
+  } else {
+    // Stripes from the first id to the last, evenly spaced.
+    const int64_t stripe = kFullScanBytes / kSampleStripes / width;
+    for (int64_t s = 0; s < kSampleStripes && bad < 0; ++s) {
+      const int64_t begin = (ids - stripe) * s / (kSampleStripes - 1);
+      bad = first_outside(begin, begin + stripe);
+      checked += stripe;
+    }
+  }
+  const int64_t value = bad >= 0 ? id_at(bad) : 0;
+  ::munmap(map, static_cast<size_t>(bytes));
+  LOOM_CHECK_AS(DataError, bad < 0, c.where("path"), ": [", c.name(), "] path '", shown,
+                "': token id ", value,
+                " at position ", bad, " (byte ", bad * width, ") of '", path,
+                "' is not below the model's vocabulary of ", vocab.value, " ids (",
+                vocab.source, "); ", what_to_do);
+  if (sample)
+    log::info("[", c.name(), "] '", path, "': token ids checked below ", vocab.value, " in a sample of ",
+              checked, " of its ", ids, " ids (", kSampleStripes, " stripes of ",
+              kFullScanBytes / kSampleStripes / (1 << 20), " MiB; a full pass reads ",
+              bytes / (1 << 20), " MiB); the model's forward checks the rest");
+}
+
+// A file of a source's list with no bytes: a shard that was never written, most often.
+void check_not_empty(const ConfigSection& c, const std::string& path, const std::string& shown) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  LOOM_CHECK_AS(DataError, ec || size > 0, c.where("path"), ": [", c.name(), "] path '", shown,
+                "': '", path,
+                "' is empty (0 bytes): nothing to train on; remove it from path, or write the "
+                "data again (an interrupted download or preparation leaves empty files)");
 }
 
 // Enough tokens for one window of seq_len + 1.
@@ -297,15 +426,41 @@ class CorePlugin final : public Plugin {
   // numbers are in range. Reads no data (a file's size, not its bytes).
   void validate(const std::string& name, const ConfigSection& c,
                 const JobTables& job) const override {
-    if (name == "random_tokens") check_random_tokens(c);
+    // Note [Data against the model].
+    const ModelLimit vocab = model_limit(job, "vocab_size");
+    if (name == "random_tokens") {
+      check_random_tokens(c);
+      LOOM_CHECK_AS(ConfigError, vocab.value <= 0 || c.get_int("vocab_high") <= vocab.value,
+                    c.where("vocab_high"), ": [", c.name(), "] vocab_high = ",
+                    c.get_int("vocab_high"), " draws token ids up to ", c.get_int("vocab_high") - 1,
+                    ", not below the model's vocabulary of ", vocab.value, " ids (", vocab.source,
+                    "); set vocab_high <= ", vocab.value);
+      const ModelLimit labels = model_limit(job, "num_labels");
+      LOOM_CHECK_AS(ConfigError,
+                    c.get_string("task") != "classification" || labels.value <= 0 ||
+                        c.get_int("num_labels") <= labels.value,
+                    c.where("num_labels"), ": [", c.name(), "] num_labels = ",
+                    c.get_int("num_labels"), " draws labels up to ", c.get_int("num_labels") - 1,
+                    ", but the model has ", labels.value, " classes (", labels.source,
+                    "); set num_labels <= ", labels.value, " or give the model more classes");
+    }
     if (name == "text") {
       int64_t bytes = 0;
-      for (const auto& path : text_files(c, job.resolve_path))
-        bytes += static_cast<int64_t>(std::filesystem::file_size(path));
+      const auto raw = c.get_strings("path");
+      const auto files = text_files(c, job.resolve_path);
+      for (size_t i = 0; i < files.size(); ++i) {
+        check_not_empty(c, files[i], raw[i]);
+        bytes += static_cast<int64_t>(std::filesystem::file_size(files[i]));
+      }
       check_windows(bytes, c.get_int("seq_len"), "the text");
+      for (size_t i = 0; i < files.size(); ++i)
+        check_file_ids(c, files[i], raw[i], 1, vocab,
+                       "the text source's ids are its bytes (0-255): give the model "
+                       "vocab_size = 256, or tokenize the text into a tokens file");
     }
     if (name == "tokens") {
       const auto [path, width] = tokens_file(c, job.resolve_path);
+      check_not_empty(c, path, c.get_strings("path").front());
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       LOOM_CHECK_AS(DataError, fd >= 0, c.where("path"), ": [data] path '",
                     c.get_strings("path").front(), "': cannot open '", path, "': ",
@@ -316,6 +471,10 @@ class CorePlugin final : public Plugin {
       check_token_bytes(path, static_cast<size_t>(st.st_size), width, c.get_string("dtype"));
       check_windows(static_cast<int64_t>(st.st_size) / width, c.get_int("seq_len"),
                     "'" + path + "'");
+      check_file_ids(c, path, c.get_strings("path").front(), width, vocab,
+                     "the file was tokenized for another vocabulary: tokenize it with the "
+                     "model's tokenizer, or give the model a vocab_size above its ids (and check "
+                     "[data] dtype = \"" + c.get_string("dtype") + "\")");
     }
   }
   std::shared_ptr<const Dataset> create_dataset(const std::string& name, const ConfigSection& c,

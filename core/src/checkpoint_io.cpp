@@ -235,9 +235,35 @@ std::string non_finite_state(const std::string& name, int64_t step) {
                      ": training diverged (lower [train] learning_rate)");
 }
 
+// Whether any value's exponent bits are all ones (an infinity or a NaN), in blocks so the loop
+// vectorises.
+template <typename Bits>
+bool any_exponent_all_ones(const at::Tensor& t, Bits mask) {
+  const Bits* bits = static_cast<const Bits*>(t.const_data_ptr());
+  const int64_t n = t.numel();
+  for (int64_t begin = 0; begin < n; begin += 4096) {
+    const int64_t end = std::min<int64_t>(n, begin + 4096);
+    bool any = false;
+    for (int64_t i = begin; i < end; ++i) any |= (bits[i] & mask) == mask;
+    if (any) return true;
+  }
+  return false;
+}
+
+// Host tensors are scanned on the calling thread alone: an asynchronous save's writer thread
+// (Note [Asynchronous checkpoints]) must not start a second ATen thread team beside training's.
 bool has_non_finite(const at::Tensor& t) {
-  return t.defined() && at::isFloatingType(t.scalar_type()) && t.numel() > 0 &&
-         !at::isfinite(t).all().item<bool>();
+  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) return false;
+  if (t.is_cpu() && t.is_contiguous()) {
+    switch (t.scalar_type()) {
+      case at::kFloat: return any_exponent_all_ones<uint32_t>(t, 0x7f800000u);
+      case at::kDouble: return any_exponent_all_ones<uint64_t>(t, 0x7ff0000000000000ull);
+      case at::kHalf: return any_exponent_all_ones<uint16_t>(t, 0x7c00u);
+      case at::kBFloat16: return any_exponent_all_ones<uint16_t>(t, 0x7f80u);
+      default: break;
+    }
+  }
+  return !at::isfinite(t).all().item<bool>();
 }
 
 // "" if every floating tensor to be written is finite, else what is not.
@@ -251,42 +277,64 @@ std::string non_finite_problem(const CheckpointContents& c) {
   return "";
 }
 
-std::string write_checkpoint_folder(const std::string& output_dir, const CheckpointContents& c,
-                                    int64_t keep, Comm& comm, int64_t protect_step) {
+}  // namespace
+
+// Note [Checkpoint write phases] (checkpoint_io.h).
+CheckpointWriter::CheckpointWriter(std::string output_dir, const CheckpointContents& c, Comm& comm)
+    : output_dir_(std::move(output_dir)), c_(c), comm_(comm) {
   namespace fs = std::filesystem;
-  const int rank = comm.rank(), world = comm.world_size();
-  const fs::path final_dir = fs::path(output_dir) / ("checkpoint-" + std::to_string(c.step));
-  const fs::path temp_dir = temp_folder(output_dir, c.step);
-  const int writers = c.optimizer_sharded ? world : 1;
+  const fs::path temp_dir = temp_folder(output_dir_, c_.step);
   // Rank 0 clears what a crashed save left; nobody writes before that.
   std::string error;
   try {
-    if (rank == 0) {
+    if (comm_.rank() == 0) {
       fs::remove_all(temp_dir);
       fs::create_directories(temp_dir);
     }
   } catch (const std::exception& e) {
     error = e.what();
   }
-  auto agree = [&](int64_t bytes, int64_t crc) {
-    // Every rank's (ok, bytes, crc32): a failure anywhere is known everywhere, no rank waits
-    // for a file that will never come.
-    at::Tensor mine = at::tensor({error.empty() ? int64_t{1} : int64_t{0}, bytes, crc},
-                                 at::TensorOptions().dtype(at::kLong)).to(comm.device());
-    at::Tensor all = at::empty({3 * world}, mine.options());
-    comm.all_gather(all, mine)->wait();
-    return all.cpu();
-  };
-  // A diverged run (an infinite learning rate) must not leave a checkpoint a resume would
-  // trust: every rank checks what it would write.
-  if (error.empty()) error = non_finite_problem(c);
-  at::Tensor status = agree(0, 0);
-  for (int r = 0; r < world; ++r)
+  const at::Tensor status = agree(error, 0, 0);
+  for (int r = 0; r < comm_.world_size(); ++r)
     LOOM_CHECK_AS(CheckpointError, status[3 * r].item<int64_t>() == 1, "saving checkpoint-",
-                  c.step, ": rank ", r, " refused or failed",
+                  c_.step, ": rank ", r, " refused or failed",
                   error.empty() ? std::string() : ": " + error,
                   "; nothing was written, the previous checkpoints are intact");
-  int64_t bytes = 0, crc = 0;
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  // Whatever failed (a peer gone mid-save included), no half-written folder stays behind.
+  if (!committed_ && comm_.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::remove_all(temp_folder(output_dir_, c_.step), ec);
+  }
+}
+
+at::Tensor CheckpointWriter::agree(const std::string& error, int64_t bytes, int64_t crc) {
+  // Every rank's (ok, bytes, crc32): a failure anywhere is known everywhere, no rank waits for
+  // a file that will never come.
+  const int world = comm_.world_size();
+  at::Tensor mine = at::tensor({error.empty() ? int64_t{1} : int64_t{0}, bytes, crc},
+                               at::TensorOptions().dtype(at::kLong)).to(comm_.device());
+  at::Tensor all = at::empty({3 * world}, mine.options());
+  comm_.all_gather(all, mine)->wait();
+  return all.cpu();
+}
+
+void CheckpointWriter::write_files() {
+  namespace fs = std::filesystem;
+  const CheckpointContents& c = c_;
+  const int rank = comm_.rank(), world = comm_.world_size();
+  const fs::path temp_dir = temp_folder(output_dir_, c.step);
+  const int writers = c.optimizer_sharded ? world : 1;
+  // A diverged run (an infinite learning rate) must not leave a checkpoint a resume would
+  // trust: every rank checks what it would write.
+  try {
+    error_ = non_finite_problem(c);
+  } catch (const std::exception& e) {
+    error_ = e.what();
+  }
+  if (!error_.empty()) return;
   if (rank < writers) {
     try {
       nlohmann::ordered_json layout = nlohmann::ordered_json::object();
@@ -295,7 +343,7 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
         layout[piece.name] = {{"shape", piece.global_shape}, {"offset", piece.offset}};
         if (!piece.tensor_shape.empty()) layout[piece.name]["tensor_shape"] = piece.tensor_shape;
         // A streamed piece (offloaded state) is read when its turn comes, and checked then: a
-        // non-finite value fails this rank's write, and the agreement below keeps the
+        // non-finite value fails this rank's write, and the agreement in commit() keeps the
         // previous checkpoints.
         std::function<at::Tensor()> produce =
             piece.load ? std::function<at::Tensor()>([&piece, step = c.step] {
@@ -312,38 +360,53 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
                                  {{"format", "pt"}, {"layout", layout.dump()},
                                   {"step", std::to_string(c.step)}});
       const auto d = fsutil::digest(file);
-      bytes = static_cast<int64_t>(d.bytes);
-      crc = static_cast<int64_t>(d.crc32);
+      shard_bytes_ = static_cast<int64_t>(d.bytes);
+      shard_crc_ = static_cast<int64_t>(d.crc32);
     } catch (const std::exception& e) {
-      error = e.what();
+      error_ = e.what();
+      return;
     }
   }
-  status = agree(bytes, crc);
+  if (rank != 0) return;
+  try {
+    std::map<std::string, NamedTensors> files = c.plugin.files;
+    for (const char* reserved : {"model", "trainer"})
+      LOOM_CHECK_AS(CheckpointError, !files.count(reserved), "a plugin tried to save a file '",
+                    reserved, "' that belongs to the core");
+    for (const auto& [stem, tensors] : files)
+      LOOM_CHECK_AS(CheckpointError, stem.rfind("optimizer", 0) != 0,
+                    "a plugin tried to save a file '", stem, "' that belongs to the core");
+    files["model"] = c.model;
+    files["trainer"] = {{"rng.cpu", c.rng_cpu}};
+    if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
+    for (const auto& [stem, tensors] : files) {
+      const fs::path file = temp_dir / (stem + ".safetensors");
+      safetensors::save(file, tensors, {{"format", "pt"}});
+      const auto d = fsutil::digest(file);
+      rank0_files_.push_back({stem + ".safetensors", d.bytes, d.crc32});
+    }
+  } catch (const std::exception& e) {
+    error_ = e.what();
+  }
+}
+
+std::string CheckpointWriter::commit(int64_t keep, int64_t protect_step) {
+  namespace fs = std::filesystem;
+  const CheckpointContents& c = c_;
+  const int rank = comm_.rank(), world = comm_.world_size();
+  const fs::path final_dir = fs::path(output_dir_) / ("checkpoint-" + std::to_string(c.step));
+  const fs::path temp_dir = temp_folder(output_dir_, c.step);
+  const int writers = c.optimizer_sharded ? world : 1;
+  std::string error = error_;
+  at::Tensor status = agree(error, shard_bytes_, shard_crc_);
   std::string failed;
   for (int r = 0; r < world; ++r)
     if (status[3 * r].item<int64_t>() != 1) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-  if (!failed.empty()) {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(temp_dir, ec);
-    }
-    throw CheckpointError(detail::cat("saving checkpoint-", c.step, ": rank(s) ", failed,
-                                      " could not write their optimizer shard",
-                                      error.empty() ? "" : ": " + error,
-                                      "; the previous checkpoints are intact"));
-  }
+  LOOM_CHECK_AS(CheckpointError, failed.empty(), "saving checkpoint-", c.step, ": rank(s) ",
+                failed, " could not write their files", error.empty() ? "" : ": " + error,
+                "; the previous checkpoints are intact");
   if (rank == 0) {
     try {
-      std::map<std::string, NamedTensors> files = c.plugin.files;
-      for (const char* reserved : {"model", "trainer"})
-        LOOM_CHECK_AS(CheckpointError, !files.count(reserved), "a plugin tried to save a file '",
-                      reserved, "' that belongs to the core");
-      for (const auto& [stem, tensors] : files)
-        LOOM_CHECK_AS(CheckpointError, stem.rfind("optimizer", 0) != 0,
-                      "a plugin tried to save a file '", stem, "' that belongs to the core");
-      files["model"] = c.model;
-      files["trainer"] = {{"rng.cpu", c.rng_cpu}};
-      if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
       nlohmann::ordered_json manifest = {
           {"format", kFormat},
           {"format_version", kFormatVersion},
@@ -360,12 +423,8 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
       if (!c.job_text.empty()) manifest["job"] = {{"text", c.job_text}, {"dir", c.job_dir}};
       if (!c.label_names.empty()) manifest["labels"] = c.label_names;
       nlohmann::ordered_json listing = nlohmann::ordered_json::object();
-      for (const auto& [stem, tensors] : files) {
-        const fs::path file = temp_dir / (stem + ".safetensors");
-        safetensors::save(file, tensors, {{"format", "pt"}});
-        const auto d = fsutil::digest(file);
-        listing[stem + ".safetensors"] = {{"bytes", d.bytes}, {"crc32", d.crc32}};
-      }
+      for (const auto& file : rank0_files_)
+        listing[file.name] = {{"bytes", file.bytes}, {"crc32", file.crc32}};
       nlohmann::ordered_json shards = nlohmann::ordered_json::array();
       for (int r = 0; r < writers; ++r)
         shards.push_back({{"file", optimizer_file_name(r, writers)},
@@ -380,7 +439,7 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
       fsutil::fsync_dir(temp_dir);
       if (fs::exists(final_dir)) fs::remove_all(final_dir);
       fs::rename(temp_dir, final_dir);
-      fsutil::fsync_dir(output_dir);
+      fsutil::fsync_dir(output_dir_);
       error.clear();
     } catch (const std::exception& e) {
       error = e.what();
@@ -389,17 +448,18 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
     }
   }
   // Nobody goes on (and reads, or saves again) before the folder is complete or known failed.
-  status = agree(0, 0);
+  status = agree(error, 0, 0);
   LOOM_CHECK_AS(CheckpointError, status[0].item<int64_t>() == 1, "saving checkpoint-", c.step,
                 " failed on rank 0", error.empty() ? std::string() : ": " + error,
                 "; the previous checkpoints are intact");
+  committed_ = true;
   if (rank == 0 && keep > 0) {
     // Note [Best model]: the protected checkpoint stays and counts as one of the kept; the
     // newest always stays too.
     std::vector<std::pair<int64_t, fs::path>> others;
-    for (auto& entry : checkpoints_in(output_dir))
+    for (auto& entry : checkpoints_in(output_dir_))
       if (entry.first != protect_step || protect_step == c.step) others.push_back(std::move(entry));
-    const fs::path best = fs::path(output_dir) / ("checkpoint-" + std::to_string(protect_step));
+    const fs::path best = fs::path(output_dir_) / ("checkpoint-" + std::to_string(protect_step));
     // The newest protected is plain rotation; an older one takes one of the places.
     const bool protecting = protect_step >= 0 && protect_step != c.step && fs::exists(best);
     const size_t room = static_cast<size_t>(std::max<int64_t>(1, keep - (protecting ? 1 : 0)));
@@ -408,20 +468,11 @@ std::string write_checkpoint_folder(const std::string& output_dir, const Checkpo
   return final_dir.string();
 }
 
-}  // namespace
-
 std::string write_checkpoint(const std::string& output_dir, const CheckpointContents& c,
                              int64_t keep, Comm& comm, int64_t protect_step) {
-  try {
-    return write_checkpoint_folder(output_dir, c, keep, comm, protect_step);
-  } catch (...) {
-    // Whatever failed (a peer gone mid-save included), no half-written folder stays behind.
-    if (comm.rank() == 0) {
-      std::error_code ec;
-      std::filesystem::remove_all(temp_folder(output_dir, c.step), ec);
-    }
-    throw;
-  }
+  CheckpointWriter writer(output_dir, c, comm);
+  writer.write_files();
+  return writer.commit(keep, protect_step);
 }
 
 // ---- Note [One run per output_dir] ----

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "loom/data.h"
 #include "loom/engine.h"
 #include "loom/step_driver.h"
@@ -41,6 +43,51 @@ struct CheckpointContents {
 };
 
 class Comm;
+
+// Note [Checkpoint write phases]: a save is three phases, and the folder appears at the end of
+// the third or not at all (Note [Checkpoint format 2]).
+//  1. begin (the constructor), collective: rank 0 clears what a crashed save of this step left
+//     and makes the temporary folder `.checkpoint-<step>.tmp`; the ranks agree it exists.
+//  2. write_files(), this rank alone, no collective: its optimizer shard (when it writes one)
+//     and, on rank 0, model, trainer and the plugins' files, each with its size and crc32; every
+//     floating tensor checked finite first (a diverged run leaves no checkpoint a resume would
+//     trust). A failure is kept for phase 3, never thrown here.
+//  3. commit(), collective: the ranks exchange (ok, size, crc32) of their shard; a failure
+//     anywhere fails every rank; else rank 0 writes manifest.json, renames the folder into
+//     place, fsyncs, and only then rotates (save_total_limit, Note [Best model]).
+// write_checkpoint runs them back to back. An asynchronous save (Note [Asynchronous
+// checkpoints], async_checkpoint.h) runs phase 2 on a writer thread over a host copy of the
+// contents and phase 3 at a later point every rank reaches together: the same code, so the same
+// bytes. A writer destroyed before its commit removes the temporary folder (rank 0).
+class CheckpointWriter {
+ public:
+  // `contents` must outlive the writer.
+  CheckpointWriter(std::string output_dir, const CheckpointContents& contents, Comm& comm);
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  void write_files();
+  // Returns the folder; a CheckpointError (on every rank) when any rank failed.
+  std::string commit(int64_t keep, int64_t protect_step);
+  int64_t step() const { return c_.step; }
+  // This rank's phase-2 failure, "" when none.
+  const std::string& error() const { return error_; }
+
+ private:
+  at::Tensor agree(const std::string& error, int64_t bytes, int64_t crc);
+  struct WrittenFile {
+    std::string name;
+    uint64_t bytes = 0;
+    uint32_t crc32 = 0;
+  };
+  std::string output_dir_;
+  const CheckpointContents& c_;
+  Comm& comm_;
+  std::string error_;
+  int64_t shard_bytes_ = 0, shard_crc_ = 0;
+  std::vector<WrittenFile> rank0_files_;  // rank 0's files, in the manifest's order
+  bool committed_ = false;
+};
 
 // Every rank calls it. Writes <output_dir>/checkpoint-<step>; keeps only the newest `keep`
 // (0 = all), never deleting checkpoint-<protect_step> (Note [Best model]: the best checkpoint,

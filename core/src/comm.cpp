@@ -144,7 +144,9 @@ void register_comm_backend(const std::string& name, CommFactory factory) {
   registry()[name] = std::move(factory);
 }
 
-std::unique_ptr<Comm> make_comm(const CommOptions& options) {
+std::unique_ptr<Comm> make_comm(const CommOptions& options) { return make_comm(options, {}); }
+
+std::unique_ptr<Comm> make_comm(const CommOptions& options, const CommChecks& checks) {
   const DistEnv env = detect_dist_env();
   std::string name = options.backend;
   if (name == "auto") {
@@ -160,15 +162,15 @@ std::unique_ptr<Comm> make_comm(const CommOptions& options) {
                   " ranks; use backend = \"auto\", \"mpi\" or \"gloo\"");
     comm = std::make_unique<LocalComm>(env.local_rank);
   } else if (name == "mpi") {
-    comm = make_mpi_comm(options);
+    comm = make_mpi_comm(options, checks);
     LOOM_CHECK_AS(ConfigError, comm->world_size() == env.world_size, "[distributed] backend = "
                   "\"mpi\" sees ", comm->world_size(), " rank(s) but the launcher (",
                   env.launcher, ") started ", env.world_size,
                   "; launch with mpirun (or srun with PMI) to use mpi, or use gloo");
   } else if (name == "gloo") {
-    comm = make_gloo_comm(options, env);
+    comm = make_gloo_comm(options, env, checks);
   } else if (name == "nccl") {
-    comm = make_nccl_comm(options, env);
+    comm = make_nccl_comm(options, env, checks);
   } else {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto it = registry().find(name);

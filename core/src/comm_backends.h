@@ -10,10 +10,23 @@
 #include "loom/comm.h"
 
 namespace loom {
-std::unique_ptr<Comm> make_mpi_comm(const CommOptions& options);
-std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env);
+// What the engine asks of the multi-process backends beyond the SDK's CommOptions (kept out of
+// the SDK: no plugin needs them). Note [Hang reports] in comm_trace.cpp.
+struct CommChecks {
+  bool check_collectives = false;  // [distributed] check_collectives
+  // mpi: a folder every rank can write and read (the job's output_dir) for the trace's files;
+  // empty: no peer lines, each rank reports only its own last collectives.
+  std::string trace_folder;
+};
+// make_comm with the checks (the engine's call); make_comm(options) passes none.
+std::unique_ptr<Comm> make_comm(const CommOptions& options, const CommChecks& checks);
+
+std::unique_ptr<Comm> make_mpi_comm(const CommOptions& options, const CommChecks& checks);
+std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env,
+                                     const CommChecks& checks);
 // Compiled in CUDA builds only; elsewhere it throws a ConfigError saying so.
-std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env);
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env,
+                                     const CommChecks& checks);
 bool nccl_built();
 
 // Rendezvous helper shared by gloo and nccl: a socket bound to MASTER_ADDR:MASTER_PORT for

@@ -29,7 +29,9 @@
 #include <functional>
 
 #include "comm_backends.h"
+#include "comm_trace.h"
 #include "loom/error.h"
+#include "loom/log.h"
 
 namespace loom {
 
@@ -67,12 +69,61 @@ int listen_on_master(const DistEnv& env) {
 
 namespace {
 
+std::string without_backtrace(const std::exception& error) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&error)) return c10->what_without_backtrace();
+  return error.what();
+}
+
+// Collective `seq` failed on this rank: the backend's words, then where the other ranks are
+// (Note [Hang reports]).
+[[noreturn]] void collective_failure(int rank, CollectiveTrace& trace, int64_t seq,
+                                     const std::string& why) {
+  const std::string where = trace.diagnose(seq);
+  throw Error(detail::cat("rank ", rank, ": ", trace.describe(seq), " of group ", trace.group(),
+                          " failed: ", why,
+                          where.empty() ? " — a peer process died, or is unreachable; see that "
+                                          "rank's log"
+                                        : where));
+}
+
+// The rendezvous store as a TraceBoard: one key per rank under the group's prefix. Its own
+// client connection, with a short timeout, so the poster thread never shares gloo's or NCCL's
+// and a stopped store host costs a report seconds, not the collective timeout.
+class StoreBoard final : public TraceBoard {
+ public:
+  StoreBoard(c10::intrusive_ptr<c10d::Store> store, std::string where)
+      : store_(std::move(store)), where_(std::move(where)) {}
+  void post(int rank, const std::string& line) override {
+    try {
+      store_->set(std::to_string(rank), std::vector<uint8_t>(line.begin(), line.end()));
+    } catch (const std::exception& error) {
+      throw Error(without_backtrace(error));
+    }
+  }
+  std::optional<std::string> read(int rank) override {
+    try {
+      const std::string key = std::to_string(rank);
+      if (!store_->check({key})) return std::nullopt;
+      const std::vector<uint8_t> value = store_->get(key);
+      return std::string(value.begin(), value.end());
+    } catch (const std::exception& error) {
+      throw Error(without_backtrace(error));
+    }
+  }
+  std::string where() const override { return where_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string where_;
+};
+
 class C10dWork final : public Work {
  public:
   C10dWork(c10::intrusive_ptr<c10d::Work> work, const char* op, int rank,
-           std::chrono::milliseconds timeout, std::function<void()> finish)
+           std::chrono::milliseconds timeout, std::function<void()> finish,
+           std::shared_ptr<CollectiveTrace> trace, int64_t seq)
       : work_(std::move(work)), op_(op), rank_(rank), timeout_(timeout),
-        finish_(std::move(finish)) {}
+        finish_(std::move(finish)), trace_(std::move(trace)), seq_(seq) {}
   ~C10dWork() override {
     // As MpiWork: a handle dropped unwaited still completes, and its finish step (avg's
     // divide, reduce-scatter's reduction) still lands in the output (Work's contract).
@@ -87,12 +138,12 @@ class C10dWork final : public Work {
     if (done_) return;
     try {
       work_->wait(timeout_);
-    } catch (const c10::Error& error) {
-      comm_failure(rank_, op_, error.what_without_backtrace());
     } catch (const std::exception& error) {
-      comm_failure(rank_, op_, error.what());
+      done_ = true;  // a failed collective is not waited for again (by the destructor)
+      collective_failure(rank_, *trace_, seq_, without_backtrace(error));
     }
     done_ = true;
+    trace_->finish(seq_);
     if (finish_) finish_();
   }
   bool completed() override {
@@ -106,6 +157,8 @@ class C10dWork final : public Work {
   int rank_;
   std::chrono::milliseconds timeout_;
   std::function<void()> finish_;
+  std::shared_ptr<CollectiveTrace> trace_;
+  int64_t seq_;
   bool done_ = false;
 };
 
@@ -137,13 +190,37 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::mill
 using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size)>;
 
+// What a group needs for its collective trace (Note [Hang reports]): the trace store client
+// (null when it could not connect: the trace then keeps its ring but asks no peer) and
+// whether to compare fingerprints before every collective.
+struct TraceSetup {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string where;  // "the store at HOST:PORT"
+  bool check_collectives = false;
+};
+
+std::shared_ptr<CollectiveTrace> make_trace(const TraceSetup& setup, const std::string& group,
+                                            const DistEnv& env, std::chrono::milliseconds timeout) {
+  std::unique_ptr<TraceBoard> board;
+  if (setup.store) {
+    // Keys of a restarted attempt (loom-launch --max-restarts keeps the agent's store) are
+    // apart from the last attempt's.
+    const std::string prefix = detail::cat("loom/trace/", env.restart_count, "/", group);
+    board = std::make_unique<StoreBoard>(c10::make_intrusive<c10d::PrefixStore>(prefix, setup.store),
+                                         setup.where);
+  }
+  return std::make_shared<CollectiveTrace>(group, env.rank, env.world_size, timeout,
+                                           std::move(board));
+}
+
 class C10dComm final : public Comm {
  public:
   C10dComm(std::string name, c10::intrusive_ptr<c10d::Backend> backend, const DistEnv& env,
            std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Store> store,
-           BackendFactory factory)
+           BackendFactory factory, TraceSetup trace_setup, const std::string& group)
       : name_(std::move(name)), backend_(std::move(backend)), env_(env), timeout_(timeout),
-        store_(std::move(store)), factory_(std::move(factory)) {}
+        store_(std::move(store)), factory_(std::move(factory)),
+        trace_setup_(std::move(trace_setup)), trace_(make_trace(trace_setup_, group, env_, timeout_)) {}
   std::string backend() const override { return name_; }
   int rank() const override { return env_.rank; }
   int world_size() const override { return env_.world_size; }
@@ -160,7 +237,8 @@ class C10dComm final : public Comm {
     c10d::AllreduceOptions options;
     options.reduceOp = to_c10d(op);
     const int world = env_.world_size;
-    return run("all_reduce", [&] { return backend_->allreduce(tensors, options); },
+    return run({"all_reduce", static_cast<int64_t>(op), tensor.numel(), tensor.scalar_type()},
+               [&] { return backend_->allreduce(tensors, options); },
                [tensor, op, world]() mutable {
                  if (op == ReduceOp::avg) tensor.div_(world);
                });
@@ -175,10 +253,12 @@ class C10dComm final : public Comm {
                input.scalar_type(), "), got ", output.scalar_type());
     at::Tensor in = input.contiguous().view(-1), out = output.view(-1);
     const int world = env_.world_size;
+    const CollectiveCall call{"reduce_scatter", static_cast<int64_t>(op), input.numel(),
+                              input.scalar_type()};
     if (name_ == "nccl") {
       c10d::ReduceScatterOptions options;
       options.reduceOp = to_c10d(op);
-      return run("reduce_scatter", [&] { return backend_->_reduce_scatter_base(out, in, options); },
+      return run(call, [&] { return backend_->_reduce_scatter_base(out, in, options); },
                  [output, op, world]() mutable {
                    if (op == ReduceOp::avg) output.div_(world);
                  });
@@ -191,7 +271,7 @@ class C10dComm final : public Comm {
     // bf16/fp16 (one rounding, and no half-type reduction needed from gloo).
     at::Tensor received = at::empty_like(in);
     std::vector<int64_t> splits;  // empty: equal chunks
-    return run("reduce_scatter", [&] { return backend_->alltoall_base(received, in, splits, splits); },
+    return run(call, [&] { return backend_->alltoall_base(received, in, splits, splits); },
                [output, received, op, world]() mutable {
                  output.copy_(reduce_chunks(received.view({world, -1}), op).view(output.sizes()));
                });
@@ -200,21 +280,23 @@ class C10dComm final : public Comm {
     LOOM_CHECK(output.numel() == input.numel() * env_.world_size, "all_gather: output has ",
                output.numel(), " elements, needs world_size x input");
     at::Tensor in = input;
-    return run("all_gather", [&] { return backend_->_allgather_base(output, in); }, {});
+    return run({"all_gather", -1, input.numel(), input.scalar_type()},
+               [&] { return backend_->_allgather_base(output, in); }, {});
   }
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) override {
     LOOM_CHECK(root >= 0 && root < env_.world_size, "broadcast root ", root, " is not a rank");
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    return run("broadcast", [&] { return backend_->broadcast(tensors, options); }, {});
+    return run({"broadcast", root, tensor.numel(), tensor.scalar_type()},
+               [&] { return backend_->broadcast(tensors, options); }, {});
   }
   std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) override {
     LOOM_CHECK(input.numel() == output.numel() && input.numel() % env_.world_size == 0,
                "all_to_all: input and output need the same numel, divisible by the world size");
     at::Tensor in = input;
     std::vector<int64_t> splits;
-    return run("all_to_all",
+    return run({"all_to_all", -1, input.numel(), input.scalar_type()},
                [&] { return backend_->alltoall_base(output, in, splits, splits); }, {});
   }
   std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
@@ -223,12 +305,13 @@ class C10dComm final : public Comm {
     check_rows(output, input, send_rows, recv_rows, env_.world_size, "all_to_all_rows");
     at::Tensor in = input.contiguous();
     std::vector<int64_t> out_splits = recv_rows, in_splits = send_rows;
-    return run("all_to_all_rows",
+    return run({"all_to_all_rows", -1, -1, input.scalar_type()},
                [&] { return backend_->alltoall_base(output, in, out_splits, in_splits); },
                [in] {});
   }
   void barrier() override {
-    run("barrier", [&] { return backend_->barrier(); }, {})->wait();
+    run({"barrier", -1, 0, c10::ScalarType::Undefined}, [&] { return backend_->barrier(); },
+        {})->wait();
   }
   std::unique_ptr<Comm> split(int color, int key) override {
     // Every rank learns every (color, key), so each knows its group's members and its rank
@@ -251,12 +334,14 @@ class C10dComm final : public Comm {
     sub.world_size = static_cast<int>(members.size());
     sub.local_rank = sub_rank;
     sub.local_world_size = std::min(env_.local_world_size, sub.world_size);
-    const std::string prefix =
-        detail::cat("loom/split/", splits_++, "/", color);
+    const int split = splits_++;
+    const std::string prefix = detail::cat("loom/split/", split, "/", color);
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
     try {
       auto group = factory_(store, sub.rank, sub.world_size);
-      return std::make_unique<C10dComm>(name_, group, sub, timeout_, store, factory_);
+      return std::make_unique<C10dComm>(name_, group, sub, timeout_, store, factory_,
+                                        trace_setup_,
+                                        detail::cat("split-", split, "-color-", color));
     } catch (const c10::Error& error) {
       comm_failure(env_.rank, "split", error.what_without_backtrace());
     }
@@ -282,14 +367,36 @@ class C10dComm final : public Comm {
     if (op == ReduceOp::avg) sum.div_(chunks.size(0));
     return sum;
   }
-  std::shared_ptr<Work> run(const char* op,
+  std::shared_ptr<Work> run(const CollectiveCall& call,
                             const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                             std::function<void()> finish) {
+    const int64_t seq = trace_->begin(call);
+    if (trace_setup_.check_collectives) check_call(seq);
+    c10::intrusive_ptr<c10d::Work> work;
     try {
-      return std::make_shared<C10dWork>(start(), op, env_.rank, timeout_, std::move(finish));
-    } catch (const c10::Error& error) {
-      comm_failure(env_.rank, op, error.what_without_backtrace());
+      work = start();
+    } catch (const std::exception& error) {
+      collective_failure(env_.rank, *trace_, seq, without_backtrace(error));
     }
+    return std::make_shared<C10dWork>(std::move(work), call.op, env_.rank, timeout_,
+                                      std::move(finish), trace_, seq);
+  }
+  // [distributed] check_collectives: every rank's fingerprint of collective `seq`, gathered
+  // before it starts; a difference is an error naming both calls (Note [Hang reports]).
+  void check_call(int64_t seq) {
+    const auto mine = trace_->fingerprint(seq);
+    at::Tensor local = at::tensor(std::vector<int64_t>(mine.begin(), mine.end()), at::kLong)
+                           .to(device());
+    at::Tensor all = at::empty({CollectiveTrace::kFingerprint * env_.world_size}, local.options());
+    try {
+      backend_->_allgather_base(all, local)->wait(timeout_);
+    } catch (const std::exception& error) {
+      collective_failure(env_.rank, *trace_, seq,
+                         "its check_collectives fingerprint exchange failed: " +
+                             without_backtrace(error));
+    }
+    const at::Tensor host = all.cpu();
+    trace_->check_fingerprints(seq, host.data_ptr<int64_t>());
   }
 
   std::string name_;
@@ -298,6 +405,8 @@ class C10dComm final : public Comm {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
   BackendFactory factory_;
+  TraceSetup trace_setup_;
+  std::shared_ptr<CollectiveTrace> trace_;
   int splits_ = 0;  // splits made so far: every rank counts the same (collective order)
 };
 
@@ -328,9 +437,30 @@ std::string local_address_towards(const std::string& host) {
   return address;
 }
 
+// The trace's own client of the rendezvous store, once the store is up (Note [Hang reports]).
+TraceSetup trace_setup(const DistEnv& env, const CommChecks& checks) {
+  TraceSetup setup;
+  setup.check_collectives = checks.check_collectives;
+  setup.where = detail::cat("the rendezvous store at ", env.master_addr, ":", env.master_port);
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = false;
+  options.waitWorkers = false;
+  options.timeout = std::chrono::seconds(3);
+  options.useLibUV = false;
+  try {
+    setup.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& error) {
+    log::warn("rank ", env.rank, ": the collective trace cannot reach ", setup.where, " (",
+              without_backtrace(error), "); a hang report will not name the other ranks");
+  }
+  return setup;
+}
+
 }  // namespace
 
-std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env) {
+std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& env,
+                                     const CommChecks& checks) {
   auto store = rendezvous(env, options.timeout);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
   // Each rank's gloo device: loopback when the job is on one host; else GLOO_SOCKET_IFNAME's
@@ -351,7 +481,8 @@ std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& 
   };
   try {
     auto group = factory(store, env.rank, env.world_size);
-    return std::make_unique<C10dComm>("gloo", group, env, options.timeout, store, factory);
+    return std::make_unique<C10dComm>("gloo", group, env, options.timeout, store, factory,
+                                      trace_setup(env, checks), "world");
   } catch (const c10::Error& error) {
     comm_failure(env.rank, "gloo set-up", error.what_without_backtrace());
   }
@@ -359,7 +490,8 @@ std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& 
 
 #ifdef LOOM_WITH_CUDA
 bool nccl_built() { return true; }
-std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env) {
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env,
+                                     const CommChecks& checks) {
   LOOM_CHECK_AS(ConfigError, at::hasCUDA(),
                 "[distributed] backend = \"nccl\" needs CUDA devices, and none is visible; "
                 "use gloo or mpi on CPUs");
@@ -372,14 +504,15 @@ std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& 
   };
   try {
     auto group = factory(store, env.rank, env.world_size);
-    return std::make_unique<C10dComm>("nccl", group, env, options.timeout, store, factory);
+    return std::make_unique<C10dComm>("nccl", group, env, options.timeout, store, factory,
+                                      trace_setup(env, checks), "world");
   } catch (const c10::Error& error) {
     comm_failure(env.rank, "nccl set-up", error.what_without_backtrace());
   }
 }
 #else
 bool nccl_built() { return false; }
-std::unique_ptr<Comm> make_nccl_comm(const CommOptions&, const DistEnv&) {
+std::unique_ptr<Comm> make_nccl_comm(const CommOptions&, const DistEnv&, const CommChecks&) {
   throw ConfigError("[distributed] backend = \"nccl\" is not built into this loom (a CPU "
                     "build); use gloo or mpi, or build against the CUDA LibTorch");
 }

@@ -33,8 +33,18 @@
 #include <thread>
 #include <vector>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "comm_backends.h"
+#include "comm_trace.h"
 #include "loom/error.h"
+#include "loom/log.h"
 
 namespace loom {
 namespace {
@@ -137,9 +147,12 @@ struct MpiRuntime {
     progress.reset();
     int finalised = 0;
     MPI_Finalized(&finalised);
-    if (owned && !finalised) MPI_Finalize();
+    // After a collective was abandoned (a peer stopped or died), MPI_Finalize would wait for
+    // that peer forever; exiting without it makes mpirun end the whole job instead.
+    if (owned && !finalised && !abandoned.load()) MPI_Finalize();
   }
   bool owned = false;
+  std::atomic<bool> abandoned{false};  // a collective timed out (Note [Hang reports])
   std::unique_ptr<ProgressThread> progress;
 };
 
@@ -212,15 +225,17 @@ MPI_Op mpi_op(ReduceOp op) {
 class MpiWork final : public Work {
  public:
   MpiWork(std::vector<MPI_Request> requests, const char* op, int rank,
-          std::chrono::milliseconds timeout, std::function<void()> finish)
+          std::chrono::milliseconds timeout, std::function<void()> finish,
+          std::shared_ptr<CollectiveTrace> trace, int64_t seq, bool records_finish = true)
       : pending_(std::make_shared<Pending>()), op_(op), rank_(rank), timeout_(timeout),
-        finish_(std::move(finish)) {
+        finish_(std::move(finish)), trace_(std::move(trace)), seq_(seq),
+        records_finish_(records_finish) {
     pending_->requests = std::move(requests);
     if (runtime().progress) runtime().progress->add(pending_);
   }
   ~MpiWork() override {
     // A handle dropped unwaited must still complete before its buffers may be freed.
-    if (!done_) {
+    if (!done_ && !abandoned_) {
       try {
         wait();
       } catch (...) {
@@ -228,14 +243,24 @@ class MpiWork final : public Work {
     }
   }
   void wait() override {
-    if (done_) return;
-    const auto deadline = Clock::now() + timeout_;
+    if (done_ || abandoned_) return;
+    // From the start, as c10d's works count: the collectives in flight at a hang (ddp's
+    // buckets) then all expire together, not one timeout after another in their destructors.
+    const auto deadline = started_ + timeout_;
     while (!completed()) {
-      if (Clock::now() > deadline)
-        throw Error(detail::cat("rank ", rank_, ": MPI ", op_, " did not complete within ",
-                                timeout_.count() / 1000.0,
-                                " s; a peer rank died or stalled (raise [distributed] "
-                                "timeout_seconds if a step legitimately takes longer)"));
+      if (Clock::now() > deadline) {
+        // Note [Hang reports]; the requests stay pending (MPI cannot cancel a collective), so
+        // the destructor must not wait for them again.
+        abandoned_ = true;
+        runtime().abandoned = true;
+        const std::string where = trace_->diagnose(seq_);
+        throw Error(detail::cat("rank ", rank_, ": MPI ", trace_->describe(seq_), " of group ",
+                                trace_->group(), " did not complete within ",
+                                timeout_.count() / 1000.0, " s",
+                                where.empty() ? "; a peer rank died or stalled" : where,
+                                " (raise [distributed] timeout_seconds if a step legitimately "
+                                "takes longer)"));
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -251,6 +276,7 @@ class MpiWork final : public Work {
     if (!pending_->done.load()) return false;
     check_mpi(pending_->error, op_);
     done_ = true;
+    if (records_finish_) trace_->finish(seq_);
     if (finish_) finish_();
     return true;
   }
@@ -261,21 +287,81 @@ class MpiWork final : public Work {
   int rank_;
   std::chrono::milliseconds timeout_;
   std::function<void()> finish_;
-  bool done_ = false;
+  std::shared_ptr<CollectiveTrace> trace_;
+  int64_t seq_;
+  bool records_finish_;
+  Clock::time_point started_ = Clock::now();
+  bool done_ = false, abandoned_ = false;
+};
+
+// The trace's board for mpi, which has no store: one file per rank, FOLDER/GROUP.RANK, written
+// whole and renamed into place (a reader sees an old line or a new one, never half of one).
+// The folder is the job's output_dir, which ZeRO's shards already require every rank to share;
+// it is removed, file by file, when the Comm ends.
+class FileBoard final : public TraceBoard {
+ public:
+  FileBoard(std::string folder, std::string group, int rank)
+      : folder_(std::move(folder)), group_(std::move(group)), rank_(rank) {
+    std::filesystem::create_directories(folder_);
+  }
+  ~FileBoard() override {
+    std::error_code ignored;
+    std::filesystem::remove(path(rank_), ignored);
+    std::filesystem::remove(folder_, ignored);  // only once empty: the last rank's removes it
+    std::filesystem::remove(std::filesystem::path(folder_).parent_path(), ignored);
+  }
+  void post(int rank, const std::string& line) override {
+    const std::string final_path = path(rank), temporary = final_path + ".tmp";
+    {
+      std::ofstream out(temporary, std::ios::trunc);
+      out << line;
+      if (!out) throw Error(detail::cat("cannot write ", temporary));
+    }
+    if (std::rename(temporary.c_str(), final_path.c_str()) != 0)
+      throw Error(detail::cat("cannot rename ", temporary, " to ", final_path));
+  }
+  std::optional<std::string> read(int rank) override {
+    std::ifstream in(path(rank));
+    if (!in) return std::nullopt;
+    std::ostringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+  std::string where() const override { return "the folder " + folder_; }
+
+ private:
+  std::string path(int rank) const { return detail::cat(folder_, "/", group_, ".", rank); }
+  std::string folder_, group_;
+  int rank_;
 };
 
 class MpiComm final : public Comm {
  public:
-  explicit MpiComm(const CommOptions& options) : timeout_(options.timeout) {
+  MpiComm(const CommOptions& options, const CommChecks& checks)
+      : timeout_(options.timeout), checks_(checks) {
     runtime();
-    std::lock_guard<std::mutex> mpi(mpi_mutex());
-    init(MPI_COMM_WORLD);
+    {
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      init(MPI_COMM_WORLD);
+      // One name per job for the trace's folder, rank 0's, so no rank reads a line a former
+      // run left behind.
+      int64_t job = rank_ == 0 ? static_cast<int64_t>(::getpid()) * 1000003 +
+                                     Clock::now().time_since_epoch().count() % 1000003
+                               : 0;
+      check_mpi(MPI_Bcast(&job, 1, MPI_INT64_T, 0, comm_), "set-up");
+      job_ = job;
+    }
+    trace_ = make_trace("world");
   }
   // A sub-group made by split (owned: freed with this Comm, while MPI still runs).
-  MpiComm(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout), owned_(true) {
+  MpiComm(MPI_Comm comm, std::chrono::milliseconds timeout, const CommChecks& checks,
+          int64_t job, const std::string& group)
+      : timeout_(timeout), owned_(true), checks_(checks), job_(job) {
     init(comm);
+    trace_ = make_trace(group);
   }
   ~MpiComm() override {
+    trace_.reset();  // its poster thread first
     if (!owned_) return;
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -292,6 +378,8 @@ class MpiComm final : public Comm {
 
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op) override {
     check_tensor(tensor, "all_reduce");
+    const int64_t seq =
+        enter({"all_reduce", static_cast<int64_t>(op), tensor.numel(), tensor.scalar_type()});
     // Half types have no MPI reduction: reduce an fp32 copy and write it back.
     at::Tensor buffer = reducible(tensor);
     std::vector<MPI_Request> requests;
@@ -307,7 +395,8 @@ class MpiComm final : public Comm {
                                      [tensor, buffer, op, world]() mutable {
                                        if (op == ReduceOp::avg) buffer.div_(world);
                                        if (!buffer.is_same(tensor)) tensor.copy_(buffer);
-                                     });
+                                     },
+                                     trace_, seq);
   }
 
   std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
@@ -318,6 +407,8 @@ class MpiComm final : public Comm {
                input.numel(), " elements, needs world_size x output = ", output.numel() * world_);
     LOOM_CHECK(input.scalar_type() == output.scalar_type(), "reduce_scatter: output dtype ",
                output.scalar_type(), " differs from the input's ", input.scalar_type());
+    const int64_t seq = enter(
+        {"reduce_scatter", static_cast<int64_t>(op), input.numel(), input.scalar_type()});
     // Half types: reduce fp32 copies, as all_reduce does.
     const at::Tensor in = reducible(input);
     at::Tensor out = reducible(output);
@@ -346,7 +437,8 @@ class MpiComm final : public Comm {
                                      [output, out, in, op, world]() mutable {
                                        if (op == ReduceOp::avg) out.div_(world);
                                        if (!out.is_same(output)) output.copy_(out);
-                                     });
+                                     },
+                                     trace_, seq);
   }
 
   std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) override {
@@ -354,6 +446,7 @@ class MpiComm final : public Comm {
     check_tensor(input, "all_gather");
     LOOM_CHECK(output.numel() == input.numel() * world_, "all_gather: output has ",
                output.numel(), " elements, needs world_size x input = ", input.numel() * world_);
+    const int64_t seq = enter({"all_gather", -1, input.numel(), input.scalar_type()});
     const MPI_Datatype type = element_type(input);
     const int64_t n = input.numel();
     std::vector<MPI_Request> requests;
@@ -374,12 +467,13 @@ class MpiComm final : public Comm {
         });
     }
     return std::make_shared<MpiWork>(std::move(requests), "all_gather", rank_, timeout_,
-                                     [output, input] {});
+                                     [output, input] {}, trace_, seq);
   }
 
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) override {
     check_tensor(tensor, "broadcast");
     LOOM_CHECK(root >= 0 && root < world_, "broadcast root ", root, " is not a rank");
+    const int64_t seq = enter({"broadcast", root, tensor.numel(), tensor.scalar_type()});
     const MPI_Datatype type = element_type(tensor);
     std::vector<MPI_Request> requests;
     std::lock_guard<std::mutex> mpi(mpi_mutex());
@@ -389,7 +483,7 @@ class MpiComm final : public Comm {
                 "broadcast");
     });
     return std::make_shared<MpiWork>(std::move(requests), "broadcast", rank_, timeout_,
-                                     [tensor] {});
+                                     [tensor] {}, trace_, seq);
   }
 
   std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input) override {
@@ -397,6 +491,7 @@ class MpiComm final : public Comm {
     check_tensor(input, "all_to_all");
     LOOM_CHECK(input.numel() == output.numel() && input.numel() % world_ == 0,
                "all_to_all: input and output need the same numel, divisible by ", world_);
+    const int64_t seq = enter({"all_to_all", -1, input.numel(), input.scalar_type()});
     const MPI_Datatype type = element_type(input);
     const int64_t chunk = input.numel() / world_;
     std::vector<MPI_Request> requests;
@@ -426,7 +521,7 @@ class MpiComm final : public Comm {
         });
     }
     return std::make_shared<MpiWork>(std::move(requests), "all_to_all", rank_, timeout_,
-                                     [output, input] {});
+                                     [output, input] {}, trace_, seq);
   }
 
   std::shared_ptr<Work> all_to_all_rows(at::Tensor& output, const at::Tensor& input,
@@ -449,6 +544,7 @@ class MpiComm final : public Comm {
       sent += send_rows[j];
       received += recv_rows[j];
     }
+    const int64_t seq = enter({"all_to_all_rows", -1, -1, input.scalar_type()});
     const MPI_Datatype type = element_type(input);
     std::vector<MPI_Request> requests;
     std::lock_guard<std::mutex> mpi(mpi_mutex());
@@ -460,26 +556,32 @@ class MpiComm final : public Comm {
     auto counts = std::make_shared<std::vector<std::vector<int>>>(
         std::vector<std::vector<int>>{send_counts, send_at, recv_counts, recv_at});
     return std::make_shared<MpiWork>(std::move(requests), "all_to_all_rows", rank_, timeout_,
-                                     [output, input, counts] {});
+                                     [output, input, counts] {}, trace_, seq);
   }
 
   std::unique_ptr<Comm> split(int color, int key) override {
+    // MPI_Comm_split blocks and cannot be timed out: the trace's watchdog reports it when it
+    // outlasts the timeout (Note [Hang reports]), but only mpirun or the user can end it.
+    const int64_t seq = enter({"split", -1, 0, c10::ScalarType::Undefined, true});
     MPI_Comm part = MPI_COMM_NULL;
     {
       std::lock_guard<std::mutex> mpi(mpi_mutex());
       check_mpi(MPI_Comm_split(comm_, color, key, &part), "split");
       MPI_Comm_set_errhandler(part, MPI_ERRORS_RETURN);
     }
-    return std::make_unique<MpiComm>(part, timeout_);
+    trace_->finish(seq);
+    return std::make_unique<MpiComm>(part, timeout_, checks_, job_,
+                                     detail::cat("split-", splits_++, "-color-", color));
   }
 
   void barrier() override {
+    const int64_t seq = enter({"barrier", -1, 0, c10::ScalarType::Undefined});
     std::vector<MPI_Request> requests(1);
     {
       std::lock_guard<std::mutex> mpi(mpi_mutex());
       check_mpi(MPI_Ibarrier(comm_, requests.data()), "barrier");
     }
-    MpiWork(std::move(requests), "barrier", rank_, timeout_, {}).wait();
+    MpiWork(std::move(requests), "barrier", rank_, timeout_, {}, trace_, seq).wait();
   }
 
  private:
@@ -490,6 +592,41 @@ class MpiComm final : public Comm {
   // The tensor itself where MPI can reduce its dtype, else an fp32 copy (bf16, fp16).
   static at::Tensor reducible(const at::Tensor& t) {
     return mpi_type(t.scalar_type()) == MPI_DATATYPE_NULL ? t.to(at::kFloat) : t;
+  }
+
+  std::shared_ptr<CollectiveTrace> make_trace(const std::string& group) {
+    std::unique_ptr<TraceBoard> board;
+    if (!checks_.trace_folder.empty() && world_ > 1) {
+      try {
+        board = std::make_unique<FileBoard>(
+            detail::cat(checks_.trace_folder, "/.collective-trace/", job_), group, rank_);
+      } catch (const std::exception& error) {
+        log::warn("rank ", rank_, ": the collective trace cannot use ", checks_.trace_folder,
+                  " (", error.what(), "); a hang report will not name the other ranks");
+      }
+    }
+    return std::make_shared<CollectiveTrace>(group, rank_, world_, timeout_, std::move(board));
+  }
+  // Records a collective as it starts; with check_collectives, first compares every rank's
+  // fingerprint of it (an all-gather, waited for against the timeout).
+  int64_t enter(const CollectiveCall& call) {
+    const int64_t seq = trace_->begin(call);
+    if (!checks_.check_collectives || world_ < 2) return seq;
+    const auto mine = trace_->fingerprint(seq);
+    std::vector<int64_t> all(static_cast<size_t>(CollectiveTrace::kFingerprint) * world_);
+    std::vector<MPI_Request> requests(1);
+    {
+      std::lock_guard<std::mutex> mpi(mpi_mutex());
+      check_mpi(MPI_Iallgather(mine.data(), CollectiveTrace::kFingerprint, MPI_INT64_T,
+                               all.data(), CollectiveTrace::kFingerprint, MPI_INT64_T, comm_,
+                               requests.data()),
+                "check_collectives");
+    }
+    // A timeout here is reported as collective `seq`'s, which is not finished by the check.
+    MpiWork(std::move(requests), "check_collectives", rank_, timeout_, {}, trace_, seq,
+            /*records_finish=*/false).wait();
+    trace_->check_fingerprints(seq, all.data());
+    return seq;
   }
 
   void init(MPI_Comm comm) {
@@ -507,12 +644,16 @@ class MpiComm final : public Comm {
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_world_ = 1;
   std::chrono::milliseconds timeout_;
   bool owned_ = false;
+  CommChecks checks_;
+  int64_t job_ = 0;
+  int splits_ = 0;
+  std::shared_ptr<CollectiveTrace> trace_;
 };
 
 }  // namespace
 
-std::unique_ptr<Comm> make_mpi_comm(const CommOptions& options) {
-  return std::make_unique<MpiComm>(options);
+std::unique_ptr<Comm> make_mpi_comm(const CommOptions& options, const CommChecks& checks) {
+  return std::make_unique<MpiComm>(options, checks);
 }
 
 }  // namespace loom

@@ -19,7 +19,9 @@
 #include <sstream>
 #include <thread>
 
+#include "async_checkpoint.h"
 #include "checkpoint_io.h"
+#include "comm_backends.h"
 #include "evaluation/best_model.h"
 #include "evaluation/evaluator.h"
 #include "run_checkpoint.h"
@@ -165,7 +167,10 @@ class EngineImpl final : public Engine, public Trainer {
     comm_options.cuda = device_name.rfind("cuda", 0) == 0 || (device_name == "auto" && at::hasCUDA());
     comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(
         resolved_.section("distributed").get_float("timeout_seconds") * 1000));
-    comm_ = make_comm(comm_options);
+    CommChecks comm_checks;  // Note [Hang reports]
+    comm_checks.check_collectives = resolved_.section("distributed").get_bool("check_collectives");
+    comm_checks.trace_folder = resolve_path(train.get_string("output_dir"));
+    comm_ = make_comm(comm_options, comm_checks);
     log::configure(comm_->rank(), comm_->world_size(), train.get_bool("log_all_ranks"),
                    log_level_);
 
@@ -310,6 +315,9 @@ class EngineImpl final : public Engine, public Trainer {
     fire(Event::params_ready);
 
     prepare_output_dir(train);
+    // Note [Asynchronous checkpoints].
+    if (train.get_bool("async_save"))
+      async_saves_ = std::make_unique<AsyncCheckpointer>(output_dir_, *comm_);
     log::info("model ", resolved_.model.name, ": ", model_state().describe());
     write_run_info();
     log::info("data ", data_->describe(), "; ", sampler.batch_size, " samples x ",
@@ -371,7 +379,9 @@ class EngineImpl final : public Engine, public Trainer {
     // The window's summed loss stays on the device until the step's one host sync below.
     // Element 1 carries this rank's stop request to the all-reduce below (Note [Graceful stop]).
     // Element 2 sums the micro-batches' auxiliary losses (Note [Auxiliary losses]).
-    at::Tensor loss_total = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    // Element 3 counts the ranks whose checkpoint writer is still busy (Note [Asynchronous
+    // checkpoints]).
+    at::Tensor loss_total = at::zeros({4}, at::TensorOptions().dtype(at::kDouble).device(device_));
     bool any_aux = false;
     for (int64_t k = 0; k < state_.accumulation_steps; ++k) {
       state_.micro_step = k;
@@ -409,21 +419,27 @@ class EngineImpl final : public Engine, public Trainer {
       output_.logits = at::Tensor();  // see Engine::output()
     }
     const int signal = stop_requested();
+    const bool saving_in_flight = async_saves_ && async_saves_->in_flight();
+    const bool writer_busy = saving_in_flight && !async_saves_->written_here();
+    bool saves_written = false;  // every rank's writer is done: the save commits at step end
     at::Tensor host;  // the step's one host read of the loss
     if (comm_->world_size() > 1) {
       // The reported loss is the window's mean over all ranks' targets; and the ranks agree
       // whether to stop after this step (one of them was signalled).
       loss_total.narrow(0, 1, 1).fill_(signal != 0 ? 1.0 : 0.0);
+      loss_total.narrow(0, 3, 1).fill_(writer_busy ? 1.0 : 0.0);
       loss_total = loss_total.to(comm_->device());
       comm_->all_reduce(loss_total, ReduceOp::sum)->wait();
       host = loss_total.cpu();
       state_.loss = host[0].item<double>() / static_cast<double>(state_.window_targets);
       if (host[1].item<double>() > 0) stop_signal_ = signal != 0 ? signal : SIGTERM;
+      saves_written = saving_in_flight && host[3].item<double>() == 0;
     } else {
       host = loss_total.cpu();
       state_.loss = host[0].item<double>() /
                     static_cast<double>(std::max<int64_t>(1, local_targets));
       stop_signal_ = signal;
+      saves_written = saving_in_flight && !writer_busy;
     }
     if (any_aux)  // the mean over the window's micro-batches and the ranks
       state_.metrics.emplace_back(
@@ -472,10 +488,57 @@ class EngineImpl final : public Engine, public Trainer {
                   best_.best_step(), ")");
       }
     }
+    if (saves_written) finish_async_save();
     const int64_t every = train.get_int("save_steps");
-    if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps)
-      save_checkpoint();
+    // Note [Asynchronous checkpoints]: the host buffers made while training goes on, once the
+    // first update has made the optimizer state (the first save's pause is then a copy).
+    if (async_saves_ && every > 0 && !async_saves_->prepared())
+      async_saves_->prepare(checkpoint_contents(run_parts(), CheckpointData{}));
+    if (every > 0 && state_.step % every == 0 && state_.step < state_.max_steps) {
+      if (async_saves_) start_async_save();
+      else save_checkpoint();
+    }
     return true;
+  }
+
+  // Note [Asynchronous checkpoints]: the host copy and the writer started; at most one in flight.
+  void start_async_save() {
+    if (async_saves_->in_flight()) {
+      if (!said_save_wait_)
+        log::warn("step ", state_.step, ": checkpoint-", async_saves_->step(),
+                  " is still being written in the background; training waits for it (one "
+                  "asynchronous save at a time: raise [train] save_steps, or write to faster "
+                  "storage). Said once per run");
+      said_save_wait_ = true;
+      finish_async_save();
+    }
+    checkpoint_ = CheckpointData{};
+    fire(Event::save);
+    best_.saving(state_.step);  // Note [Best model]: this one may hold the best evaluation
+    best_.save(checkpoint_.values);
+    async_saves_->start(checkpoint_contents(run_parts(), checkpoint_),
+                        resolved_.section("train").get_int("save_total_limit"),
+                        best_.best_checkpoint_step());
+    log::debug("checkpoint-", state_.step, ": copied in ", async_saves_->copy_seconds(),
+               " s, being written in the background");
+  }
+
+  // Every rank together: waits for the in-flight save, commits it (rotation after).
+  void finish_async_save() {
+    if (!async_saves_ || !async_saves_->in_flight()) return;
+    const int64_t step = async_saves_->step();
+    const std::string folder = async_saves_->finish();
+    const AsyncCheckpointer& saves = *async_saves_;
+    log::info("saved checkpoint ", folder, " (in the background: written in ",
+              saves.write_seconds(), " s; training paused ",
+              saves.copy_seconds() + saves.commit_seconds(), " s for it: ", saves.copy_seconds(),
+              " s copying, ", saves.commit_seconds(), " s committing",
+              saves.wait_seconds() > 0.001
+                  ? detail::cat("; and ", saves.wait_seconds(), " s waiting for the writer")
+                  : std::string(),
+              ")");
+    saved_step_ = step;
+    saved_folder_ = folder;
   }
 
   RunSummary run() override {
@@ -487,6 +550,7 @@ class EngineImpl final : public Engine, public Trainer {
       if (evaluator_ && resolved_.section("train").get_bool("eval_on_start")) evaluate();
       while (!stop_signal_ && !early_stopped_ && step()) {
       }
+      finish_async_save();
       if (report_) report_->end_progress();
       const auto& train = resolved_.section("train");
       const bool saves = train.get_int("save_steps") > 0 || train.get_bool("save_final");
@@ -528,6 +592,7 @@ class EngineImpl final : public Engine, public Trainer {
       fire(Event::teardown);
     } catch (...) {
       if (report_) report_->end_progress();
+      if (async_saves_) async_saves_->abandon();  // Note [Asynchronous checkpoints]
       try {
         if (setup_done_) fire(Event::teardown);
       } catch (const std::exception& error) {
@@ -542,6 +607,8 @@ class EngineImpl final : public Engine, public Trainer {
 
   std::string save_checkpoint() override {
     setup();
+    finish_async_save();  // Note [Asynchronous checkpoints]: one save at a time, in order
+    const auto start = Clock::now();
     checkpoint_ = CheckpointData{};
     fire(Event::save);
     best_.saving(state_.step);  // Note [Best model]: this one may hold the best evaluation
@@ -552,7 +619,8 @@ class EngineImpl final : public Engine, public Trainer {
         write_checkpoint(output_dir_, contents,
                          resolved_.section("train").get_int("save_total_limit"), *comm_,
                          best_.best_checkpoint_step());
-    log::info("saved checkpoint ", folder);
+    log::info("saved checkpoint ", folder, " (training paused ",
+              std::chrono::duration<double>(Clock::now() - start).count(), " s for it)");
     saved_step_ = state_.step;
     saved_folder_ = folder;
     return folder;
@@ -895,6 +963,9 @@ class EngineImpl final : public Engine, public Trainer {
   int stop_signal_ = 0;         // the ranks agreed to stop after this step (Note [Graceful stop])
   int64_t saved_step_ = -1;     // the step of the newest checkpoint this run wrote
   std::string saved_folder_;
+  // [train] async_save (Note [Asynchronous checkpoints]); after comm_: it goes first.
+  std::unique_ptr<AsyncCheckpointer> async_saves_;
+  bool said_save_wait_ = false;  // the "training waits for the previous save" line, once
 };
 
 void GradReadyHook::operator()(const torch::autograd::Variable&) {

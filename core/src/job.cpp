@@ -256,11 +256,12 @@ std::string Job::canonical_text() const {
 
 std::string Job::hash() const {
   // FNV-1a 64: a fingerprint to notice a changed job on resume, not a security hash. Where the
-  // run writes, what it resumes and how it reports change nothing it trains: a checkpoint
-  // resumed into another folder (or evaluated alone by `loom eval`) is the same job.
+  // run writes, what it resumes, how it reports and whether it saves in the background change
+  // nothing it trains: a checkpoint resumed into another folder (or evaluated alone by `loom
+  // eval`) is the same job.
   static const char* const kNotTrained[] = {"train.output_dir = ", "train.resume = ",
                                             "train.progress_bar = ", "train.log_level = ",
-                                            "train.log_all_ranks = "};
+                                            "train.log_all_ranks = ", "train.async_save = "};
   uint64_t h = 1469598103934665603ull;
   std::istringstream lines(canonical_text());
   for (std::string line; std::getline(lines, line);) {

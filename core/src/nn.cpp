@@ -113,29 +113,47 @@ void KVCache::Layer::append(at::Tensor& k, at::Tensor& v) {
 
 at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mask,
                               KVCache::Layer* kv) {
+  if (!kv) {
+    UnitArgs args;
+    args.padding_mask = padding_mask;
+    return forward(x, args);
+  }
   // x is (B,T,C); q, k, v are (B,H,T,D).
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_heads;
   auto parts = qkv->forward(x).view({B, T, 3, n_heads, D}).permute({2, 0, 3, 1, 4});
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
   std::optional<at::Tensor> mask;
-  if (kv) {
-    LOOM_CHECK(!padding_mask.defined(), "attention with a KV cache takes no padding mask");
-    const int64_t held = kv->held();
-    kv->append(k, v);
-    // One new query sees every key; a longer chunk after earlier ones needs the offset mask
-    // (SDPA's is_causal aligns the mask to the top left).
-    if (held > 0 && T > 1 && causal) mask = causal_mask(held, T, x.options());
-    at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal && held == 0 && T > 1);
-    return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
-  }
-  if (padding_mask.defined()) {
-    at::Tensor keep = padding_mask.to(at::kBool).view({B, 1, 1, T});
+  LOOM_CHECK(!padding_mask.defined(), "attention with a KV cache takes no padding mask");
+  const int64_t held = kv->held();
+  kv->append(k, v);
+  // One new query sees every key; a longer chunk after earlier ones needs the offset mask
+  // (SDPA's is_causal aligns the mask to the top left).
+  if (held > 0 && T > 1 && causal) mask = causal_mask(held, T, x.options());
+  at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal && held == 0 && T > 1);
+  return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
+}
+
+at::Tensor Attention::forward(const at::Tensor& x, const UnitArgs& args) {
+  if (args.kv) return forward(x, args.padding_mask, args.kv);
+  // x is (B,T,C); the core takes qkv's (B,T,3C) output to the (B,T,C) input of proj.
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_heads;
+  std::optional<at::Tensor> mask;
+  if (args.padding_mask.defined()) {
+    at::Tensor keep = args.padding_mask.to(at::kBool).view({B, 1, 1, T});
     if (causal) keep = keep & at::ones({T, T}, keep.options()).tril().view({1, 1, T, T});
     mask = keep;
   }
-  at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, is_training() ? dropout : 0.0,
-                                                  causal && !mask.has_value());
-  return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
+  const int64_t H = n_heads;
+  const double p = is_training() ? dropout : 0.0;
+  const bool is_causal = causal && !mask.has_value();
+  // By value: the region may run again in backward (Note [Recompute regions]).
+  RegionFn core = [B, T, C, D, H, p, is_causal, mask](const std::vector<at::Tensor>& in) {
+    auto parts = in[0].view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});
+    at::Tensor y =
+        at::scaled_dot_product_attention(parts[0], parts[1], parts[2], mask, p, is_causal);
+    return y.transpose(1, 2).reshape({B, T, C});
+  };
+  return proj->forward(args.region(Region::attention, nullptr, {qkv->forward(x)}, core));
 }
 
 FeedForward::FeedForward(int64_t dim, int64_t hidden, Activation act, double dropout_, bool bias)
@@ -170,14 +188,36 @@ void TransformerBlock::set_feed_forward(std::shared_ptr<FeedForwardBase> replace
 
 at::Tensor TransformerBlock::forward(const at::Tensor& x, const UnitArgs& args) {
   const double p = is_training() ? options.dropout : 0.0;
+  FeedForwardBase* mlp = ffn.get();
+  auto feed_forward = [&args, mlp](const at::Tensor& in) {
+    return args.region(Region::mlp, mlp, {in},
+                       [mlp](const std::vector<at::Tensor>& v) { return mlp->forward(v[0]); });
+  };
   if (options.pre_norm) {
-    at::Tensor h =
-        x + at::dropout(attn->forward(norm1->forward(x), args.padding_mask, args.kv), p, true);
-    return h + ffn->forward(norm2->forward(h));
+    at::Tensor h = x + at::dropout(attn->forward(norm1->forward(x), args), p, true);
+    return h + feed_forward(norm2->forward(h));
   }
-  at::Tensor h =
-      norm1->forward(x + at::dropout(attn->forward(x, args.padding_mask, args.kv), p, true));
-  return norm2->forward(h + ffn->forward(h));
+  at::Tensor h = norm1->forward(x + at::dropout(attn->forward(x, args), p, true));
+  return norm2->forward(h + feed_forward(h));
+}
+
+const char* to_string(Region region) {
+  switch (region) {
+    case Region::attention: return "attention";
+    case Region::mlp: return "mlp";
+  }
+  return "?";
+}
+
+at::Tensor UnitArgs::region(Region region, torch::nn::Module* owner,
+                            const std::vector<at::Tensor>& inputs, const RegionFn& fn) const {
+  if (!run_region) return fn(inputs);
+  return run_region(RegionCall{region, owner, inputs}, fn);
+}
+
+at::Tensor UnitInterceptor::intercept_region(int64_t, const RegionCall& call,
+                                             const RegionFn& next) {
+  return next(call.inputs);
 }
 
 void UnitList::push_back(std::shared_ptr<Unit> unit) {
@@ -196,6 +236,23 @@ at::Tensor UnitList::forward(const at::Tensor& x, const UnitArgs& args) {
     if (args.cache) {
       if (args.cache->layers.size() < units_.size()) args.cache->layers.resize(units_.size());
       unit_args.kv = &args.cache->layers[i];
+    }
+    if (!interceptors_.empty()) {
+      // A region runs through the interceptors' intercept_region, the first added outermost;
+      // by value, as the unit's args (a region may run again in backward).
+      const auto index = static_cast<int64_t>(i);
+      unit_args.run_region = [chain = interceptors_, index](const RegionCall& call,
+                                                            const RegionFn& fn) {
+        RegionFn run = fn;
+        for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+          UnitInterceptor* interceptor = it->get();
+          run = [interceptor, index, region = call.region, owner = call.owner,
+                 inner = std::move(run)](const std::vector<at::Tensor>& inputs) {
+            return interceptor->intercept_region(index, RegionCall{region, owner, inputs}, inner);
+          };
+        }
+        return run(call.inputs);
+      };
     }
     // args by value: an interceptor may keep `next` and call it again after forward returned
     // (checkpointing recomputes the unit in backward).

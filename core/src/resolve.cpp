@@ -304,6 +304,9 @@ std::vector<Schema> core_schemas() {
                 "on SIGTERM/SIGINT finish the step and save a checkpoint, if the job saves at "
                 "all (save_steps or save_final); a second signal stops at once")
       .key_int("save_total_limit", 0, "keep only the newest N checkpoints (0 = all)")
+      .key_bool("async_save", false,
+                "write save_steps' checkpoints on a thread of their own while training goes "
+                "on (a host copy of the state; one save in flight at a time)")
       .key_string("resume", "", "\"\" (fresh) | \"latest\" | path of a checkpoint folder")
       .key_int("logging_steps", 10,
                "log a line every N steps, 0 = none (metrics.jsonl gets every step)")
@@ -345,7 +348,10 @@ std::vector<Schema> core_schemas() {
   schemas.push_back(plugins);
   Schema distributed("distributed");
   distributed.key_string("backend", "auto", "auto | local | mpi | gloo | nccl")
-      .key_float("timeout_seconds", 300, "a collective not done by then is an error");
+      .key_float("timeout_seconds", 300, "a collective not done by then is an error")
+      .key_bool("check_collectives", false,
+                "before every collective, ranks compare what they call (op, elements, dtype, "
+                "group, sequence number); the first difference is an error naming both");
   schemas.push_back(distributed);
   Schema data("data");
   data.key_string("source", "random_tokens", "the data source: random_tokens | text | tokens")

@@ -13,28 +13,15 @@
 
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 
+#include "loom/crc32c.h"
 #include "loom/error.h"
 
 namespace loom {
 namespace {
-
-const std::array<uint32_t, 256>& crc_table() {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;  // reflected
-      t[i] = c;
-    }
-    return t;
-  }();
-  return table;
-}
 
 uint32_t masked_crc(const void* data, size_t size) {
   const uint32_t c = crc32c(data, size);
@@ -74,14 +61,6 @@ std::string event_header(int64_t step) {
 }
 
 }  // namespace
-
-uint32_t crc32c(const void* data, size_t size) {
-  const auto& table = crc_table();
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint32_t c = 0xFFFFFFFFu;
-  for (size_t i = 0; i < size; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
 
 EventFileWriter::EventFileWriter(const std::string& folder) {
   std::error_code ec;

@@ -30,7 +30,4 @@ class EventFileWriter {
   std::FILE* file_ = nullptr;
 };
 
-// CRC-32C (Castagnoli), as TFRecord frames use; exposed for the tests.
-uint32_t crc32c(const void* data, size_t size);
-
 }  // namespace loom

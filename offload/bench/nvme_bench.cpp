@@ -1,10 +1,19 @@
 // loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--chunk-mib N]
 //                 [--rounds N]
+// loom_nvme_bench --checksum [--mib N] [--rounds N]
 // The swap file's sustained sequential throughput: N GiB written, then read back (checksums
 // computed and checked, as in training), in chunks of --chunk-mib through the I/O thread with
 // two chunks in flight (the offloaded update's pattern: one moving while the next is queued).
 // Prints one line per round and direction in MiB/s; examples/bench/offload/run.py runs fio
 // beside it with the same block size and queue depth.
+// --checksum: the swap file's checksum alone (CRC-32C, Note [CRC-32C paths]) on this CPU, each
+// path over an N MiB buffer (default 64, a chunk: out of cache, as the I/O thread meets it),
+// one thread; GB/s by the thread's CPU time (per core, whatever else the machine runs) and by
+// the clock, the median of --rounds (default 5), each round over at least 64 MiB (a buffer
+// smaller than that is checked several times a round: --mib 1 measures the CPU, in cache).
+#include <time.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/crc32c.h"
 #include "loom/error.h"
 #include "loom/offload/nvme_store.h"
 
@@ -24,15 +34,64 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+double thread_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int checksum_bench(int argc, char** argv) {
+  int64_t mib = 64;
+  int rounds = 5;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string key = argv[i];
+    if (key == "--mib") mib = std::atoll(argv[i + 1]);
+    else if (key == "--rounds") rounds = std::atoi(argv[i + 1]);
+    else throw loom::ConfigError("unknown option " + key + " for --checksum (--mib, --rounds)");
+  }
+  if (mib < 1 || rounds < 1) throw loom::ConfigError("--mib and --rounds must be at least 1");
+  const int64_t bytes = mib << 20;
+  const int64_t repeat = std::max<int64_t>(1, 64 / mib);
+  loom::offload::AlignedBuffer buffer(bytes);
+  auto* words = static_cast<uint64_t*>(buffer.data());
+  for (int64_t i = 0; i < bytes / 8; ++i) words[i] = i * 0x9E3779B97F4A7C15ull;
+  std::printf("CRC-32C over %lld MiB, one thread, median of %d; this CPU takes the %s path\n",
+              static_cast<long long>(mib), rounds, loom::crc32c_path_name(loom::crc32c_path()));
+  std::vector<loom::Crc32cPath> paths{loom::Crc32cPath::software};
+  if (loom::crc32c_path() == loom::Crc32cPath::sse42) paths.push_back(loom::Crc32cPath::sse42);
+  for (const auto path : paths) {
+    std::vector<double> cpu, wall;
+    uint32_t sum = 0;
+    for (int r = 0; r < rounds; ++r) {
+      const auto start = Clock::now();
+      const double cpu_start = thread_cpu_seconds();
+      for (int64_t k = 0; k < repeat; ++k)
+        sum = loom::crc32c_with(path, buffer.data(), static_cast<size_t>(bytes));
+      cpu.push_back(repeat * bytes / 1e9 / (thread_cpu_seconds() - cpu_start));
+      wall.push_back(repeat * bytes / 1e9 / seconds_since(start));
+    }
+    std::printf("%-8s %.1f GB/s per core (CPU time), %.1f GB/s by the clock (crc %08x)\n",
+                loom::crc32c_path_name(path), median(cpu), median(wall), sum);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     if (argc < 2) {
       std::cerr << "usage: loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] "
-                   "[--queue-depth N] [--chunk-mib N] [--rounds N]\n";
+                   "[--queue-depth N] [--chunk-mib N] [--rounds N]\n"
+                   "       loom_nvme_bench --checksum [--mib N] [--rounds N]\n";
       return 2;
     }
+    if (std::string(argv[1]) == "--checksum") return checksum_bench(argc, argv);
     loom::offload::NvmeOptions options;
     options.path = argv[1];
     options.what = "benchmark data";

@@ -9,6 +9,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -22,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "loom/crc32c.h"
 #include "loom/error.h"
 #include "loom/log.h"
 
@@ -47,39 +49,18 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   return *this;
 }
 
-uint64_t checksum(const void* data, int64_t bytes) {
-  // Four independent lanes over 8-byte words (so the multiplies pipeline), then the tail, then
-  // a final mix. Not cryptographic: it catches truncation, stale and changed bytes.
-  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint64_t lane[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
-                      0x082EFA98EC4E6C89ull};
-  int64_t i = 0;
-  for (; i + 32 <= bytes; i += 32)
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, p + i + 8 * l, 8);
-      lane[l] = (lane[l] ^ w) * kMul;
-      lane[l] ^= lane[l] >> 29;
-    }
-  uint64_t h = static_cast<uint64_t>(bytes) * kMul;
-  for (int l = 0; l < 4; ++l) h = (h ^ lane[l]) * kMul + (h >> 31);
-  for (; i < bytes; ++i) h = (h ^ p[i]) * kMul;
-  return h ^ (h >> 33);
-}
-
 struct SwapFile::Impl {
   struct Region {
     int64_t offset = 0, bytes = 0;
-    uint64_t sum = 0;
+    std::vector<uint32_t> sums;  // CRC-32C of each block_size piece's bytes of the region
     bool written = false;
   };
   struct Request {
     int64_t region = 0;
-    Region* place = nullptr;  // regions[region], for the I/O thread's checksum
+    Region* place = nullptr;  // regions[region], for the I/O thread's checksums
     bool write = false;
     char* buffer = nullptr;
-    int64_t pending = 0;  // pieces not completed
+    int64_t pending = 0;  // pieces not completed and checked
     int error = 0;        // first errno (negative res), or EIO for a short transfer
     int64_t short_piece_at = -1;
     bool mismatch = false;  // a read whose bytes are not what was written
@@ -90,6 +71,11 @@ struct SwapFile::Impl {
     bool write;
     char* buffer;
     int64_t offset, length;
+    int64_t index;  // which piece of its request
+  };
+  struct Landed {  // a piece reaped (whole, short or failed), its checksum not yet done
+    Request* request;
+    int64_t index;
   };
 
   NvmeOptions options;
@@ -110,30 +96,44 @@ struct SwapFile::Impl {
   bool stopping = false;
   std::atomic<int64_t> moved{0};
 
+  // Where piece `index` of a request on region r starts, and its length in the file (the
+  // region's bytes rounded up to kAlignment, cut into block_size pieces).
+  int64_t piece_start(int64_t index) const { return index * options.block_size; }
+  int64_t piece_length(const Region& r, int64_t index) const {
+    return std::min(options.block_size,
+                    align_up(std::max<int64_t>(r.bytes, 1)) - piece_start(index));
+  }
+
+  // Hands queued pieces to the ring up to the queue depth; the caller holds the lock.
+  int fill_ring() {
+    int added = 0;
+    while (!queued.empty() && in_flight < options.queue_depth) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+      if (!sqe) break;
+      Piece piece = queued.front();
+      queued.pop_front();
+      if (piece.write)
+        io_uring_prep_write(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
+                            static_cast<__u64>(piece.offset));
+      else
+        io_uring_prep_read(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
+                           static_cast<__u64>(piece.offset));
+      // Ticket and piece packed: the piece's place and length (to check a short transfer)
+      // follow from its request's region.
+      io_uring_sqe_set_data64(sqe, (static_cast<uint64_t>(piece.ticket) << 32) |
+                                       static_cast<uint64_t>(piece.index));
+      ++in_flight;
+      ++added;
+    }
+    return added;
+  }
+
   void run() {
     std::unique_lock<std::mutex> lock(mutex);
     for (;;) {
       work.wait(lock, [&] { return stopping || !queued.empty() || in_flight > 0; });
       if (stopping && queued.empty() && in_flight == 0) return;
-      // Fill the ring up to the queue depth.
-      int added = 0;
-      while (!queued.empty() && in_flight < options.queue_depth) {
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-        if (!sqe) break;
-        Piece piece = queued.front();
-        queued.pop_front();
-        if (piece.write)
-          io_uring_prep_write(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
-                              static_cast<__u64>(piece.offset));
-        else
-          io_uring_prep_read(sqe, fd, piece.buffer, static_cast<unsigned>(piece.length),
-                             static_cast<__u64>(piece.offset));
-        // Remember the piece's length to check a short transfer: ticket and length packed.
-        io_uring_sqe_set_data64(sqe, (static_cast<uint64_t>(piece.ticket) << 32) |
-                                         static_cast<uint64_t>(piece.length));
-        ++in_flight;
-        ++added;
-      }
+      const int added = fill_ring();
       lock.unlock();
       if (added > 0) io_uring_submit(&ring);
       io_uring_cqe* cqe = nullptr;
@@ -148,11 +148,12 @@ struct SwapFile::Impl {
         ++seen;
         const uint64_t data = io_uring_cqe_get_data64(cqe);
         const Ticket ticket = static_cast<Ticket>(data >> 32);
-        const int64_t length = static_cast<int64_t>(data & 0xFFFFFFFFull);
+        const int64_t index = static_cast<int64_t>(data & 0xFFFFFFFFull);
         --in_flight;
         auto it = requests.find(ticket);
         if (it == requests.end()) continue;
         Request& request = it->second;
+        const int64_t length = piece_length(*request.place, index);
         if (cqe->res < 0) {
           if (!request.error) request.error = -cqe->res;
         } else if (cqe->res != length) {
@@ -160,31 +161,41 @@ struct SwapFile::Impl {
         } else {
           moved += length;
         }
-        if (--request.pending == 0) landed.push_back(&request);
+        landed.push_back({&request, index});
       }
       io_uring_cq_advance(&ring, seen);
-      if (!landed.empty()) {
-        // Note [Checksums off the caller]: a landed request's checksum is this thread's work,
-        // outside the lock (the caller may queue more meanwhile; a request is only erased
-        // after it is done, so the pointers stay valid): a write's sum of what it wrote, a
-        // read's check against the region's sum. The caller's thread, which runs the update
-        // rule, never hashes the gigabytes a step moves.
-        lock.unlock();
-        for (Request* request : landed) {
-          if (request->error) continue;
-          Region& r = *request->place;
-          const uint64_t sum = checksum(request->buffer, r.bytes);
-          if (request->write) r.sum = sum;
-          else request->mismatch = sum != r.sum;
-        }
-        lock.lock();
-        for (Request* request : landed) request->done = true;
-        landed.clear();
-        finished.notify_all();
+      if (landed.empty()) continue;
+      // Note [Checksums off the caller]: each piece's CRC-32C is this thread's work, done as the
+      // piece lands, after the ring is refilled (so the disk works while it runs) and outside
+      // the lock (the caller may queue more meanwhile; a request is only erased after it is
+      // done, so the pointers stay valid): a write records the sum of what it wrote, a read
+      // checks what it got against that. The caller's thread, which runs the update rule,
+      // never hashes the gigabytes a step moves. One thread suffices: with SSE4.2 the checksum
+      // runs at about four times a PCIe 4 disk's 7 GB/s in cache and, from memory, at what one
+      // core reads (8-9 GB/s on the VM of docs/BENCHMARKS.md, issue 39; Note [CRC-32C paths]
+      // in core/app/loom/crc32c.h), so it is done with a piece before the ring's others land. A sum per piece rather than per region: no pass over the whole region after its
+      // last piece, and 32 check bits per block_size bytes.
+      if (fill_ring() > 0) io_uring_submit(&ring);
+      lock.unlock();
+      for (const Landed& piece : landed) {
+        Request& request = *piece.request;
+        if (request.error) continue;
+        Region& r = *request.place;
+        const int64_t at = piece_start(piece.index);
+        const int64_t bytes = std::max<int64_t>(0, std::min(options.block_size, r.bytes - at));
+        const uint32_t sum = crc32c(request.buffer + at, static_cast<size_t>(bytes));
+        if (request.write) r.sums[static_cast<size_t>(piece.index)] = sum;
+        else if (sum != r.sums[static_cast<size_t>(piece.index)]) request.mismatch = true;
       }
+      lock.lock();
+      bool any_done = false;
+      for (const Landed& piece : landed)
+        if (--piece.request->pending == 0) any_done = piece.request->done = true;
+      landed.clear();
+      if (any_done) finished.notify_all();
     }
   }
-  std::vector<Request*> landed;  // the I/O thread's: requests whose last piece completed
+  std::vector<Landed> landed;  // the I/O thread's: pieces reaped, not yet checked
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(detail::cat(options.what, " swap file ", file, ": ", what));
@@ -296,7 +307,8 @@ int64_t SwapFile::allocate(int64_t bytes) {
   const int64_t size = align_up(std::max<int64_t>(bytes, 1));
   LOOM_CHECK(s.used + size <= s.capacity, s.options.what, " swap file ", s.file, ": a region of ",
              bytes, " bytes does not fit the ", s.capacity, " reserved (", s.used, " used)");
-  s.regions.push_back({s.used, bytes, 0, false});
+  const int64_t pieces = (size + s.options.block_size - 1) / s.options.block_size;
+  s.regions.push_back({s.used, bytes, std::vector<uint32_t>(static_cast<size_t>(pieces)), false});
   s.used += size;
   return static_cast<int64_t>(s.regions.size()) - 1;
 }
@@ -322,7 +334,8 @@ SwapFile::Ticket start(SwapFile::Impl& s, int64_t region, bool write, char* buff
   request.buffer = buffer;
   for (int64_t at = 0; at < length; at += s.options.block_size) {
     const int64_t piece = std::min(s.options.block_size, length - at);
-    s.queued.push_back({ticket, write, buffer + at, r.offset + at, piece});
+    s.queued.push_back(
+        {ticket, write, buffer + at, r.offset + at, piece, at / s.options.block_size});
     ++request.pending;
   }
   s.work.notify_one();

@@ -1,7 +1,7 @@
 // The `checkpointing` plugin: activation (gradient) checkpointing of the units of every
-// loom::nn::UnitList. A chosen unit runs forward without keeping its internal activations and is
-// recomputed in backward by one autograd node. Not a selective (attention-only) recompute: the
-// core's Attention has no interception point yet (see the policy keys).
+// loom::nn::UnitList. A chosen unit, or with a selective policy only its attention core or its
+// MLP (Note [Recompute policies]), runs forward without keeping its internal activations and is
+// recomputed in backward by one autograd node.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -98,31 +98,36 @@ class NoAutocastCache {
   bool was_;
 };
 
-// The backward of one checkpointed unit: reruns the unit's forward (same input, RNG and
-// autocast state) with grad enabled and backpropagates through that. Its inputs in the graph
-// are the unit's input (when it requires grad) and every trainable parameter of the unit, so
-// the parameters get their gradients even when the input is a constant (frozen embeddings).
-class RecomputeUnit final : public torch::autograd::Node {
+// The backward of one checkpointed unit or region (Note [Recompute regions]): reruns its
+// forward (same inputs, RNG and autocast state) with grad enabled and backpropagates through
+// that. Its inputs in the graph are the inputs that require grad and every trainable parameter
+// it uses, so the parameters get their gradients even when no input requires grad (frozen
+// embeddings).
+class Recompute final : public torch::autograd::Node {
  public:
-  RecomputeUnit(loom::nn::UnitFn run, at::Tensor input, bool input_needs_grad,
-                std::vector<at::Tensor> params, RngState rng, AutocastState autocast,
-                int64_t index)
-      : run_(std::move(run)), input_(std::move(input)), input_version_(input_._version()),
-        input_needs_grad_(input_needs_grad), params_(std::move(params)), rng_(std::move(rng)),
-        autocast_(std::move(autocast)), index_(index) {}
+  Recompute(loom::nn::RegionFn run, std::vector<at::Tensor> inputs, std::vector<bool> needs_grad,
+            std::vector<at::Tensor> params, RngState rng, AutocastState autocast,
+            std::string what)
+      : run_(std::move(run)), inputs_(std::move(inputs)), needs_grad_(std::move(needs_grad)),
+        params_(std::move(params)), rng_(std::move(rng)), autocast_(std::move(autocast)),
+        what_(std::move(what)) {
+    for (const auto& input : inputs_) versions_.push_back(input._version());
+  }
 
-  std::string name() const override { return "loom::RecomputeUnit"; }
+  std::string name() const override { return "loom::Recompute"; }
 
-  // grads[0] is the gradient of the unit's output; returns one gradient per next edge: the
-  // input's (when it needs one), then each parameter's.
+  // grads[0] is the gradient of the output; returns one gradient per next edge: each input's
+  // that needs one, then each parameter's.
   variable_list apply(variable_list&& grads) override {
-    LOOM_CHECK(run_, "checkpointed unit ", index_,
+    LOOM_CHECK(run_, what_,
                ": backward ran twice through one forward; checkpointing keeps no graph to "
                "retain (retain_graph is not supported with [checkpointing])");
-    LOOM_CHECK(input_._version() == input_version_, "checkpointed unit ", index_,
-               ": its input was modified in place after the forward, so it cannot be "
-               "recomputed; do not change a unit's input in place");
-    const size_t n_out = (input_needs_grad_ ? 1 : 0) + params_.size();
+    for (size_t i = 0; i < inputs_.size(); ++i)
+      LOOM_CHECK(inputs_[i]._version() == versions_[i], what_,
+                 ": its input was modified in place after the forward, so it cannot be "
+                 "recomputed; do not change a checkpointed input in place");
+    size_t n_out = params_.size();
+    for (bool needs : needs_grad_) n_out += needs;
     if (!grads[0].defined()) return variable_list(n_out);
 
     // Recompute with the forward's RNG and autocast state; put back what backward had.
@@ -133,19 +138,22 @@ class RecomputeUnit final : public torch::autograd::Node {
     try {
       rng_.restore();
       at::AutoGradMode grad_on(true);
-      at::Tensor input = input_.detach();
-      input.requires_grad_(input_needs_grad_);
+      std::vector<at::Tensor> inputs;
+      variable_list wrt;
+      for (size_t i = 0; i < inputs_.size(); ++i) {
+        inputs.push_back(inputs_[i].detach());
+        inputs.back().requires_grad_(needs_grad_[i]);
+        if (needs_grad_[i]) wrt.push_back(inputs.back());
+      }
       at::Tensor output;
       {
         // Only the forward repeats under the forward's autocast; its backward runs under the
         // backward's state, as the plain run's does (autocast would recast backward's ops).
         autocast_.apply();
         NoAutocastCache no_cache;
-        output = run_(input);
+        output = run_(inputs);
       }
       backward_autocast.apply();
-      variable_list wrt;
-      if (input_needs_grad_) wrt.push_back(input);
       wrt.insert(wrt.end(), params_.begin(), params_.end());
       result = torch::autograd::grad({output}, wrt, {grads[0]}, /*retain_graph=*/false,
                                      /*create_graph=*/false, /*allow_unused=*/true);
@@ -162,60 +170,113 @@ class RecomputeUnit final : public torch::autograd::Node {
 
   void release_variables() override {
     run_ = nullptr;
-    input_.reset();
+    inputs_.clear();
     params_.clear();
   }
 
  private:
-  loom::nn::UnitFn run_;
-  at::Tensor input_;
-  uint32_t input_version_;
-  bool input_needs_grad_;
+  loom::nn::RegionFn run_;
+  std::vector<at::Tensor> inputs_;
+  std::vector<uint32_t> versions_;
+  std::vector<bool> needs_grad_;
   std::vector<at::Tensor> params_;
   RngState rng_;
   AutocastState autocast_;
-  int64_t index_;
+  std::string what_;  // "checkpointed unit 3", "the attention of checkpointed unit 3"
 };
+
+// Runs `run` on `inputs` without keeping its activations; the output's grad_fn recomputes it.
+// `params`: the trainable parameters `run` uses. Runs it plainly when nothing needs a gradient.
+at::Tensor run_checkpointed(const loom::nn::RegionFn& run, const std::vector<at::Tensor>& inputs,
+                            std::vector<at::Tensor> params, std::string what) {
+  std::vector<bool> needs_grad;
+  bool any = !params.empty();
+  for (const auto& input : inputs) {
+    needs_grad.push_back(input.requires_grad());
+    any = any || input.requires_grad();
+  }
+  if (!any) return run(inputs);
+  const c10::Device device = inputs.front().device();
+  RngState rng = RngState::capture(device);
+  AutocastState autocast = AutocastState::capture(device.type());
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    NoAutocastCache no_cache;
+    y = run(inputs);
+  }
+  // A view would share its base's autograd identity; give the node an output of its own.
+  bool aliases_input = y.is_view();
+  for (const auto& input : inputs) aliases_input = aliases_input || y.is_same(input);
+  if (aliases_input) y = y.clone();
+  // The node's next edges, in the order its apply() returns gradients.
+  torch::autograd::edge_list edges;
+  std::vector<at::Tensor> kept;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (needs_grad[i]) edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    kept.push_back(inputs[i].detach());
+  }
+  for (const auto& p : params) edges.push_back(torch::autograd::impl::gradient_edge(p));
+  auto node = std::make_shared<Recompute>(run, std::move(kept), std::move(needs_grad),
+                                          std::move(params), std::move(rng), std::move(autocast),
+                                          std::move(what));
+  node->set_next_edges(std::move(edges));
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
+std::vector<at::Tensor> trainable(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : module.parameters(/*recurse=*/true))
+    if (p.requires_grad()) params.push_back(p);
+  return params;
+}
+
+// Note [Recompute policies]: what a chosen unit recomputes in backward.
+//   full, every_n: the whole unit (every_n names the case of every N-th unit, N = `every`).
+//   attention: its attention core (Note [Recompute regions]): the (B,H,T,T) scores,
+//     probabilities and dropout masks of the math kernel are its largest activations.
+//   mlp: its MLP: the (B,T,4C) hidden activations before and after the nonlinearity.
+// A selective policy keeps the rest of the unit's activations, so it saves less than full
+// but recomputes less: no projections (attention) or no attention (mlp).
+enum class Policy { full, every_n, attention, mlp };
+constexpr const char* kPolicies = "full, attention, mlp, every_n";
 
 class Checkpointer final : public loom::nn::UnitInterceptor {
  public:
-  explicit Checkpointer(std::function<bool(int64_t)> chosen) : chosen_(std::move(chosen)) {}
+  Checkpointer(std::function<bool(int64_t)> chosen, Policy policy)
+      : chosen_(std::move(chosen)), policy_(policy) {}
   std::string name() const override { return "checkpointing"; }
 
-  // x is the unit's input (B,T,C); returns its output, whose grad_fn is a RecomputeUnit.
+  // x is the unit's input (B,T,C); returns its output, whose grad_fn is a Recompute.
   at::Tensor intercept(int64_t index, loom::nn::Unit& unit, const at::Tensor& x,
                        const loom::nn::UnitFn& next) override {
-    if (!chosen_(index) || !at::GradMode::is_enabled()) return next(x);
-    std::vector<at::Tensor> params;
-    for (const auto& p : unit.parameters(/*recurse=*/true))
-      if (p.requires_grad()) params.push_back(p);
-    const bool input_needs_grad = x.requires_grad();
-    if (params.empty() && !input_needs_grad) return next(x);
-
-    RngState rng = RngState::capture(x.device());
-    AutocastState autocast = AutocastState::capture(x.device().type());
-    at::Tensor y;
-    {
-      at::NoGradGuard no_grad;
-      NoAutocastCache no_cache;
-      y = next(x);
-    }
-    // A view would share its base's autograd identity; give the node an output of its own.
-    if (y.is_view() || y.is_same(x)) y = y.clone();
-    // The node's next edges, in the order its apply() returns gradients.
-    torch::autograd::edge_list edges;
-    if (input_needs_grad) edges.push_back(torch::autograd::impl::gradient_edge(x));
-    for (const auto& p : params) edges.push_back(torch::autograd::impl::gradient_edge(p));
-    auto node = std::make_shared<RecomputeUnit>(next, x.detach(), input_needs_grad,
-                                                std::move(params), std::move(rng),
-                                                std::move(autocast), index);
-    node->set_next_edges(std::move(edges));
-    torch::autograd::set_history(y, node);
-    return y;
+    const bool whole = policy_ == Policy::full || policy_ == Policy::every_n;
+    if (!whole || !chosen_(index) || !at::GradMode::is_enabled()) return next(x);
+    return run_checkpointed([next](const std::vector<at::Tensor>& in) { return next(in[0]); },
+                            {x}, trainable(unit),
+                            "checkpointed unit " + std::to_string(index));
   }
+
+  at::Tensor intercept_region(int64_t index, const loom::nn::RegionCall& call,
+                              const loom::nn::RegionFn& next) override {
+    const bool wanted = (policy_ == Policy::attention && call.region == loom::nn::Region::attention) ||
+                        (policy_ == Policy::mlp && call.region == loom::nn::Region::mlp);
+    if (!wanted || !chosen_(index) || !at::GradMode::is_enabled() || call.inputs.empty())
+      return next(call.inputs);
+    ++regions_seen_;
+    return run_checkpointed(next, call.inputs,
+                            call.owner ? trainable(*call.owner) : std::vector<at::Tensor>{},
+                            std::string("the ") + loom::nn::to_string(call.region) +
+                                " of checkpointed unit " + std::to_string(index));
+  }
+
+  int64_t regions_seen() const { return regions_seen_; }
 
  private:
   std::function<bool(int64_t)> chosen_;
+  Policy policy_;
+  int64_t regions_seen_ = 0;
 };
 
 class CheckpointingPlugin final : public loom::Plugin {
@@ -227,6 +288,11 @@ class CheckpointingPlugin final : public loom::Plugin {
   }
   std::vector<loom::Schema> schemas() const override {
     return {loom::Schema("checkpointing")
+                .key_string("policy", "full",
+                            "what a chosen unit recomputes in backward: full (the whole "
+                            "unit), attention (its attention core: scores, softmax, attention "
+                            "dropout), mlp (its MLP), every_n (the whole of every N-th unit; "
+                            "needs every = N >= 2)")
                 .key_int("every", 1,
                          "checkpoint every k-th unit (units 0, k, 2k, ...); 1 = every unit")
                 .key_optional("units", loom::ValueType::Array,
@@ -236,10 +302,31 @@ class CheckpointingPlugin final : public loom::Plugin {
 
   void configure(const loom::ConfigSection& table) override {
     enabled_ = table.get_bool("enabled");
+    const std::string policy = table.get_string("policy");
+    if (policy == "full") policy_ = Policy::full;
+    else if (policy == "attention") policy_ = Policy::attention;
+    else if (policy == "mlp") policy_ = Policy::mlp;
+    else if (policy == "every_n") policy_ = Policy::every_n;
+    else
+      throw loom::ConfigError(loom::detail::cat(
+          table.where("policy"), ": [checkpointing] policy '", policy, "' is unknown; the "
+          "policies are ", kPolicies));
+    policy_name_ = policy;
     every_ = table.get_int("every");
     LOOM_CHECK_AS(ConfigError, every_ > 0, table.where("every"),
                   ": [checkpointing] every must be >= 1 (1 = every unit, 2 = every 2nd), got ",
                   every_);
+    if (policy_ == Policy::every_n) {
+      LOOM_CHECK_AS(ConfigError, !table.has("units"), table.where("units"),
+                    ": [checkpointing] policy = \"every_n\" picks units by every; drop units, "
+                    "or use policy = \"full\" to recompute the listed units");
+      LOOM_CHECK_AS(ConfigError, table.has("every") && every_ >= 2, table.where("policy"),
+                    ": [checkpointing] policy = \"every_n\" needs every = N >= 2 (every N-th "
+                    "unit recomputed)",
+                    table.has("every") ? loom::detail::cat(", got every = ", every_)
+                                       : std::string("; every is not set"),
+                    "; for every unit use policy = \"full\"");
+    }
     units_.reset();
     if (const loom::ConfigValue* list = table.get("units")) {
       LOOM_CHECK_AS(ConfigError, !table.has("every"), table.where("units"),
@@ -259,14 +346,18 @@ class CheckpointingPlugin final : public loom::Plugin {
       units_ = std::move(chosen);
     }
     where_units_ = table.where("units");
+    where_policy_ = table.where("policy");
   }
 
   void attach(loom::Engine& engine) override {
     if (!enabled_) return;
-    engine.add_unit_interceptor(std::make_shared<Checkpointer>([this](int64_t index) {
-      return units_ ? units_->count(index) > 0 : index % every_ == 0;
-    }));
+    checkpointer_ = std::make_shared<Checkpointer>(
+        [this](int64_t index) { return units_ ? units_->count(index) > 0 : index % every_ == 0; },
+        policy_);
+    engine.add_unit_interceptor(checkpointer_);
     engine.on(loom::Event::model_built, [this](loom::Engine& e) { check_model(e); });
+    if (policy_ == Policy::attention || policy_ == Policy::mlp)
+      engine.on(loom::Event::before_backward, [this](loom::Engine& e) { check_regions(e); });
   }
 
  private:
@@ -289,11 +380,28 @@ class CheckpointingPlugin final : public loom::Plugin {
     int64_t chosen = 0;
     for (size_t i = 0; i < fewest; ++i)
       chosen += units_ ? units_->count(static_cast<int64_t>(i)) : (i % every_ == 0);
-    loom::log::info("checkpointing: ", chosen, " of ", fewest, " units of each of ", lists.size(),
-                    " unit list(s) recomputed in backward");
+    loom::log::info("checkpointing: ", policy_name_, " of ", chosen, " of ", fewest,
+                    " units of each of ", lists.size(), " unit list(s) recomputed in backward");
+  }
+
+  // After the first training forward: a selective policy found the regions it recomputes.
+  // A model whose units mark none (Note [Recompute regions]) would silently save nothing.
+  void check_regions(loom::Engine& engine) {
+    if (regions_checked_) return;
+    regions_checked_ = true;
+    LOOM_CHECK_AS(ConfigError, checkpointer_->regions_seen() > 0, where_policy_,
+                  ": [checkpointing] policy = \"", policy_name_, "\" found no ", policy_name_,
+                  " region in the chosen units of model '",
+                  engine.section("train").get_string("model"),
+                  "' (its units do not mark one: Note [Recompute regions] in loom/nn.h); use "
+                  "policy = \"full\" to recompute whole units");
   }
 
   bool enabled_ = true;
+  Policy policy_ = Policy::full;
+  std::string policy_name_ = "full", where_policy_;
+  std::shared_ptr<Checkpointer> checkpointer_;
+  bool regions_checked_ = false;
   int64_t every_ = 1;
   std::optional<std::set<int64_t>> units_;
   std::string where_units_;

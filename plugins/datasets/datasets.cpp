@@ -51,6 +51,31 @@ std::string label_map_text(const std::vector<std::string>& names) {
   return out;
 }
 
+// Note [Data against the model] (core/src/builtin.cpp): the model's vocab_size or num_labels as
+// the job states them, in transformers' names: the [model] table's key, or its from_pretrained
+// folder's config.json (num_labels: the size of id2label). value 0: the job states none.
+struct ModelLimit {
+  int64_t value = 0;
+  std::string source;  // "[model] num_labels (job.toml:9)"
+};
+ModelLimit model_limit(const ConfigSection* model, const PathResolver& resolve, const char* key) {
+  if (!model) return {};
+  const std::string folder = model_tokenizer(model);
+  if (model->schema().find(key) && (model->has(key) || folder.empty()))
+    return {model->get_int(key), detail::cat("[model] ", key, " (", model->where(key), ")")};
+  if (folder.empty()) return {};
+  const std::string file = (std::filesystem::path(resolve(folder)) / "config.json").string();
+  std::ifstream in(file);
+  if (!in) return {};  // the model plugin reports a folder without config.json
+  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) return {};
+  if (std::string(key) == "num_labels" && config.contains("id2label") &&
+      config["id2label"].is_object() && !config["id2label"].empty())
+    return {static_cast<int64_t>(config["id2label"].size()), "the id2label of '" + file + "'"};
+  if (!config.contains(key) || !config[key].is_number_integer()) return {};
+  return {config[key].get<int64_t>(), detail::cat(key, " of '", file, "'")};
+}
+
 // A pretrained classifier's label map: config.json's id2label when it names real classes
 // (transformers writes LABEL_0, LABEL_1... when nobody named them: those say nothing).
 struct PretrainedLabels {
@@ -108,6 +133,19 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
   LOOM_CHECK_AS(DataError, !p.records.empty(), c.where("path"),
                 ": [data] the files hold no records (", p.files.front(),
                 p.files.size() > 1 ? " ..." : "", ")");
+  // One empty shard among several (a download or a preparation that was cut off) would train on
+  // the rest without a word.
+  {
+    std::set<std::string> with_records;
+    for (const auto& r : p.records) with_records.insert(r.where.substr(0, r.where.rfind(':')));
+    const auto raw = c.get_strings("path");
+    for (size_t i = 0; i < p.files.size(); ++i)
+      LOOM_CHECK_AS(DataError, with_records.count(p.files[i]), c.where("path"), ": [",
+                    c.name(), "] path '", raw[i], "': '", p.files[i], "' holds no records (",
+                    std::filesystem::file_size(p.files[i]), " bytes); remove it from path, or "
+                    "write its data again (an interrupted download or preparation leaves empty "
+                    "files)");
+  }
   const std::string task = c.get_string("task");
   if (task == "auto") p.task = detect_task(p.records.front(), p.names);
   else if (task == "lm") p.task = Task::Lm;
@@ -167,7 +205,11 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
     }
     if (p.label_names.empty()) {
       for (const auto& r : p.records) {
-        const int64_t label = *as_integer(r.fields[p.names.label]);
+        const auto& v = r.fields[p.names.label];
+        LOOM_CHECK_AS(DataError, !v.is_number_integer() || v.get<int64_t>() >= 0, r.where,
+                      ": label ", v.dump(), " is negative; class ids count from 0 (fix the "
+                      "record, or name the classes with [data] label_names)");
+        const int64_t label = *as_integer(v);
         p.labels.push_back(label);
         p.num_labels = std::max(p.num_labels, label + 1);
       }
@@ -186,15 +228,65 @@ Plan make_plan(const ConfigSection& c, Format format, const PathResolver& resolv
       }
       p.num_labels = static_cast<int64_t>(p.label_names.size());
     }
-    if (model && model->has("num_labels")) {
-      const int64_t model_labels = model->get_int("num_labels");
-      LOOM_CHECK_AS(ConfigError, p.num_labels <= model_labels, model->where("num_labels"),
-                    ": [model] num_labels = ", model_labels, " but the data has ", p.num_labels,
-                    " labels; set num_labels = ", p.num_labels);
-    }
+    // Note [Data against the model]: every label below the model's classes.
+    const ModelLimit classes = model_limit(model, resolve, "num_labels");
+    if (classes.value > 0)
+      for (size_t i = 0; i < p.records.size(); ++i) {
+        const auto& v = p.records[i].fields[p.names.label];
+        LOOM_CHECK_AS(DataError, p.labels[i] < classes.value, p.records[i].where, ": label ",
+                      v.is_string() ? v.get<std::string>() : v.dump(),
+                      p.label_names.empty() ? "" : detail::cat(" (class ", p.labels[i], ")"),
+                      " is not below the model's ", classes.value, " classes (",
+                      classes.source, "); the data has ", p.num_labels,
+                      " classes: set [model] num_labels = ", p.num_labels,
+                      ", or fix the record");
+      }
   }
   return p;
 }
+
+// Record `i` of the plan as a sample's ids and targets (Note [Dataset tasks]).
+Example format_record_of(const Plan& plan, size_t i, const Tokenizer& tokenizer, ChatFormat chat,
+                         bool eos, int64_t max_len, bool packing) {
+  const Record& r = plan.records[i];
+  const auto& f = r.fields;
+  Example e;
+  switch (plan.task) {
+    case Task::Lm: e = format_document(tokenizer, f[plan.names.text], eos); break;
+    case Task::Classification: {
+      const bool has_pair = f.contains(plan.names.text_pair) && f[plan.names.text_pair].is_string();
+      const std::string pair = has_pair ? f[plan.names.text_pair].get<std::string>() : "";
+      e = format_classification(tokenizer, f[plan.names.text], has_pair ? &pair : nullptr, max_len);
+      e.label = plan.labels[i];
+      break;
+    }
+    case Task::Instruction:
+      e = format_instruction(tokenizer, f[plan.names.prompt], f[plan.names.completion], eos);
+      break;
+    case Task::Chat: e = format_chat(tokenizer, f[plan.names.messages], chat); break;
+  }
+  // Language modelling and SFT samples are inputs + next-token labels: max_seq_length + 1 ids.
+  if (plan.task != Task::Classification && !packing) truncate(e, max_len + 1);
+  if (plan.task == Task::Lm && !packing) e.target.assign(e.ids.size(), 1);
+  return e;
+}
+
+// Note [Data against the model]: a record's ids below the model's vocabulary.
+void check_record_ids(const Example& e, const Record& r, const ModelLimit& vocab,
+                      const Tokenizer& tokenizer) {
+  for (size_t t = 0; t < e.ids.size(); ++t)
+    LOOM_CHECK_AS(DataError, e.ids[t] < vocab.value, r.where, ": token id ", e.ids[t], " ('",
+                  tokenizer.id_to_token(e.ids[t]), "') at position ", t,
+                  " of the record's tokens is not below the model's vocabulary of ", vocab.value,
+                  " ids (", vocab.source, "); the tokenizer (", tokenizer.describe(), ") has ",
+                  tokenizer.vocab_size(), ": give the model vocab_size = ",
+                  tokenizer.vocab_size(), " (as resize_token_embeddings would), or use the "
+                  "model's own tokenizer");
+}
+
+// Records validate() formats to check their ids, at most (evenly spread over the data); the
+// dataset checks every record when it is built, before the run writes anything.
+constexpr size_t kRecordsChecked = 4096;
 
 // The samples, tokenized once.
 class RecordsDataset final : public Dataset {
@@ -214,32 +306,17 @@ class RecordsDataset final : public Dataset {
                                 ? chat_format(c.get_string("chat_template"), *tokenizer_)
                                 : ChatFormat::ChatMl;
     const bool eos = c.get_bool("add_eos");
-    // One record's sample (Note [Dataset tasks]); pure, so blocks of records are formatted on
-    // every intra-op thread and appended in record order (the result is the same for any count).
-    auto format_record = [&](size_t i) {
-      const Record& r = plan_.records[i];
-      const auto& f = r.fields;
-      Example e;
-      switch (plan_.task) {
-        case Task::Lm: e = format_document(*tokenizer_, f[plan_.names.text], eos); break;
-        case Task::Classification: {
-          const bool has_pair = f.contains(plan_.names.text_pair) && f[plan_.names.text_pair].is_string();
-          const std::string pair = has_pair ? f[plan_.names.text_pair].get<std::string>() : "";
-          e = format_classification(*tokenizer_, f[plan_.names.text], has_pair ? &pair : nullptr,
-                                    max_len_);
-          e.label = plan_.labels[i];
-          break;
-        }
-        case Task::Instruction:
-          e = format_instruction(*tokenizer_, f[plan_.names.prompt], f[plan_.names.completion], eos);
-          break;
-        case Task::Chat: e = format_chat(*tokenizer_, f[plan_.names.messages], chat); break;
-      }
-      // Language modelling and SFT samples are inputs + next-token labels: max_seq_length + 1 ids.
-      if (plan_.task != Task::Classification && !packing_) truncate(e, max_len_ + 1);
-      if (plan_.task == Task::Lm && !packing_) e.target.assign(e.ids.size(), 1);
-      return e;
+    // Pure, so blocks of records are formatted on every intra-op thread and appended in record
+    // order (the result is the same for any count).
+    const auto format_record = [&](size_t i) {
+      return format_record_of(plan_, i, *tokenizer_, chat, eos, max_len_, packing_);
     };
+    // Note [Data against the model]: validate() checked a sample of the records when the
+    // tokenizer has ids the model lacks; here, before anything is written, every one.
+    const ModelLimit vocab =
+        model_limit(model, [&](const std::string& p) { return engine.resolve_path(p); },
+                    "vocab_size");
+    const bool check_ids = vocab.value > 0 && tokenizer_->vocab_size() > vocab.value;
     int64_t truncated = 0;
     offsets_.push_back(0);
     constexpr size_t kBlock = 1024;
@@ -249,7 +326,9 @@ class RecordsDataset final : public Dataset {
       at::parallel_for(0, static_cast<int64_t>(block.size()), 16, [&](int64_t begin, int64_t end) {
         for (int64_t k = begin; k < end; ++k) block[static_cast<size_t>(k)] = format_record(first + static_cast<size_t>(k));
       });
-      for (Example& e : block) {
+      for (size_t k = 0; k < block.size(); ++k) {
+        Example& e = block[k];
+        if (check_ids) check_record_ids(e, plan_.records[first + k], vocab, *tokenizer_);
         if (plan_.task != Task::Classification && !packing_) {
           // A sample needs two ids and one target among its labels.
           if (e.ids.size() < 2 || std::none_of(e.target.begin() + 1, e.target.end(), [](uint8_t t) { return t; })) {
@@ -382,7 +461,26 @@ class DatasetsPlugin final : public Plugin {
     const Plan plan = make_plan(c, name == "csv" ? Format::Csv : Format::Jsonl, job.resolve_path,
                                 job("model"));
     const auto tokenizer = Tokenizer::load(plan.tokenizer_path);
-    if (plan.task == Task::Chat) chat_format(c.get_string("chat_template"), *tokenizer);
+    const ChatFormat chat = plan.task == Task::Chat
+                                ? chat_format(c.get_string("chat_template"), *tokenizer)
+                                : ChatFormat::ChatMl;
+    // Note [Data against the model]: a tokenizer whose ids all fit the model's vocabulary needs
+    // no look at the records; one with more ids (added tokens, another model's tokenizer) has
+    // its records' ids checked, all of them or kRecordsChecked spread over the data.
+    const ModelLimit vocab = model_limit(job("model"), job.resolve_path, "vocab_size");
+    if (vocab.value > 0 && tokenizer->vocab_size() > vocab.value) {
+      const size_t n = plan.records.size(), checked = std::min(n, kRecordsChecked);
+      for (size_t k = 0; k < checked; ++k) {
+        const size_t i = checked < 2 ? k : k * (n - 1) / (checked - 1);
+        check_record_ids(format_record_of(plan, i, *tokenizer, chat, c.get_bool("add_eos"),
+                                          c.get_int("max_seq_length"), c.get_bool("packing")),
+                         plan.records[i], vocab, *tokenizer);
+      }
+      if (checked < n)
+        log::info("[", c.name(), "] the tokenizer has ", tokenizer->vocab_size(),
+                  " ids, the model ", vocab.value, ": token ids checked in ", checked, " of ", n,
+                  " records (spread over the data); the rest are checked as the dataset is built");
+    }
     // The engine refuses an evaluation set whose label map is not the training data's; when
     // both tables are this plugin's, `loom check` says so too (Note [One resolved job]).
     const ConfigSection* data = job("data");

@@ -102,38 +102,52 @@ class LlamaAttention : public torch::nn::Module {
                                            c.num_attention_heads * D, c.hidden_size, c.attention_bias));
   }
 
-  // x (B,T,C) at positions held..held+T-1 (held: what `kv` holds, 0 without a cache).
-  at::Tensor forward(const at::Tensor& x, loom::nn::KVCache::Layer* kv) {
+  // x (B,T,C) at positions held..held+T-1 (held: what args.kv holds, 0 without a cache). The
+  // core, from the projections' outputs to o_proj's input, is a region in training (Note
+  // [Recompute regions]); decoding appends to the cache inside it, so it runs as is there.
+  at::Tensor forward(const at::Tensor& x, const loom::nn::UnitArgs& args) {
     const int64_t B = x.size(0), T = x.size(1), D = c_.dim_per_head();
     const int64_t H = c_.num_attention_heads, Hkv = c_.kv_heads();
+    loom::nn::KVCache::Layer* kv = args.kv;
     const int64_t held = kv ? kv->held() : 0;
-    at::Tensor q = q_proj->forward(x).view({B, T, H, D}).transpose(1, 2);
-    at::Tensor k = k_proj->forward(x).view({B, T, Hkv, D}).transpose(1, 2);
-    at::Tensor v = v_proj->forward(x).view({B, T, Hkv, D}).transpose(1, 2);
-    // cos and sin in fp32, then the activations' dtype (as transformers does).
-    at::Tensor inv = inverse_frequencies(c_, held + T, x.device());
-    at::Tensor positions = at::arange(held, held + T, inv.options());
-    at::Tensor freqs = positions.unsqueeze(1) * inv.unsqueeze(0);
-    at::Tensor angles = at::cat({freqs, freqs}, -1);
-    at::Tensor cos = angles.cos().to(x.scalar_type()), sin = angles.sin().to(x.scalar_type());
-    q = apply_rope(q, cos, sin);
-    k = apply_rope(k, cos, sin);
-    std::optional<at::Tensor> mask;
-    bool causal = true;
-    if (kv) {
-      kv->append(k, v);
-      if (held > 0) {
-        causal = false;
-        if (T > 1) mask = loom::nn::causal_mask(held, T, x.options());
+    const double p = is_training() ? c_.attention_dropout : 0.0;
+    const LlamaConfig& c = c_;
+    const c10::Device device = x.device();
+    const at::ScalarType dtype = x.scalar_type();
+    // q, k, v (B,T,H*D), (B,T,Hkv*D) x2 -> (B,T,H*D). Captures by value but for kv (null when
+    // it runs as a region) and c (the module's own config).
+    auto core = [B, T, D, H, Hkv, held, p, kv, &c, device,
+                 dtype](const std::vector<at::Tensor>& in) {
+      at::Tensor q = in[0].view({B, T, H, D}).transpose(1, 2);
+      at::Tensor k = in[1].view({B, T, Hkv, D}).transpose(1, 2);
+      at::Tensor v = in[2].view({B, T, Hkv, D}).transpose(1, 2);
+      // cos and sin in fp32, then the activations' dtype (as transformers does).
+      at::Tensor inv = inverse_frequencies(c, held + T, device);
+      at::Tensor positions = at::arange(held, held + T, inv.options());
+      at::Tensor freqs = positions.unsqueeze(1) * inv.unsqueeze(0);
+      at::Tensor angles = at::cat({freqs, freqs}, -1);
+      at::Tensor cos = angles.cos().to(dtype), sin = angles.sin().to(dtype);
+      q = apply_rope(q, cos, sin);
+      k = apply_rope(k, cos, sin);
+      std::optional<at::Tensor> mask;
+      bool causal = true;
+      if (kv) {
+        kv->append(k, v);
+        if (held > 0) {
+          causal = false;
+          if (T > 1) mask = loom::nn::causal_mask(held, T, at::TensorOptions(device));
+        }
       }
-    }
-    if (Hkv != H) {  // grouped-query attention: query head j reads key/value head j / (H/Hkv)
-      k = k.repeat_interleave(H / Hkv, 1);
-      v = v.repeat_interleave(H / Hkv, 1);
-    }
-    at::Tensor y = at::scaled_dot_product_attention(
-        q, k, v, mask, is_training() ? c_.attention_dropout : 0.0, causal && T > 1);
-    return o_proj->forward(y.transpose(1, 2).reshape({B, T, H * D}));
+      if (Hkv != H) {  // grouped-query attention: query head j reads key/value head j / (H/Hkv)
+        k = k.repeat_interleave(H / Hkv, 1);
+        v = v.repeat_interleave(H / Hkv, 1);
+      }
+      at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal && T > 1);
+      return y.transpose(1, 2).reshape({B, T, H * D});
+    };
+    std::vector<at::Tensor> qkv = {q_proj->forward(x), k_proj->forward(x), v_proj->forward(x)};
+    return o_proj->forward(kv ? core(qkv)
+                              : args.region(loom::nn::Region::attention, nullptr, qkv, core));
   }
 
   std::shared_ptr<loom::nn::Linear> q_proj, k_proj, v_proj, o_proj;
@@ -170,8 +184,10 @@ class LlamaLayer : public loom::nn::Unit {
     mlp = register_module("mlp", std::make_shared<LlamaMlp>(c));
   }
   at::Tensor forward(const at::Tensor& x, const loom::nn::UnitArgs& args) override {
-    at::Tensor h = x + self_attn->forward(input_layernorm->forward(x), args.kv);
-    return h + mlp->forward(post_attention_layernorm->forward(h));
+    at::Tensor h = x + self_attn->forward(input_layernorm->forward(x), args);
+    LlamaMlp* m = mlp.get();
+    return h + args.region(loom::nn::Region::mlp, m, {post_attention_layernorm->forward(h)},
+                           [m](const std::vector<at::Tensor>& in) { return m->forward(in[0]); });
   }
   std::shared_ptr<loom::nn::RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<LlamaAttention> self_attn;
@@ -438,13 +454,16 @@ class LlamaPlugin final : public loom::Plugin {
     if (!t.get_string("from_pretrained").empty()) return;  // the shape is checked at import
     LlamaConfig c = job_config(t, std::nullopt);
     check_shape(c, t.where("(shape)"));  // "job.toml [model]"
+    // The data's sample length: seq_len (text, tokens, random_tokens) or max_seq_length
+    // (jsonl, csv).
     if (const loom::ConfigSection* data = job("data");
-        data && data->schema().find("seq_len") && data->get("seq_len") &&
-        (c.rope.type == "default" || c.rope.type == "linear"))
-      LOOM_CHECK_AS(ConfigError, data->get_int("seq_len") <= c.max_position_embeddings,
-                    data->where("seq_len"), ": [data] seq_len ", data->get_int("seq_len"),
-                    " exceeds [model] max_position_embeddings ", c.max_position_embeddings,
-                    "; shorten seq_len or raise max_position_embeddings");
+        data && (c.rope.type == "default" || c.rope.type == "linear"))
+      for (const char* key : {"seq_len", "max_seq_length"})
+        if (data->schema().find(key) && data->get(key))
+          LOOM_CHECK_AS(ConfigError, data->get_int(key) <= c.max_position_embeddings,
+                        data->where(key), ": [data] ", key, " ", data->get_int(key),
+                        " exceeds [model] max_position_embeddings ", c.max_position_embeddings,
+                        "; shorten ", key, " or raise max_position_embeddings");
     loom::memory::check_model_fits(static_cast<double>(parameter_count(c)),
                                    t.where("num_hidden_layers"),
                                    loom::detail::cat("num_hidden_layers = ", c.num_hidden_layers,

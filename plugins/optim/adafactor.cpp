@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "loom/kernel_isa.h"
 #include "rules.h"
 
 namespace loom::optim {
@@ -38,51 +39,9 @@ struct Geometry {
   int64_t matrix(int64_t k) const { return (first_row + k) / R; }  // of local row k
 };
 
-// ---- CPU kernels: plain loops the compiler vectorises, cloned for AVX-512 and AVX2 (as the
-// core's AdamW; no FMA contraction, so every clone rounds alike). Sums run in fp64 over eight
-// fixed lanes, folded in lane order: the result depends on the row alone, never on threads or
-// on where a shard cuts the tensor.
-#define LOOM_ADAFACTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-
-// sum_j (x_j² + eps), each term in fp32 (as torch squares), summed in fp64.
-LOOM_ADAFACTOR_CLONES
-double sum_of_squares_plus(const float* __restrict x, int64_t n, float eps) {
-  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l] * x[i + l] + eps);
-  for (; i < n; ++i) lane[0] += static_cast<double>(x[i] * x[i] + eps);
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-}
-
-// sum_j x_j², in fp64 throughout (the parameter's RMS).
-LOOM_ADAFACTOR_CLONES
-double sum_of_squares(const float* __restrict x, int64_t n) {
-  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l]) * x[i + l];
-  for (; i < n; ++i) lane[0] += static_cast<double>(x[i]) * x[i];
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-}
-
-// Columns j0..j1 of one row: col_j += g_j² + eps1 and w_j += g_j² / r (inv_row = 1/r).
-LOOM_ADAFACTOR_CLONES
-void fold_columns(const float* __restrict g, int64_t j0, int64_t j1, float eps, double inv_row,
-                  double* __restrict col, double* __restrict w) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const float g2 = g[j] * g[j];
-    col[j] += static_cast<double>(g2 + eps);
-    w[j] += static_cast<double>(g[j]) * g[j] * inv_row;
-  }
-}
-
-// dst_j += src_j for columns j0..j1.
-LOOM_ADAFACTOR_CLONES
-void add_columns(const double* __restrict src, int64_t j0, int64_t j1, double* __restrict dst) {
-  for (int64_t j = j0; j < j1; ++j) dst[j] += src[j];
-}
+// ---- CPU kernels (adafactor_kernels.inc). Sums run in fp64 over eight fixed lanes, folded in
+// lane order: the result depends on the row alone, never on threads or on where a shard cuts the
+// tensor.
 
 // Rows k in [begin, end) of the segment, all in one matrix (Note [Adafactor's column sums in
 // row groups]).
@@ -136,42 +95,60 @@ __attribute__((always_inline)) inline void step_element(float u, int64_t j, floa
   p[j] = pj - x;
 }
 
-// One row: u = rf · rsqrt_col · g.
-LOOM_ADAFACTOR_CLONES
-void update_row(const float* __restrict g, const float* __restrict rsqrt_col, float rf,
-                float* __restrict p, float* __restrict m, int64_t n, Coefficients c) {
-  for (int64_t j = 0; j < n; ++j) step_element(rf * rsqrt_col[j] * g[j], j, p, m, c);
-}
+// Note [Adafactor's kernels per ISA]: the loops of adafactor_kernels.inc, compiled for AVX-512
+// (x86-64-v4), AVX2 (x86-64-v3) and the baseline, and picked per update by
+// loom::cpu::kernel_isa(), so LOOM_KERNEL_ISA runs the AVX2 loops on an AVX-512 machine (Note
+// [Kernel ISA cap]; they were target_clones, which the CPU alone picks). No FMA contraction
+// (-ffp-contract=off), so every copy rounds alike: the optimizer tests compare them bit for bit.
+#if defined(__x86_64__)
+namespace isa_avx512 {
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#include "adafactor_kernels.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx512
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#include "adafactor_kernels.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx2
+#endif
+namespace isa_baseline {
+#include "adafactor_kernels.inc"
+}  // namespace isa_baseline
 
-// Vectors (unfactored): sum_i g_i² / v_i in fp64 lanes, v the new second moment
-// b2t v + (1 - b2t)(g² + eps1), each in fp32 as torch computes it.
-LOOM_ADAFACTOR_CLONES
-double sum_of_g2_over_v(const float* __restrict g, const float* __restrict v, int64_t n,
-                        float eps, float keep, float add) {
-  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) {
-      const float vi = v[i + l] * keep + add * (g[i + l] * g[i + l] + eps);
-      lane[l] += static_cast<double>(g[i + l]) * g[i + l] / vi;
-    }
-  for (; i < n; ++i) {
-    const float vi = v[i] * keep + add * (g[i] * g[i] + eps);
-    lane[0] += static_cast<double>(g[i]) * g[i] / vi;
+struct Kernels {
+  decltype(&isa_baseline::sum_of_squares_plus) sum_of_squares_plus;
+  decltype(&isa_baseline::sum_of_squares) sum_of_squares;
+  decltype(&isa_baseline::fold_columns) fold_columns;
+  decltype(&isa_baseline::add_columns) add_columns;
+  decltype(&isa_baseline::update_row) update_row;
+  decltype(&isa_baseline::sum_of_g2_over_v) sum_of_g2_over_v;
+  decltype(&isa_baseline::update_vector) update_vector;
+};
+#define LOOM_ADAFACTOR_KERNELS(ns)                                                        \
+  Kernels {                                                                               \
+    ns::sum_of_squares_plus, ns::sum_of_squares, ns::fold_columns, ns::add_columns,       \
+        ns::update_row, ns::sum_of_g2_over_v, ns::update_vector                           \
   }
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-}
-
-// Vectors: the new second moment, then u = g / sqrt(v).
-LOOM_ADAFACTOR_CLONES
-void update_vector(const float* __restrict g, float* __restrict v, float* __restrict p,
-                   float* __restrict m, int64_t n, float eps, float keep, float add,
-                   Coefficients c) {
-  for (int64_t i = 0; i < n; ++i) {
-    v[i] = v[i] * keep + add * (g[i] * g[i] + eps);
-    step_element((1.0f / std::sqrt(v[i])) * g[i], i, p, m, c);
+// The copy this call runs (reads LOOM_KERNEL_ISA: once per update, not per row).
+const Kernels& kernels() {
+#if defined(__x86_64__)
+  static const Kernels avx512 = LOOM_ADAFACTOR_KERNELS(isa_avx512);
+  static const Kernels avx2 = LOOM_ADAFACTOR_KERNELS(isa_avx2);
+#endif
+  static const Kernels baseline = LOOM_ADAFACTOR_KERNELS(isa_baseline);
+#if defined(__x86_64__)
+  switch (cpu::kernel_isa()) {
+    case cpu::KernelIsa::avx512: return avx512;
+    case cpu::KernelIsa::avx2: return avx2;
+    case cpu::KernelIsa::scalar: break;
   }
+#endif
+  return baseline;
 }
+#undef LOOM_ADAFACTOR_KERNELS
 
 // Elements per chunk of a vector's sums (Note [Adafactor's column sums in row groups]).
 constexpr int64_t kVectorChunk = int64_t{1} << 14;
@@ -238,6 +215,7 @@ class Adafactor final : public UpdateRule {
   void accumulate(const Segment& segment, const UpdateContext& ctx, int,
                   at::Tensor& acc) const override {
     if (!use_loops(segment)) return tensor_ops_accumulate(segment, ctx, acc);
+    const Kernels& kern = kernels();
     const Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
@@ -254,8 +232,8 @@ class Adafactor final : public UpdateRule {
           const int64_t global = (first / kVectorChunk + c) * kVectorChunk;
           const int64_t i0 = std::max<int64_t>(0, global - first);
           const int64_t i1 = std::min(geo.rows, global + kVectorChunk - first);
-          u2[c] = sum_of_g2_over_v(s.g + i0, v + i0, i1 - i0, eps1f(), b2t.keep, b2t.add);
-          if (scale_parameter_) chunk_p2[c] = sum_of_squares(s.p + i0, i1 - i0);
+          u2[c] = kern.sum_of_g2_over_v(s.g + i0, v + i0, i1 - i0, eps1f(), b2t.keep, b2t.add);
+          if (scale_parameter_) chunk_p2[c] = kern.sum_of_squares(s.p + i0, i1 - i0);
         }
       });
       for (int64_t c = 0; c < chunks; ++c) {
@@ -301,16 +279,16 @@ class Adafactor final : public UpdateRule {
         // cache. (Folding each row right after its sum, the fold's arithmetic kept the next
         // row's loads waiting: 1.2x slower on one thread.)
         for (int64_t k = grp.begin; k < grp.end; ++k) {
-          new_row[k] = new_row_factor(s.g + k * geo.C, geo.C, row[k], b2t);
+          new_row[k] = new_row_factor(kern, s.g + k * geo.C, geo.C, row[k], b2t);
           // The parameter's RMS only scales the step (scale_parameter): without it, no pass
           // over the parameter here.
-          if (scale_parameter_) p2[k] = sum_of_squares(s.p + k * geo.C, geo.C);
+          if (scale_parameter_) p2[k] = kern.sum_of_squares(s.p + k * geo.C, geo.C);
         }
         for (int64_t k = grp.begin; k < grp.end; ++k)
-          fold_columns(s.g + k * geo.C, 0, geo.C, eps1f(), 1.0 / new_row[k], part_col, part_w);
+          kern.fold_columns(s.g + k * geo.C, 0, geo.C, eps1f(), 1.0 / new_row[k], part_col, part_w);
         if (first == 0) {
-          add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
-          add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
+          kern.add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
+          kern.add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
         }
       }
       if (first == 0) added_directly = last;  // read after the region's join
@@ -319,8 +297,8 @@ class Adafactor final : public UpdateRule {
       at::parallel_for(0, geo.C, 256, [&](int64_t j0, int64_t j1) {
         for (int64_t gi = added_directly; gi < n_groups; ++gi) {
           const int64_t offset = groups[gi].matrix * geo.C;
-          add_columns(kept + gi * 2 * geo.C, j0, j1, col_sums + offset);
-          add_columns(kept + gi * 2 * geo.C + geo.C, j0, j1, w + offset);
+          kern.add_columns(kept + gi * 2 * geo.C, j0, j1, col_sums + offset);
+          kern.add_columns(kept + gi * 2 * geo.C + geo.C, j0, j1, w + offset);
         }
       });
     for (int64_t k = 0; k < geo.rows; ++k) a[2 * geo.M * geo.C + geo.matrix(k)] += new_row[k];
@@ -331,6 +309,7 @@ class Adafactor final : public UpdateRule {
   void update(Segment& segment, const UpdateContext& ctx) const override {
     LOOM_INTERNAL_ASSERT(ctx.totals.size() == 1, "adafactor runs through update_tensor");
     if (!use_loops(segment)) return tensor_ops_update(segment, ctx);
+    const Kernels& kern = kernels();
     Cpu s(segment);
     const Geometry geo(segment);
     const Beta2 b2t = beta2t(ctx.step);
@@ -349,7 +328,7 @@ class Adafactor final : public UpdateRule {
       c.clip_div = clip_divisor(std::sqrt(t0[0] / n));
       float* v = s.state("exp_avg_sq");
       at::parallel_for(0, geo.rows, 4096, [&](int64_t i0, int64_t i1) {
-        update_vector(s.g + i0, v + i0, s.p + i0, m ? m + i0 : nullptr, i1 - i0, eps1f(),
+        kern.update_vector(s.g + i0, v + i0, s.p + i0, m ? m + i0 : nullptr, i1 - i0, eps1f(),
                       b2t.keep, b2t.add, c);
       });
       s.write_back(segment);
@@ -362,9 +341,9 @@ class Adafactor final : public UpdateRule {
     at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k) {
         const float* g = s.g + k * geo.C;
-        new_row[k] = new_row_factor(g, geo.C, row[k], b2t);  // the same value round 0 folded
+        new_row[k] = new_row_factor(kern, g, geo.C, row[k], b2t);  // the same value round 0 folded
         const float rf = 1.0f / std::sqrt(new_row[k] / f.row_mean[geo.matrix(k)]);
-        update_row(g, f.rsqrt_col.data() + geo.matrix(k) * geo.C, rf, s.p + k * geo.C,
+        kern.update_row(g, f.rsqrt_col.data() + geo.matrix(k) * geo.C, rf, s.p + k * geo.C,
                    m ? m + k * geo.C : nullptr, geo.C, c);
       }
     });
@@ -442,8 +421,9 @@ class Adafactor final : public UpdateRule {
   }
 
   // b2t row + (1-b2t) mean_j(g²+eps1) of one row.
-  float new_row_factor(const float* g, int64_t C, float old, Beta2 b2t) const {
-    const float mean = static_cast<float>(sum_of_squares_plus(g, C, eps1f()) /
+  float new_row_factor(const Kernels& kern, const float* g, int64_t C, float old,
+                       Beta2 b2t) const {
+    const float mean = static_cast<float>(kern.sum_of_squares_plus(g, C, eps1f()) /
                                           static_cast<double>(C));
     return old * b2t.keep + b2t.add * mean;
   }

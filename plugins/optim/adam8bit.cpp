@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/kernel_isa.h"
 #include "quantize.h"
 #include "rules.h"
 
@@ -69,15 +70,21 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 }
 
 #if defined(__x86_64__)
-// Note [adam8bit in vectors]: block_scalar 16 elements per instruction. The codes come back by
-// lookups in register tables (Note [Lookups in registers]): one pass per state dequantizes its
-// codes into the block buffer with that state's code map in registers, then AdamW's arithmetic
-// runs in the scalar kernel's order (the build has -ffp-contract=off, and sqrt and division
-// round alike); the absmax is kept as std::max keeps it (a NaN never enters); one pass per state
-// requantizes with its threshold table in registers (QuantMap::quantize16 is quantize_fast). A
-// table fills 16 of the 32 registers, so each pass holds one. Every byte and float equals the
-// scalar kernel's (the optimizer tests compare the two bit for bit). A tail of fewer than 16
-// runs scalar.
+// Note [adam8bit in vectors]: block_scalar 16 (AVX-512) or 8 (AVX2) elements per instruction.
+// Every byte and float equals the scalar kernel's (the optimizer tests compare all three bit
+// for bit, on any CPU: Note [Kernel ISA cap]):
+// - AdamW's arithmetic runs in the scalar kernel's order (the build has -ffp-contract=off, and
+//   sqrt and division round alike in every width);
+// - the absmax is kept as std::max keeps it (a NaN never enters; max is order-free otherwise);
+// - dequantizing is code[q] · absmax: on AVX-512 by a lookup in the code map held in registers
+//   (Note [Lookups in registers]), in a pass of its own per state so one table fills the
+//   registers; on AVX2 (16 registers of 8 floats cannot hold 256) by a gather, fused into the
+//   update pass;
+// - requantizing is Note [Quantize in one step]: one gather and a comparison, the same byte as
+//   quantize_fast. (quantize()'s binary search with its thresholds in registers, twelve
+//   permutes per 16 values and no gather, was measured slower on the Xeon of issue 39:
+//   docs/BENCHMARKS.md.)
+// A tail of fewer than a vector runs scalar.
 __attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const QuantMap& map,
                                                         float absmax, float* out, int64_t whole) {
   const RegisterTable codes(map.code.data());
@@ -87,15 +94,6 @@ __attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const 
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(codes.lookup(index), scale));
   }
-}
-__attribute__((target("avx512f"))) void requantize_pass(const float* in, const QuantMap& map,
-                                                        float inverse, uint8_t* q, int64_t whole) {
-  const RegisterTable thresholds(map.threshold.data());
-  const __m512 inv = _mm512_set1_ps(inverse);
-  for (int64_t i = 0; i < whole; i += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
-                     _mm512_cvtepi32_epi8(map.quantize16(
-                         _mm512_mul_ps(_mm512_loadu_ps(in + i), inv), thresholds)));
 }
 
 __attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coefficients& c,
@@ -128,23 +126,88 @@ __attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coeff
   float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  requantize_pass(mbuf, ms, inv_m, b.qm, whole);
-  requantize_pass(vbuf, vs, inv_v, b.qv, whole);
+  const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512i qm = ms.quantize16_step(_mm512_mul_ps(_mm512_loadu_ps(mbuf + i), scale_m));
+    const __m512i qv = vs.quantize16_step(_mm512_mul_ps(_mm512_loadu_ps(vbuf + i), scale_v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qm + i), _mm512_cvtepi32_epi8(qm));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qv + i), _mm512_cvtepi32_epi8(qv));
+  }
+  requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
+  *b.am = new_am;
+  *b.av = new_av;
+}
+
+// Eight int32 codes (each in [0, 255]) to eight bytes.
+__attribute__((target("avx2"))) inline void store8_codes(uint8_t* out, __m256i q) {
+  const __m256i words = _mm256_packus_epi32(q, q);         // per half: q0-3 q0-3 | q4-7 q4-7
+  const __m256i bytes = _mm256_packus_epi16(words, words);  // per half: q0-3 x4 | q4-7 x4
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
+                   _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes),
+                                      _mm256_extracti128_si256(bytes, 1)));
+}
+
+__attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coefficients& c,
+                                                    float* mbuf, float* vbuf) {
+  const QuantMap& ms = signed_map();
+  const QuantMap& vs = unsigned_map();
+  const int64_t whole = b.len / 8 * 8;
+  const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
+               decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+               eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
+               scale_m = _mm256_set1_ps(*b.am), scale_v = _mm256_set1_ps(*b.av),
+               sign = _mm256_set1_ps(-0.0f);
+  __m256 most_m = _mm256_setzero_ps(), most_v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256i im =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qm + i)));
+    const __m256i iv =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qv + i)));
+    __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(ms.code.data(), im, 4), scale_m);
+    __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(vs.code.data(), iv, 4), scale_v);
+    const __m256 g = _mm256_loadu_ps(b.g + i);
+    m = _mm256_add_ps(m, _mm256_mul_ps(w1, _mm256_sub_ps(g, m)));
+    v = _mm256_add_ps(_mm256_mul_ps(b2, v), _mm256_mul_ps(_mm256_mul_ps(w2, g), g));
+    const __m256 denominator = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    const __m256 p = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(b.p + i), decay),
+                                   _mm256_mul_ps(step, _mm256_div_ps(m, denominator)));
+    _mm256_storeu_ps(b.p + i, p);
+    _mm256_storeu_ps(mbuf + i, m);
+    _mm256_storeu_ps(vbuf + i, v);
+    // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
+    most_m = _mm256_max_ps(_mm256_andnot_ps(sign, m), most_m);
+    most_v = _mm256_max_ps(v, most_v);
+  }
+  alignas(32) float lanes_m[8], lanes_v[8];
+  _mm256_store_ps(lanes_m, most_m);
+  _mm256_store_ps(lanes_v, most_v);
+  float new_am = 0.0f, new_av = 0.0f;
+  for (int l = 0; l < 8; ++l) {
+    new_am = std::max(new_am, lanes_m[l]);
+    new_av = std::max(new_av, lanes_v[l]);
+  }
+  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
+  const float inv_m = inverse(new_am), inv_v = inverse(new_av);
+  const __m256 inverse_m = _mm256_set1_ps(inv_m), inverse_v = _mm256_set1_ps(inv_v);
+  for (int64_t i = 0; i < whole; i += 8) {
+    store8_codes(b.qm + i, ms.quantize8(_mm256_mul_ps(_mm256_loadu_ps(mbuf + i), inverse_m)));
+    store8_codes(b.qv + i, vs.quantize8(_mm256_mul_ps(_mm256_loadu_ps(vbuf + i), inverse_v)));
+  }
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
   *b.av = new_av;
 }
 #endif
 
-// The block kernel this CPU runs (LOOM_ADAM8BIT_SCALAR=1 forces the scalar one: the tests
-// compare the two).
+// The block kernel this CPU runs, capped by LOOM_KERNEL_ISA (Note [Kernel ISA cap]: the tests
+// compare all three).
 using BlockKernel = void (*)(const Block&, const Coefficients&, float*, float*);
 BlockKernel block_kernel() {
 #if defined(__x86_64__)
-  static const bool vector = __builtin_cpu_supports("avx512f") &&
-                             signed_map().vector_ready() && unsigned_map().vector_ready();
-  const char* scalar = std::getenv("LOOM_ADAM8BIT_SCALAR");
-  if (vector && !(scalar && std::string(scalar) == "1")) return block_avx512;
+  static const bool maps_ready = signed_map().step_ready() && unsigned_map().step_ready();
+  const cpu::KernelIsa isa = cpu::kernel_isa();
+  if (maps_ready && isa == cpu::KernelIsa::avx512) return block_avx512;
+  if (maps_ready && isa == cpu::KernelIsa::avx2) return block_avx2;
 #endif
   return block_scalar;
 }

@@ -43,6 +43,7 @@ struct RegisterTable {
                                 _mm512_mask_blend_ps(b6, q2, q3));
   }
 };
+
 #endif
 
 // A dynamic ("tree") map: 256 sorted codes in [-1, 1] (signed, for m) or [0, 1] (unsigned, for
@@ -88,10 +89,7 @@ struct QuantMap {
       if (cell < kCells - 1)
         walk_steps = std::max({walk_steps, below(hi) - below(lo), at_most(-lo) - below(-hi)});
     }
-    // Note [Quantize in vectors]: the walk's first candidate by cell and sign.
-    for (int cell = 0; cell < kCells; ++cell)
-      for (int negative = 0; negative < 2; ++negative)
-        lane_first[2 * cell + negative] = negative ? first_negative[cell] : first_positive[cell];
+    build_step_cells();
   }
 
   // The nearest code of y (|y| <= 1): a branch-free binary search over the midpoints.
@@ -126,53 +124,85 @@ struct QuantMap {
     return static_cast<uint8_t>(y == y ? i : 0);  // NaN: 0, as the search gives
   }
 
+  // Note [Quantize in one step]: quantize_fast in one lookup and one comparison. The cells are
+  // finer here (1/128 binade, from 2^-26 up: the maps' least threshold is 2^-24.3), so no cell
+  // of either sign holds more than one threshold (step_ready() says so; the constructor
+  // counts). A cell's entry is the count of thresholds below the whole cell (`base`, 8 bits)
+  // and where its one threshold lies in it, as the 16 mantissa bits below the cell's own 7
+  // (integers order like the floats they are, within a cell of one sign): y's code is base
+  // plus whether that threshold lies below y. For a negative y the threshold lies below y when
+  // its magnitude is the larger, so both offsets are stored and compared complemented (~a < ~b
+  // is a > b) and one signed comparison serves both signs. A cell without a threshold holds a
+  // sentinel no offset passes. Cell 0 is |y| < 2^-26, zero included: its one threshold is the
+  // signed map's 0 (between its two zero codes), passed by any y != 0, so y's offset there is
+  // min(|y| bits, 1). The last cell is |y| >= 2, infinities and NaN (NaN's code is 0, masked).
+  // One gather per vector of values instead of the walk's three or four lookups; byte-identical
+  // to quantize_fast (tested for every float tried, in every lane).
+  static constexpr int kStepBits = 7, kStepMinExponent = 127 - 26;
+  static constexpr int kStepCells = 1 + (127 - kStepMinExponent + 1) * (1 << kStepBits) + 1;
+  std::array<int32_t, 2 * kStepCells> step_cell{};  // by 2 x cell + sign: base | offset << 8
+  bool step_ready() const { return step_cells_fit; }
+  // The scalar statement of the vector code (the tests hold it to quantize()).
+  uint8_t quantize_step(float y) const {
+    uint32_t bits;
+    std::memcpy(&bits, &y, sizeof bits);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    const int raw = static_cast<int>(magnitude >> 16) - (kStepMinExponent << kStepBits) + 1;
+    const int cell = std::min(std::max(raw, 0), kStepCells - 1);
+    const int32_t negative = -static_cast<int32_t>(bits >> 31);  // 0 or -1 (all ones)
+    const int32_t entry = step_cell[2 * cell - negative];
+    const int32_t offset =
+        (raw <= 0 ? static_cast<int32_t>(std::min<uint32_t>(magnitude, 1))
+                  : static_cast<int32_t>(magnitude & 0xffffu)) ^ negative;
+    const int q = (entry & 0xff) + static_cast<int>((entry >> 8) < offset);
+    return static_cast<uint8_t>(y == y ? q : 0);
+  }
 #if defined(__x86_64__)
-  // Note [Quantize in vectors]: quantize_fast for 16 floats at once, its byte for every float
-  // (tested over the same values): the walk's first candidate comes from a gather by cell and
-  // sign, and the thresholds its steps compare, threshold[first + k] (the last one, inf, past
-  // the end), from `thresholds`, this map's threshold table in registers (Note [Lookups in
-  // registers]); i plus how many of them lie below y, counted in order (a step past the answer
-  // adds nothing), is the walk's answer. Needs walk_steps <= 3 (2 for the signed map, 3 for the
-  // unsigned); callers check vector_ready().
-  bool vector_ready() const { return walk_steps <= 3; }
-  __attribute__((target("avx512f"))) __m512i quantize16(__m512 y,
-                                                        const RegisterTable& thresholds) const {
+  // quantize_step for 8 lanes (AVX2) and for 16 (AVX-512): the codes as int32 lanes.
+  __attribute__((target("avx2"))) __m256i quantize8(__m256 y) const {
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i raw = _mm256_sub_epi32(_mm256_srli_epi32(magnitude, 16),
+                                         _mm256_set1_epi32((kStepMinExponent << kStepBits) - 1));
+    const __m256i cell = _mm256_min_epi32(_mm256_max_epi32(raw, _mm256_setzero_si256()),
+                                          _mm256_set1_epi32(kStepCells - 1));
+    const __m256i negative = _mm256_srai_epi32(bits, 31);
+    const __m256i entry = _mm256_i32gather_epi32(
+        reinterpret_cast<const int*>(step_cell.data()),
+        _mm256_sub_epi32(_mm256_add_epi32(cell, cell), negative), 4);
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(1), raw);
+    const __m256i offset = _mm256_xor_si256(
+        _mm256_blendv_epi8(_mm256_and_si256(magnitude, _mm256_set1_epi32(0xffff)),
+                           _mm256_min_epu32(magnitude, _mm256_set1_epi32(1)), tiny),
+        negative);
+    const __m256i q = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xff)),
+                                       _mm256_cmpgt_epi32(offset, _mm256_srai_epi32(entry, 8)));
+    return _mm256_and_si256(q, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_ORD_Q)));  // NaN: 0
+  }
+  __attribute__((target("avx512f"))) __m512i quantize16_step(__m512 y) const {
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512i exponent = _mm512_srli_epi32(magnitude, 23);
-    __m512i cell = _mm512_add_epi32(
-        _mm512_set1_epi32(1),
-        _mm512_add_epi32(
-            _mm512_slli_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(kMinExponent)), kCellBits),
-            _mm512_and_si512(_mm512_srli_epi32(magnitude, 23 - kCellBits),
-                             _mm512_set1_epi32(kCellsPerBinade - 1))));
-    cell = _mm512_mask_mov_epi32(
-        cell, _mm512_cmplt_epi32_mask(exponent, _mm512_set1_epi32(kMinExponent)),
-        _mm512_setzero_si512());
-    cell = _mm512_mask_mov_epi32(
-        cell, _mm512_cmpgt_epi32_mask(exponent, _mm512_set1_epi32(kMaxExponent)),
-        _mm512_set1_epi32(kCells - 1));
-    const __m512i index = _mm512_add_epi32(_mm512_slli_epi32(cell, 1), _mm512_srli_epi32(bits, 31));
-    const __m512i first = _mm512_i32gather_epi32(index, lane_first.data(), 4);
-    const __m512i one = _mm512_set1_epi32(1), last = _mm512_set1_epi32(255);
-    const __m512i first1 = _mm512_min_epi32(_mm512_add_epi32(first, one), last);
-    const __mmask16 above0 = _mm512_cmp_ps_mask(thresholds.lookup(first), y, _CMP_LT_OQ);
-    const __mmask16 above1 = above0 & _mm512_cmp_ps_mask(thresholds.lookup(first1), y, _CMP_LT_OQ);
-    __m512i q = _mm512_mask_add_epi32(first, above0, first, one);
-    q = _mm512_mask_add_epi32(q, above1, q, one);
-    if (walk_steps > 2) {  // a third step only where a map's cells need it
-      const __m512i first2 = _mm512_min_epi32(_mm512_add_epi32(first1, one), last);
-      q = _mm512_mask_add_epi32(
-          q, above1 & _mm512_cmp_ps_mask(thresholds.lookup(first2), y, _CMP_LT_OQ), q, one);
-    }
+    const __m512i raw = _mm512_sub_epi32(_mm512_srli_epi32(magnitude, 16),
+                                         _mm512_set1_epi32((kStepMinExponent << kStepBits) - 1));
+    const __m512i cell = _mm512_min_epi32(_mm512_max_epi32(raw, _mm512_setzero_si512()),
+                                          _mm512_set1_epi32(kStepCells - 1));
+    const __m512i negative = _mm512_srai_epi32(bits, 31);
+    const __m512i entry =
+        _mm512_i32gather_epi32(_mm512_sub_epi32(_mm512_add_epi32(cell, cell), negative),
+                               step_cell.data(), 4);
+    const __mmask16 tiny = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(1), raw);
+    const __m512i offset = _mm512_xor_si512(
+        _mm512_mask_min_epu32(_mm512_and_si512(magnitude, _mm512_set1_epi32(0xffff)), tiny,
+                              magnitude, _mm512_set1_epi32(1)),
+        negative);
+    const __m512i base = _mm512_and_si512(entry, _mm512_set1_epi32(0xff));
+    const __m512i q = _mm512_mask_add_epi32(
+        base, _mm512_cmpgt_epi32_mask(offset, _mm512_srai_epi32(entry, 8)), base,
+        _mm512_set1_epi32(1));
     return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), q);  // NaN: 0
   }
-  // The same with the table loaded here (a caller with one value to quantize: the tests).
-  __attribute__((target("avx512f"))) __m512i quantize16(__m512 y) const {
-    const RegisterTable thresholds(threshold.data());
-    return quantize16(y, thresholds);
-  }
 #endif
+
   // Cells: [0, 2^(kMinExponent-127)) is cell 0, then kCellsPerBinade per binade up to |y| < 2;
   // anything larger (or NaN) is the last cell.
   static constexpr int kCellBits = 5, kCellsPerBinade = 1 << kCellBits;
@@ -180,10 +210,57 @@ struct QuantMap {
   static constexpr int kCells = 1 + (kMaxExponent - kMinExponent + 1) * kCellsPerBinade;
   std::array<uint8_t, kCells> first_positive{}, first_negative{};
   int walk_steps = 0;  // the most thresholds any one cell holds (signed map 2, unsigned 3)
-  // Note [Quantize in vectors]: by 2 x cell + sign.
-  std::array<int32_t, 2 * kCells> lane_first{};
 
  private:
+  bool step_cells_fit = true;
+  static float from_bits(uint32_t bits) {
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  }
+  static uint32_t to_bits(float x) {
+    uint32_t out;
+    std::memcpy(&out, &x, sizeof out);
+    return out;
+  }
+  // Note [Quantize in one step]: each cell's entry for either sign.
+  void build_step_cells() {
+    for (int cell = 0; cell < kStepCells; ++cell) {
+      // The cell's magnitudes: [lo, hi).
+      float lo = 0.0f, hi = from_bits(static_cast<uint32_t>(kStepMinExponent) << 23);
+      if (cell == kStepCells - 1) {
+        lo = 2.0f;
+        hi = std::numeric_limits<float>::infinity();
+      } else if (cell > 0) {
+        const uint32_t low_bits =
+            (static_cast<uint32_t>(cell - 1) + (static_cast<uint32_t>(kStepMinExponent) << kStepBits))
+            << 16;
+        lo = from_bits(low_bits);
+        hi = from_bits(low_bits + (1u << 16));
+      }
+      // Where threshold t sits in the cell: 0 for cell 0, whose only threshold may be 0.
+      auto offset_of = [&](float t) -> int32_t {
+        const float magnitude = std::fabs(t);
+        if (cell == 0) {
+          if (magnitude != 0.0f) step_cells_fit = false;
+          return 0;
+        }
+        return static_cast<int32_t>(to_bits(magnitude) - to_bits(lo));
+      };
+      auto entry = [](int base, int32_t offset) {
+        return static_cast<int32_t>(static_cast<uint32_t>(base) |
+                                    static_cast<uint32_t>(offset) << 8);
+      };
+      // y in [lo, hi): the thresholds below lo, and those in [lo, hi).
+      const int below_lo = below(lo), in_positive = below(hi) - below_lo;
+      // y in (-hi, -lo]: the thresholds at or below -hi, and those in (-hi, -lo].
+      const int upto_hi = at_most(-hi), in_negative = at_most(-lo) - upto_hi;
+      if (in_positive > 1 || in_negative > 1) step_cells_fit = false;
+      step_cell[2 * cell] = entry(below_lo, in_positive ? offset_of(threshold[below_lo]) : 1 << 16);
+      step_cell[2 * cell + 1] =
+          entry(upto_hi, ~(in_negative ? offset_of(threshold[upto_hi]) : 0));
+    }
+  }
   static float cell_low(int cell) {
     if (cell == 0) return 0.0f;
     const int c = cell - 1;

@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/cpu/Utils.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 
 #include <algorithm>
 #include <chrono>
@@ -80,6 +81,34 @@ struct LossScaler {
   }
 };
 
+// Note [Falling back from fp16]: fp16's range ends at 65504. A model whose activations or
+// gradients outgrow it (large weights, a long sequence's attention logits, a loss spike)
+// overflows at every loss scale, and the scaler only skips those steps until its floor, where
+// the run ends in a named divergence error (on_overflow = "error", the default: what GradScaler
+// and DeepSpeed do). With on_overflow = "fallback", an overflow at the floor, a scale below
+// kMinScale, or fallback_after overflowing steps in a row instead switch the run, once and for
+// good, to bf16 autocast (fp32's range) where the device computes bf16 natively, else fp32
+// (fallback_mode names one), and training goes on.
+// - The state it goes on from is the last good one without a copy: an overflowing step's
+//   update is skipped before the step driver touches anything (Note [Dynamic loss scaling]),
+//   so at the switch the weights, fp32 masters and optimizer moments are bitwise those after
+//   the last clean update. A snapshot would cost another 12 B per parameter for a rare event,
+//   and reloading the last checkpoint would throw away the clean steps since. What is not
+//   undone: the overflowing steps' batches were drawn and their steps counted (the schedule
+//   moved on), as they are for any skipped step in GradScaler and DeepSpeed.
+// - fp16 autocast and bf16 autocast both keep fp32 weights, gradients and optimizer state, so
+//   only the forward's autocast dtype changes; fp32 drops autocast. full_fp16 stores the
+//   weights in fp16 with the step driver's masters beside them, a layout that cannot change
+//   mid-run: configure() refuses on_overflow = "fallback" there.
+// - Frozen Linear weights held in fp16 (Note [Frozen weights in half]) are cast to the new
+//   dtype: the run trained against their fp16 values, which fp32 holds exactly.
+// - Every rank sees the same overflow (its flag is all-reduced) and the ranks agree on the
+//   target (one all-reduce at the switch), so they switch together.
+// - The switch is one warning line, a `precision_fallback_to_<mode>` field (1) on that step's
+//   metrics.jsonl line, and in checkpoints `precision.mode` (the new mode) with
+//   `precision.fallback_from` and `precision.fallback_step`: a resume of a job that still says
+//   mode = "fp16" continues in the mode the run fell back to, whatever its on_overflow.
+
 // Below this the scale cannot make any finite gradient overflow: every step overflowing down
 // to here means the gradients are inf/NaN at any scale (a diverged model or a NaN input).
 constexpr double kMinScale = 1.0 / (1 << 24);
@@ -116,6 +145,16 @@ class Precision final : public loom::Plugin {
                           "the scale grows (DeepSpeed's)")
                 .key_float("min_scale", 0.0, "fp16: the scale never backs off below this "
                                              "(DeepSpeed's min_loss_scale; 0 = no floor)")
+                .key_string("on_overflow", "error",
+                            "fp16: what an overflow at min_scale (or below 2^-24) does: error "
+                            "(a named divergence error) | fallback (switch the rest of the run "
+                            "to fallback_mode; also after fallback_after overflows in a row; "
+                            "Note [Falling back from fp16])")
+                .key_int("fallback_after", 20, "fp16, on_overflow = \"fallback\": overflowing "
+                                               "steps in a row that switch the run")
+                .key_string("fallback_mode", "auto",
+                            "fp16, on_overflow = \"fallback\": the mode switched to: auto (bf16 "
+                            "where the device computes bf16 natively, else fp32) | bf16 | fp32")
                 .key_string("cast_cache", "step",
                             "bf16/fp16 autocast: how long the half copies of the weights live "
                             "(Note [Cast once per update]): step (cast once per update, reused "
@@ -149,7 +188,8 @@ class Precision final : public loom::Plugin {
     dtype_ = compute_dtype(mode_);
 
     for (const char* key : {"init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                            "hysteresis", "consecutive_hysteresis", "min_scale"})
+                            "hysteresis", "consecutive_hysteresis", "min_scale", "on_overflow",
+                            "fallback_after", "fallback_mode"})
       LOOM_CHECK_AS(ConfigError, !table.has(key) || loss_scaling(mode_), table.where(key),
                     ": [precision] ", key, " sets the fp16 loss scaler, but mode is '", name,
                     "' (only fp16 and full_fp16 scale the loss); remove it or use an fp16 mode");
@@ -176,6 +216,7 @@ class Precision final : public loom::Plugin {
                   table.where("min_scale"), ": [precision] min_scale must be in [0, init_scale "
                   "(", scaler_.scale, ")], got ", scaler_.min_scale);
     where_mode_ = table.where("mode");
+    configure_fallback(table);
     const std::string cache = table.get_string("cast_cache");
     LOOM_CHECK_AS(ConfigError, cache == "step" || cache == "forward", table.where("cast_cache"),
                   ": [precision] cast_cache must be \"step\" or \"forward\", got \"", cache, "\"");
@@ -225,12 +266,20 @@ class Precision final : public loom::Plugin {
       });
     }
     if (loss_scaling(mode_))
-      engine.on(loom::Event::before_update, [this](loom::Engine& e) { unscale_and_check(e); });
+      engine.on(loom::Event::before_update, [this](loom::Engine& e) {
+        if (loss_scaling(mode_)) unscale_and_check(e);  // not after a fallback
+      });
     engine.on(loom::Event::save, [this](loom::Engine& e) {
       auto& values = e.checkpoint().values;
       values["precision.mode"] = mode_name_;
+      if (!fallen_from_.empty()) {  // Note [Falling back from fp16]
+        values["precision.fallback_from"] = fallen_from_;
+        values["precision.fallback_step"] = std::to_string(fallback_step_);
+      }
       if (loss_scaling(mode_)) {
         values["precision.growth_tracker"] = std::to_string(scaler_.growth_tracker);
+        if (fallback_on_ && overflow_streak_ > 0)
+          values["precision.overflow_streak"] = std::to_string(overflow_streak_);
         if (scaler_.hysteresis > 1)
           values["precision.hysteresis_left"] = std::to_string(scaler_.hysteresis_left);
       }
@@ -245,6 +294,54 @@ class Precision final : public loom::Plugin {
 
  private:
   // ---- setup ----
+  // Note [Falling back from fp16].
+  void configure_fallback(const loom::ConfigSection& table) {
+    const std::string policy = table.get_string("on_overflow");
+    LOOM_CHECK_AS(ConfigError, policy == "error" || policy == "fallback",
+                  table.where("on_overflow"), ": [precision] on_overflow '", policy,
+                  "' is unknown (use \"error\" or \"fallback\")");
+    fallback_on_ = policy == "fallback";
+    for (const char* key : {"fallback_after", "fallback_mode"})
+      LOOM_CHECK_AS(ConfigError, !table.has(key) || fallback_on_, table.where(key),
+                    ": [precision] ", key, " applies only with on_overflow = \"fallback\", but "
+                    "on_overflow is \"", policy, "\"; remove it or set on_overflow = "
+                    "\"fallback\"");
+    LOOM_CHECK_AS(ConfigError, !fallback_on_ || mode_ != Mode::full_fp16,
+                  table.where("on_overflow"), ": [precision] on_overflow = \"fallback\" needs "
+                  "mode = \"fp16\" (autocast over fp32 weights): full_fp16 stores the weights in "
+                  "fp16 beside the optimizer's fp32 masters, which cannot change dtype mid-run; "
+                  "use mode = \"fp16\", or full_bf16 (no overflow to fall back from)");
+    fallback_after_ = table.get_int("fallback_after");
+    LOOM_CHECK_AS(ConfigError, fallback_after_ > 0, table.where("fallback_after"),
+                  ": [precision] fallback_after must be > 0 (overflowing steps in a row), got ",
+                  fallback_after_);
+    fallback_choice_ = table.get_string("fallback_mode");
+    LOOM_CHECK_AS(ConfigError,
+                  fallback_choice_ == "auto" || fallback_choice_ == "bf16" ||
+                      fallback_choice_ == "fp32",
+                  table.where("fallback_mode"), ": [precision] fallback_mode '", fallback_choice_,
+                  "' is unknown (use \"auto\", \"bf16\" or \"fp32\")");
+  }
+
+  // The mode fallback_mode = "auto" switches to on this device, and why.
+  std::pair<Mode, std::string> fallback_target() const {
+    if (fallback_choice_ == "bf16") return {Mode::bf16, "[precision] fallback_mode = \"bf16\""};
+    if (fallback_choice_ == "fp32") return {Mode::fp32, "[precision] fallback_mode = \"fp32\""};
+    if (device_.is_cuda()) {
+      // LibTorch answers this from the device's compute capability (8.0 and up: Ampere).
+      if (at::detail::getCUDAHooks().supportsBFloat16ConvolutionWithCuDNNv8())
+        return {Mode::bf16, device_.str() + " computes bf16 natively"};
+      return {Mode::fp32, device_.str() + " predates bf16 (compute capability below 8.0)"};
+    }
+    if (device_.is_cpu()) {
+      const std::string gap =
+          loom::precision::cpu_half_gap(at::kBFloat16, at::cpu::get_cpu_capabilities());
+      if (gap.empty()) return {Mode::bf16, "this CPU computes bf16 natively"};
+      return {Mode::fp32, gap};
+    }
+    return {Mode::fp32, "no bf16 probe for " + device_.str()};
+  }
+
   void set_mode(Mode mode, const std::string& name) {
     mode_ = mode;
     mode_name_ = name;
@@ -398,6 +495,7 @@ class Precision final : public loom::Plugin {
     for (at::Tensor& t : loom::nn::frozen_linear_tensors(engine.model())) {
       if (t.scalar_type() != at::kFloat) continue;
       t.set_data(t.detach().to(dtype_));
+      frozen_tensors_.push_back(t);
       ++tensors;
       elements += t.numel();
     }
@@ -509,10 +607,23 @@ class Precision final : public loom::Plugin {
     scaler_.scale = scale;
     const bool backs_off = scaler_.hysteresis_left <= 1;  // this overflow would shrink the scale
     scaler_.update(overflow);
+    overflow_streak_ = overflow ? overflow_streak_ + 1 : 0;
     if (overflow) {
       state.skip_update = true;
       loom::log::info("step ", state.step + 1, ": inf/NaN gradient at loss scale ", scale,
                       "; update skipped, scale now ", scaler_.scale);
+      if (fallback_on_) {
+        std::string why;
+        if (scaler_.scale < kMinScale)
+          why = loom::detail::cat("fp16 overflowed at every loss scale down to ", scale);
+        else if (backs_off && scale <= scaler_.min_scale)
+          why = loom::detail::cat("fp16 overflowed at the loss scale's floor ", scaler_.min_scale,
+                                  " ([precision] min_scale)");
+        else if (overflow_streak_ >= fallback_after_)
+          why = loom::detail::cat("fp16 overflowed on ", overflow_streak_, " steps in a row "
+                                  "([precision] fallback_after = ", fallback_after_, ")");
+        if (!why.empty()) return fall_back(engine, why);
+      }
       LOOM_CHECK(scaler_.scale >= kMinScale, "step ", state.step + 1,
                  ": the gradients are inf/NaN at every loss scale down to ", scale,
                  " (loss ", state.loss, "): training diverged or the data holds a NaN; lower "
@@ -528,6 +639,47 @@ class Precision final : public loom::Plugin {
     state.loss_scale = scaler_.scale;
   }
 
+  // Note [Falling back from fp16]. Called in before_update of the overflowing step, whose
+  // update is skipped.
+  void fall_back(loom::Engine& engine, const std::string& why) {
+    auto& state = engine.state();
+    auto [target, reason] = fallback_target();
+    if (engine.comm().world_size() > 1) {  // one rank without bf16 makes them all fp32
+      const auto options = at::TensorOptions().dtype(at::kFloat).device(engine.comm().device());
+      at::Tensor fp32 = at::full({1}, target == Mode::fp32 ? 1.0f : 0.0f, options);
+      engine.comm().all_reduce(fp32, loom::ReduceOp::max)->wait();
+      if (fp32.item<float>() != 0.0f && target != Mode::fp32) {
+        target = Mode::fp32;
+        reason = "another rank's device does not compute bf16 natively";
+      }
+    }
+    const std::string from = mode_name_;
+    const std::string to = target == Mode::bf16 ? "bf16" : "fp32";
+    set_mode(target, to);
+    fallen_from_ = from;
+    fallback_step_ = state.step + 1;
+    convert_frozen_half();
+    state.loss_scale = 1.0;
+    state.metrics.emplace_back("precision_fallback_to_" + to, 1.0);
+    const int64_t last_clean = state.step + 1 - overflow_streak_;
+    loom::log::warn("[precision] step ", state.step + 1, ": ", why, " (loss ", state.loss,
+                    "); switching from ", from, " to ",
+                    target == Mode::bf16 ? "bf16 autocast" : "fp32", " for the rest of the run (",
+                    reason, "; [precision] on_overflow = \"fallback\"), from the weights and "
+                    "optimizer state of ", last_clean == 0 ? std::string("the start")
+                                                          : "step " + std::to_string(last_clean),
+                    ", the last clean update");
+  }
+
+  // Frozen Linear tensors held in half (Note [Frozen weights in half]) follow a change of mode.
+  void convert_frozen_half() {
+    if (frozen_tensors_.empty()) return;
+    at::NoGradGuard no_grad;
+    const at::ScalarType to = uses_autocast(mode_) ? dtype_ : at::kFloat;
+    for (at::Tensor& t : frozen_tensors_)
+      if (t.scalar_type() != to) t.set_data(t.detach().to(to));
+  }
+
   // ---- checkpoints ----
   void load(loom::Engine& engine) {
     auto& state = engine.state();
@@ -540,6 +692,20 @@ class Precision final : public loom::Plugin {
       loom::log::info("[precision] mode = \"auto\": continuing in the checkpoint's ", saved_mode);
       set_mode(saved_mode == "bf16" ? Mode::bf16 : Mode::fp32, saved_mode);
     }
+    auto from = values.find("precision.fallback_from");
+    if (from != values.end() && from->second == mode_name_ &&
+        (saved_mode == "bf16" || saved_mode == "fp32")) {
+      // Note [Falling back from fp16]: the run switched for good; the job still names the mode
+      // it switched from.
+      const std::string step = read_value(values, "precision.fallback_step");
+      loom::log::info("[precision] the checkpoint's run fell back from ", from->second, " to ",
+                      saved_mode, " at step ", step, " ([precision] on_overflow = \"fallback\"); "
+                      "continuing in ", saved_mode);
+      set_mode(saved_mode == "bf16" ? Mode::bf16 : Mode::fp32, saved_mode);
+      fallen_from_ = from->second;
+      fallback_step_ = parse_int(step, "precision.fallback_step");
+      convert_frozen_half();
+    }
     if (saved_mode != mode_name_)
       loom::log::warn("[precision] the checkpoint was trained with mode ", saved_mode,
                       ", this run uses ", mode_name_, "; continuing in ", mode_name_);
@@ -547,6 +713,9 @@ class Precision final : public loom::Plugin {
       state.loss_scale = 1.0;
       return;
     }
+    auto streak = values.find("precision.overflow_streak");
+    overflow_streak_ =
+        streak == values.end() ? 0 : parse_int(streak->second, "precision.overflow_streak");
     auto left = values.find("precision.hysteresis_left");
     scaler_.hysteresis_left = scaler_.hysteresis;
     if (left != values.end()) {
@@ -577,8 +746,34 @@ class Precision final : public loom::Plugin {
     scaler_.scale = state.loss_scale;
   }
 
+  static std::string read_value(const std::map<std::string, std::string>& values,
+                                const std::string& key) {
+    auto it = values.find(key);
+    LOOM_CHECK_AS(CheckpointError, it != values.end(), "checkpoint value ", key,
+                  " is missing; the manifest is damaged");
+    return it->second;
+  }
+  static int64_t parse_int(const std::string& text, const std::string& key) {
+    try {
+      size_t used = 0;
+      const int64_t value = std::stoll(text, &used);
+      if (used == text.size() && value >= 0) return value;
+    } catch (const std::exception&) {
+    }
+    throw loom::CheckpointError(loom::detail::cat("checkpoint value ", key, " is '", text,
+                                                  "', not a count; the manifest is damaged"));
+  }
+
   Mode mode_ = Mode::fp32;
   std::string mode_name_ = "fp32", where_mode_;
+  // Note [Falling back from fp16]
+  bool fallback_on_ = false;
+  int64_t fallback_after_ = 20;
+  std::string fallback_choice_ = "auto";
+  int64_t overflow_streak_ = 0;    // overflowing steps in a row, up to the last one
+  std::string fallen_from_;        // after a fallback: the mode the run started in
+  int64_t fallback_step_ = 0;      // the step that switched
+  std::vector<at::Tensor> frozen_tensors_;  // held in half by hold_frozen_in_half
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_{c10::kCPU};
   LossScaler scaler_;

@@ -252,5 +252,58 @@ TEST(Checkpoint, AnotherModelShapeIsRefusedByTensorName) {
                     "another model shape");
 }
 
+
+// Note [Asynchronous checkpoints] through the Trainer API (the CLI cases are in
+// tests/distributed/reliability_test.sh). The writer is held 300 ms after its files by the test
+// knob, so a save is still in flight when the test acts.
+std::string file_bytes(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+struct HeldWriter {
+  HeldWriter() { ::setenv("LOOM_TEST_ASYNC_SAVE_DELAY_MS", "300", 1); }
+  ~HeldWriter() { ::unsetenv("LOOM_TEST_ASYNC_SAVE_DELAY_MS"); }
+};
+
+TEST(AsyncSave, SaveCheckpointCommitsTheSaveInFlightFirstAndDestructionCommitsIt) {
+  TempDir sync_dir, async_dir, dropped_dir;
+  const std::vector<std::string> sets = {"train.save_steps=2", "train.save_final=false"};
+  Trainer::from_text(tiny_gpt_job(sync_dir.str()), sync_dir.path(), sets)->run();
+  HeldWriter held;
+  auto with_async = sets;
+  with_async.push_back("train.async_save=true");
+  {
+    auto trainer = Trainer::from_text(tiny_gpt_job(async_dir.str()), async_dir.path(), with_async);
+    ASSERT_TRUE(trainer->step());
+    ASSERT_TRUE(trainer->step());  // checkpoint-2 starts in the background
+    EXPECT_FALSE(std::filesystem::exists(async_dir / "checkpoint-2"));
+    EXPECT_TRUE(std::filesystem::exists(async_dir / ".checkpoint-2.tmp"));
+    ASSERT_TRUE(trainer->step());
+    // Checkpoint-2 is committed before checkpoint-3 is written: both whole.
+    EXPECT_EQ(trainer->save_checkpoint(), (async_dir / "checkpoint-3").string());
+    EXPECT_TRUE(std::filesystem::exists(async_dir / "checkpoint-2/manifest.json"));
+    EXPECT_TRUE(std::filesystem::exists(async_dir / "checkpoint-3/manifest.json"));
+  }
+  {
+    // A trainer of one process dropped mid-save: the save step's state is whole, so it commits.
+    auto trainer = Trainer::from_text(tiny_gpt_job(dropped_dir.str()), dropped_dir.path(), with_async);
+    ASSERT_TRUE(trainer->step());
+    ASSERT_TRUE(trainer->step());
+    EXPECT_FALSE(std::filesystem::exists(dropped_dir / "checkpoint-2"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dropped_dir / ".checkpoint-2.tmp"));
+  for (const auto& dir : {&async_dir, &dropped_dir})
+    for (const char* file : {"model.safetensors", "optimizer-00000-of-00001.safetensors",
+                             "trainer.safetensors"})
+      EXPECT_EQ(file_bytes(sync_dir / "checkpoint-2" / file), file_bytes(*dir / "checkpoint-2" / file))
+          << dir->str() << " " << file;
+  // ...and a resume reads it.
+  with_async.push_back("train.resume=\"latest\"");
+  auto resumed = Trainer::from_text(tiny_gpt_job(dropped_dir.str()), dropped_dir.path(),
+                                    with_async)->run();
+  EXPECT_EQ(resumed.steps, 4);
+}
+
 }  // namespace
 }  // namespace loom

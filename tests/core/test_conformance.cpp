@@ -61,7 +61,9 @@ TEST(Conformance, EveryInTreeDataSourceConforms) {
   TempDir dir;
   {
     std::ofstream text(dir / "corpus.txt");
-    for (int i = 0; i < 200; ++i) text << "line " << i << " of a small corpus for the kit\n";
+    // Digits, spaces and newlines: bytes below the model's 64 ids (the text source's ids are
+    // its bytes, and data beyond the vocabulary is refused before the run).
+    for (int i = 0; i < 400; ++i) text << i << " " << i * 37 << " " << i % 7 << "\n";
     std::ofstream tokens(dir / "tokens.bin", std::ios::binary);
     for (uint16_t i = 0; i < 4000; ++i) {
       const uint16_t id = static_cast<uint16_t>((i * 37) % 64);

@@ -129,8 +129,10 @@ TEST(Data, MissingFileNamesThePath) {
 TEST(Data, RandomTokensAreDeterministicPerIndex) {
   TempDir dir;
   auto make = [&](const std::string& order) {
-    auto t = Trainer::from_text(job_with_data(dir.str(), "task = \"lm\"\nseq_len = 8\n" + order),
-                                dir.path(), {"train.per_device_train_batch_size=4"});
+    // Ids in [100, 300): below the model's vocabulary (Note [Data against the model]).
+    auto t = Trainer::from_text(
+        job_with_data(dir.str(), "task = \"lm\"\nseq_len = 8\nvocab_high = 300\n" + order),
+        dir.path(), {"train.per_device_train_batch_size=4"});
     t->setup();
     return t->engine().data().next();
   };

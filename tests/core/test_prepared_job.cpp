@@ -80,6 +80,34 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
        "", {"too few for one sample", "seq_len 16"}},
       {"tokens of odd length", "[data]\nsource = \"tokens\"\npath = \"odd.bin\"\nseq_len = 16\n", "",
        {"odd.bin' has 3 bytes, not a multiple of 2"}},
+      // The data against the model (Note [Data against the model]): the tiny GPT has 64 ids.
+      {"a token id beyond the vocabulary",
+       "[data]\nsource = \"tokens\"\npath = \"ids.bin\"\nseq_len = 16\n", "",
+       {"[data] path 'ids.bin': token id 64 at position 517 (byte 1034) of '",
+        "is not below the model's vocabulary of 64 ids ([model] vocab_size (",
+        "tokenize it with the model's tokenizer"}},
+      {"a uint32 token id beyond the vocabulary",
+       "[data]\nsource = \"tokens\"\npath = \"ids.bin\"\ndtype = \"uint32\"\nseq_len = 16\n", "",
+       {"token id 70000 at position 999 (byte 3996)", "vocabulary of 64 ids",
+        "[data] dtype = \"uint32\""}},
+      {"an evaluation set's token id beyond the vocabulary", "",
+       "[eval_data]\nsource = \"tokens\"\npath = \"ids.bin\"\nseq_len = 16\n",
+       {"[eval_data] path 'ids.bin': token id 64 at position 517"}},
+      {"text bytes beyond the vocabulary",
+       "[data]\nsource = \"text\"\npath = \"text.txt\"\nseq_len = 16\n", "",
+       {"[data] path 'text.txt': token id 104 at position 2 (byte 2)", "vocabulary of 64 ids",
+        "ids are its bytes (0-255)"}},
+      {"random ids beyond the vocabulary",
+       "[data]\nsource = \"random_tokens\"\ntask = \"lm\"\nseq_len = 16\nvocab_low = 0\n"
+       "vocab_high = 65\n", "",
+       {"[data] vocab_high = 65 draws token ids up to 64, not below the model's vocabulary of 64",
+        "set vocab_high <= 64"}},
+      {"an empty tokens file",
+       "[data]\nsource = \"tokens\"\npath = \"empty.bin\"\nseq_len = 16\n", "",
+       {"[data] path 'empty.bin': '", "empty.bin' is empty (0 bytes)", "write the data again"}},
+      {"an empty text shard",
+       "[data]\nsource = \"text\"\npath = [\"text.txt\", \"empty.txt\"]\nseq_len = 16\n",
+       "", {"[data] path 'empty.txt': '", "empty.txt' is empty (0 bytes)"}},
       // Model, optimizer and table plugins, validated against the whole job.
       {"heads not dividing the width", "", "", {"n_head"}},
       {"sequences longer than the positions",
@@ -158,6 +186,19 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
              "train.load_best_model_at_end=true"};
     if (name == "text shorter than a sample") std::ofstream(dir / "short.txt") << "too short";
     if (name == "tokens of odd length") std::ofstream(dir / "odd.bin") << "abc";
+    // 1000 ids below 64 but one: 64 at 517 (uint16), 70000 at the last (uint32).
+    if (name.find("token id beyond") != std::string::npos) {
+      const bool wide = name.find("uint32") != std::string::npos;
+      std::ofstream file(dir / "ids.bin", std::ios::binary);
+      for (uint32_t i = 0; i < 1000; ++i) {
+        const uint32_t id = wide ? (i == 999 ? 70000 : i % 64) : (i == 517 ? 64 : i % 64);
+        file.write(reinterpret_cast<const char*>(&id), wide ? 4 : 2);  // little-endian
+      }
+    }
+    if (name == "text bytes beyond the vocabulary" || name == "an empty text shard")
+      std::ofstream(dir / "text.txt") << "!!h, a text of more than seventeen bytes";
+    if (name == "an empty tokens file") std::ofstream(dir / "empty.bin");
+    if (name == "an empty text shard") std::ofstream(dir / "empty.txt");
     if (name == "an earlier run's checkpoints") {
       std::filesystem::create_directories(dir / "out/checkpoint-3");
       std::ofstream(dir / "out/checkpoint-3/manifest.json") << "{}";

@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "loom/crc32c.h"
 #include "loom/trainer.h"
 #include "tensorboard.h"
 #include "test_util.h"

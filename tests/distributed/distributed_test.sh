@@ -32,16 +32,9 @@ for n in 2 4; do
 done
 
 # --- N ranks x batch b == 1 rank x batch N*b
-same_params() {  # same_params DIR_A DIR_B TOLERANCE
-  "$python" - "$1/checkpoint-20/model.safetensors" "$2/checkpoint-20/model.safetensors" "$3" <<'PY'
-import sys
-from safetensors.torch import load_file
-a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
-assert a.keys() == b.keys()
-worst = max(float((a[k] - b[k]).norm() / max(a[k].norm(), 1e-12)) for k in a)
-print(f"worst relative difference {worst:.2e}")
-sys.exit(0 if worst <= tol else 1)
-PY
+same_params() {  # same_params DIR_A DIR_B TOLERANCE (the final model.safetensors of DDP runs)
+  "$python" "$src/tests/support/tensors.py" compare "$1/checkpoint-20/model.safetensors" \
+    "$2/checkpoint-20/model.safetensors" "$3"
 }
 run_single() {  # run_single OUT BATCH
   "$loom" run "$job" --set "train.output_dir=$1" --set "train.per_device_train_batch_size=$2" >"$1.log" 2>&1

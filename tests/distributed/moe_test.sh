@@ -22,12 +22,8 @@ source "$src/tests/distributed/testlib.sh"
 
 # The consolidated checkpoints hold every rank's experts: the whole (4, ...) expert tensors.
 whole_experts() {
-  "$python" - "$1.c20.safetensors" <<'PY'
-import sys
-from safetensors.torch import load_file
-shape = load_file(sys.argv[1])["h.0.ffn.w_in"].shape
-sys.exit(0 if shape[0] == 4 else f"h.0.ffn.w_in is {tuple(shape)}, not 4 experts")
-PY
+  local shape; shape=$("$python" "$src/tests/support/tensors.py" shape "$1.c20.safetensors" h.0.ffn.w_in) &&
+    { [ "${shape%%,*}" = 4 ] || { echo "h.0.ffn.w_in is ($shape), not 4 experts"; false; }; }
 }
 
 for case in "2 2 mpi" "4 4 mpi" "4 2 gloo" "2 2 gloo"; do

@@ -37,15 +37,7 @@ export LOOM_PLUGIN_PATH=$build/tests/plugins
 same_params() {  # A B: consolidated final weights within 1e-6
   "$loom" consolidate "$1/checkpoint-20" "$1.safetensors" >/dev/null &&
   "$loom" consolidate "$2/checkpoint-20" "$2.safetensors" >/dev/null &&
-  "$python" - "$1.safetensors" "$2.safetensors" <<'PY'
-import sys
-from safetensors.torch import load_file
-a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
-assert a.keys() == b.keys()
-worst = max(float((a[k].double() - b[k].double()).norm() / max(a[k].double().norm(), 1e-12)) for k in a)
-print(f"worst relative difference {worst:.1e}")
-sys.exit(0 if worst <= 1e-6 else 1)
-PY
+  "$python" "$src/tests/support/tensors.py" compare "$1.safetensors" "$2.safetensors" 1e-6
 }
 common=(--set optimizer.eps=1e-5 --set zero.stage=3)
 "$loom" run "$job" --set "train.output_dir=$work/ref" "${common[@]}" --set zero.stage=0 \

@@ -42,18 +42,13 @@ ranks() {
   fi
 }
 # same_params A B TOLERANCE [STEP]: the final weights of two runs' checkpoint-STEP (20), fp32
-# masters where a run kept them, through `loom consolidate`; prints the worst relative difference.
+# masters where a run kept them, through `loom consolidate` (once per run and step: a reference
+# run is compared many times); prints the worst relative difference (tests/support/tensors.py:
+# numpy, not torch, whose import would cost seconds per comparison).
+consolidated() {  # RUN STEP: RUN.cSTEP.safetensors, made on first use
+  [ -f "$1.c$2.safetensors" ] || "$loom" consolidate "$1/checkpoint-$2" "$1.c$2.safetensors" >/dev/null
+}
 same_params() {
-  "$loom" consolidate "$1/checkpoint-${4:-20}" "$1.c${4:-20}.safetensors" >/dev/null &&
-  "$loom" consolidate "$2/checkpoint-${4:-20}" "$2.c${4:-20}.safetensors" >/dev/null &&
-  "$python" - "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3" <<'PY'
-import sys
-from safetensors.torch import load_file
-a, b, tol = load_file(sys.argv[1]), load_file(sys.argv[2]), float(sys.argv[3])
-assert a.keys() == b.keys(), (sorted(a), sorted(b))
-worst = max(float((a[k].double() - b[k].double()).norm() / max(a[k].double().norm(), 1e-12)) for k in a)
-bitwise = all(bool((a[k] == b[k]).all()) for k in a)
-print(f"worst relative difference {worst:.1e}{', bitwise' if bitwise else ''}")
-sys.exit(0 if worst <= tol else 1)
-PY
+  consolidated "$1" "${4:-20}" && consolidated "$2" "${4:-20}" &&
+  "$python" "$src/tests/support/tensors.py" compare "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3"
 }

@@ -138,8 +138,18 @@ PY
 else
   fail "run on prepared tokens: $(tail -3 "$pd/run.log")"
 fi
-expect_error "token ids beyond the vocabulary" "token id" "$loom" run "$pd/job.toml" \
-  --set model.vocab_size=256 --set train.output_dir=out2
+# Note [Data against the model]: the same file under a model of 256 ids is refused by `check`
+# and by `run` with one message naming the first id at or above 256 (found here by numpy) and
+# where it is, before output_dir exists.
+first=$("$python" -c "import sys, numpy as np; ids = np.fromfile(sys.argv[1], dtype=np.uint16)
+i = int(np.argmax(ids >= 256)); print(f'token id {ids[i]} at position {i} (byte {2 * i})')" \
+  "$pd/tokens.bin")
+expect_error "check: token ids beyond the vocabulary" "$first of '$pd/tokens.bin' is not below the model's vocabulary of 256 ids" \
+  "$loom" check "$pd/job.toml" --set model.vocab_size=256 --set train.output_dir=out2
+expect_error "run: token ids beyond the vocabulary" "$first of '$pd/tokens.bin' is not below the model's vocabulary of 256 ids" \
+  "$loom" run "$pd/job.toml" --set model.vocab_size=256 --set train.output_dir=out2
+[ ! -e "$pd/out2" ] && ok "nothing written for data beyond the vocabulary (not even output_dir)" \
+  || fail "data beyond the vocabulary left $pd/out2: $(ls -A "$pd/out2")"
 expect_error "prepare_data: a missing text file" "text file '/nonexistent.txt' does not exist" \
   "$python" "$src/examples/prepare_data.py" --train-bpe 512 --out "$pd/x.bin" /nonexistent.txt
 expect_error "prepare_data: a vocabulary too small" "needs a vocabulary of at least 257" \

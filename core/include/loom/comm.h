@@ -30,7 +30,9 @@ enum class ReduceOp { sum, avg, max, min };
 //   anything reading the output on another stream or on the host synchronises that stream.
 // - wait() throws loom::Error naming the rank and the operation when the collective fails or
 //   does not finish within the timeout (CommOptions::timeout; on nccl, ProcessGroupNCCL's
-//   watchdog enforces it); a wait() after success returns at once.
+//   watchdog enforces it); a wait() after success returns at once. On mpi, gloo and nccl the
+//   error also says where the other ranks are: the ones that did not reach the collective,
+//   called another, or went silent (Note [Hang reports] in core/src/comm_trace.cpp).
 // - completed() never blocks; true means wait() would return at once (it has then run the
 //   finishing step).
 // - A handle destroyed unwaited waits in its destructor, so its result still lands; its error,

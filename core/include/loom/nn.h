@@ -91,6 +91,8 @@ struct KVCache {
 // held+new_len keys: (new_len, held+new_len) bool, true = attend.
 at::Tensor causal_mask(int64_t held, int64_t new_len, const at::TensorOptions& options);
 
+struct UnitArgs;
+
 // Multi-head self-attention. x (B,T,C); padding_mask, when defined, is (B,T) with 1 = keep;
 // kv, when given, holds the earlier positions' keys and values (Note [KV cache]).
 class Attention : public torch::nn::Module {
@@ -98,6 +100,8 @@ class Attention : public torch::nn::Module {
   Attention(int64_t dim, int64_t n_heads, bool causal, double dropout, bool bias = true);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& padding_mask = {},
                      KVCache::Layer* kv = nullptr);
+  // As above, with the attention core run as a region (Note [Recompute regions]).
+  at::Tensor forward(const at::Tensor& x, const UnitArgs& args);
   int64_t n_heads;
   bool causal;
   double dropout;
@@ -120,11 +124,34 @@ class FeedForward : public FeedForwardBase {
   double dropout;
 };
 
+// Note [Recompute regions]: a unit marks the parts of its forward that an interceptor may run
+// differently (selective activation checkpointing recomputes just one in backward) by running
+// them through UnitArgs::region. A region is a pure function of its inputs and of the
+// parameters of the module it names: `fn` must capture by value whatever else it reads (it may
+// run again in backward, after the unit's forward returned), must not touch a KV cache, and
+// uses no trainable tensor that the named module does not hold (its gradient would be lost).
+//   attention: the attention core, from the q/k/v projections' outputs to the output
+//              projection's input (scores, softmax, attention dropout): no parameters.
+//   mlp:       the MLP (FeedForwardBase, fc_in -> activation -> fc_out, its dropout included).
+enum class Region { attention, mlp };
+const char* to_string(Region region);
+using RegionFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+struct RegionCall {
+  Region region;
+  torch::nn::Module* owner;  // whose parameters the region uses; null for none
+  const std::vector<at::Tensor>& inputs;
+};
+
 // Arguments a unit needs besides the activation; fixed for one forward.
 struct UnitArgs {
   at::Tensor padding_mask;     // (B,T) or undefined
   KVCache* cache = nullptr;    // decoding (Note [KV cache]); null in training
   KVCache::Layer* kv = nullptr;  // this unit's layer of `cache`, set by UnitList
+  // Runs a region through the UnitList's interceptors (set by UnitList; empty: fn runs as is).
+  std::function<at::Tensor(const RegionCall&, const RegionFn&)> run_region;
+  // Note [Recompute regions]: fn(inputs), or what the interceptors make of it.
+  at::Tensor region(Region region, torch::nn::Module* owner, const std::vector<at::Tensor>& inputs,
+                    const RegionFn& fn) const;
 };
 
 // One repeated layer.
@@ -162,6 +189,10 @@ class UnitInterceptor {
   // index: the unit's position in its UnitList; x: its input activation.
   virtual at::Tensor intercept(int64_t index, Unit& unit, const at::Tensor& x,
                                const UnitFn& next) = 0;
+  // A region of unit `index` (Note [Recompute regions]): next(inputs) runs the rest of the
+  // chain and finally the region; an interceptor may keep next and call it again later. By
+  // default the region runs as is.
+  virtual at::Tensor intercept_region(int64_t index, const RegionCall& call, const RegionFn& next);
 };
 
 // The repeated layers. Units run in order; each through the interceptors (first added is the

@@ -3,8 +3,10 @@ checkpointing, with every unit and with every 2nd unit checkpointed; the three r
 length are interleaved over several rounds. Reports the median step time and the peak of the
 tracked allocator; activation memory = peak - the memory held at the end of a step (weights,
 grads, AdamW state), which is what checkpointing can cut.
+--table policy: the recompute policies instead ([checkpointing] policy = full, attention, mlp,
+every_n with every = 2), on GPT-2 124M's shape (n_embd 768, 12 heads, vocab 50257).
 usage: .venv/bin/python examples/bench/checkpointing/run.py [--rounds 3] [--steps 4]
-       [--seqs 128,256] [--batch 4] [--build build]"""
+       [--seqs 128,256] [--batch 4] [--build build] [--table units|policy]"""
 import argparse
 import json
 import os
@@ -12,11 +14,16 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLICIES = {"none": None, "every unit": "every = 1", "every 2nd unit": "every = 2"}
+RECOMPUTE_POLICIES = {"none": None, "full": 'policy = "full"', "attention": 'policy = "attention"',
+                      "mlp": 'policy = "mlp"', "every_n (every = 2)": 'policy = "every_n"\nevery = 2'}
+GPT2_SHAPE = ["model.n_embd=768", "model.n_head=12", "model.vocab_size=50257",
+              "data.vocab_high=50257"]
 
 
 def run(args, seq, policy):
@@ -30,7 +37,8 @@ def run(args, seq, policy):
         f.write(text)
     cmd = [os.path.join(ROOT, args.build, "bin/loom"), "run", job]
     for s in [f"train.max_steps={args.steps}", f"train.output_dir={out}/run",
-              f"data.seq_len={seq}", f"train.per_device_train_batch_size={args.batch}"]:
+              f"data.seq_len={seq}", f"train.per_device_train_batch_size={args.batch}"] + (
+                  GPT2_SHAPE if args.table == "policy" else []):
         cmd += ["--set", s]
     subprocess.run(cmd, check=True)
     with open(os.path.join(out, "run", "metrics.jsonl")) as f:
@@ -48,18 +56,24 @@ def main():
     p.add_argument("--seqs", default="128,256")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--build", default="build")
+    p.add_argument("--table", choices=["units", "policy"], default="units")
     args = p.parse_args()
+    policies = RECOMPUTE_POLICIES if args.table == "policy" else POLICIES
     mib = 1 << 20
+    shape = "GPT-2 124M shape (12 units x 768 wide, 12 heads, vocab 50257)" if (
+        args.table == "policy") else "gpt 12 units x 128 wide"
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"gpt 12 units x 128 wide, batch {args.batch}, {args.rounds} rounds x {args.steps} steps")
+          f"{shape}, batch {args.batch}, {args.rounds} rounds x {args.steps} steps")
     print("| seq | policy | step time (s) | vs none | peak (MiB) | activation (MiB) | vs none |")
     print("|---|---|---|---|---|---|---|")
     for seq in [int(s) for s in args.seqs.split(",")]:
-        results = {name: [] for name in POLICIES}
+        results = {name: [] for name in policies}
         for r in range(args.rounds):
-            names = list(POLICIES)
-            for name in names[r % 3:] + names[:r % 3]:  # rotate who goes first
-                results[name].append(run(args, seq, POLICIES[name]))
+            names = list(policies)
+            k = r % len(names)
+            for name in names[k:] + names[:k]:  # rotate who goes first
+                results[name].append(run(args, seq, policies[name]))
+                print(f"round {r}: {name}: {results[name][-1]}", file=sys.stderr, flush=True)
         base_t = statistics.median(x[0] for x in results["none"])
         base_a = statistics.median(x[2] for x in results["none"])
         for name, rows in results.items():

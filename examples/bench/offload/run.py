@@ -1,6 +1,6 @@
 """NVMe swap file throughput beside fio: the same folder, file size, block size and queue
 depth, O_DIRECT and io_uring for both; the runs interleaved over several rounds; the medians.
-loom's numbers include computing (write) and checking (read) each chunk's checksum, as in
+loom's numbers include computing (write) and checking (read) each block's CRC-32C, as in
 training; fio moves bytes only. loom's are its second pass over its file (the steady state of a
 swap file rewritten every step); fio's file persists across rounds.
 usage: .venv/bin/python examples/bench/offload/run.py FOLDER [--gib 2] [--block-size 1048576]

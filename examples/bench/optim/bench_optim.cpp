@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "loom/cpu.h"
+#include "loom/kernel_isa.h"
 #include "loom/plugin.h"
 #include "loom/update_rule.h"
 
@@ -53,6 +54,14 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
   }
   loom::ConfigSection section("optimizer", values, schema, "bench");
   return name == "adamw" ? loom::make_adamw(section) : plugin->create_update_rule(name, section);
+}
+
+// The path the rule's kernels took: adam8bit's and adafactor's follow LOOM_KERNEL_ISA (Note
+// [Kernel ISA cap]); adamw's clones and sgd's and lion's loops take what the CPU has.
+std::string used_isa(const std::string& rule) {
+  if (rule == "adam8bit" || rule == "adafactor")
+    return loom::cpu::kernel_isa_name(loom::cpu::kernel_isa());
+  return std::string(loom::cpu::kernel_isa_name(loom::cpu::cpu_kernel_isa())) + " (not capped)";
 }
 
 }  // namespace
@@ -124,8 +133,8 @@ int main(int argc, char** argv) {
   std::sort(times.begin(), times.end());
   std::printf(
       "{\"rule\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": %.5f, "
-      "\"state_bytes_per_param\": %.4f}\n",
+      "\"state_bytes_per_param\": %.4f, \"kernel_isa\": \"%s\"}\n",
       rule_name.c_str(), threads, static_cast<long long>(count), times[times.size() / 2],
-      static_cast<double>(state_bytes) / count);
+      static_cast<double>(state_bytes) / count, used_isa(rule_name).c_str());
   return 0;
 }

@@ -3,6 +3,13 @@ AdamW (foreach and fused) and a STREAM triad, interleaved in a shuffled order pe
 in its own process (memory freed between), and prints a Markdown table of medians.
 
 usage: bench_optim.py BUILD_DIR [--rounds 3] [--millions 100] [--steps 3]
+                      [--rules adamw,adam8bit,...] [--torch foreach,fused] [--kernel-isa avx512,avx2]
+
+--kernel-isa runs adam8bit and adafactor once per value with LOOM_KERNEL_ISA set to it (Note
+[Kernel ISA cap] in core/include/loom/kernel_isa.h); adamw's clones and sgd's and lion's loops
+take what the CPU has whatever it says, so they run once. The table's ISA column is what each
+run reports it used. Torch runs whatever ATen picks (ATEN_CPU_CAPABILITY from the environment,
+if set, reaches it).
 """
 import argparse
 import json
@@ -26,8 +33,11 @@ for s in range(steps + 1):
     t = time.perf_counter(); opt.step(); dt = time.perf_counter() - t
     if s: times.append(dt)
 times.sort()
-print(json.dumps({"rule": "torch-" + variant, "threads": threads, "params": sum(p.numel() for p in params), "seconds": times[len(times) // 2], "state_bytes_per_param": 8.0}))
+print(json.dumps({"rule": "torch-" + variant, "threads": threads, "params": sum(p.numel() for p in params), "seconds": times[len(times) // 2], "state_bytes_per_param": 8.0, "kernel_isa": "ATen " + torch.backends.cpu.get_cpu_capability()}))
 '''
+
+# The rules whose kernels follow LOOM_KERNEL_ISA.
+CAPPED = {"adam8bit", "adafactor"}
 
 # Bytes each rule must move per parameter per step (read + write of param, grad, state).
 BYTES = {"adamw": 28, "torch-foreach": 28, "torch-fused": 28, "adam8bit": 16, "lion": 20,
@@ -40,40 +50,57 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--millions", type=float, default=100)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rules", default="adamw,adam8bit,adafactor,sgd,lion")
+    ap.add_argument("--torch", default="foreach,fused", help="torch AdamW variants")
+    ap.add_argument("--kernel-isa", default="", help="LOOM_KERNEL_ISA values, comma-separated")
     a = ap.parse_args()
     exe = os.path.join(a.build, "bin", "loom_bench_optim")
+    rules = [r for r in a.rules.split(",") if r]
+    variants = ["torch-" + v for v in a.torch.split(",") if v]
+    isas = [i for i in a.kernel_isa.split(",") if i] or [""]
     runs = []
     for threads in (1, 2):
-        runs.append(([exe, "triad", str(threads), "5", str(a.millions)], ("triad", threads)))
-        for rule in ("adamw", "adam8bit", "adafactor", "sgd", "lion"):
-            runs.append(([exe, rule, str(threads), str(a.steps), str(a.millions)], (rule, threads)))
-        for variant in ("foreach", "fused"):
-            runs.append(([sys.executable, "-c", TORCH, variant, str(threads), str(a.steps),
-                          str(a.millions)], ("torch-" + variant, threads)))
+        runs.append(([exe, "triad", str(threads), "5", str(a.millions)], {}, ("triad", "", threads)))
+        for isa in isas:
+            env = {"LOOM_KERNEL_ISA": isa} if isa else {}
+            for rule in rules:
+                if rule in CAPPED or isa == isas[0]:
+                    runs.append(([exe, rule, str(threads), str(a.steps), str(a.millions)], env,
+                                 (rule, isa, threads)))
+        for variant in variants:
+            runs.append(([sys.executable, "-c", TORCH, variant[len("torch-"):], str(threads),
+                          str(a.steps), str(a.millions)], {}, (variant, "", threads)))
     results = {}
     for r in range(a.rounds):
         order = runs[:]
         random.Random(r).shuffle(order)
-        for command, key in order:
-            out = json.loads(subprocess.run(command, check=True, capture_output=True,
-                                            text=True).stdout.strip().splitlines()[-1])
+        for command, env, key in order:
+            out = json.loads(subprocess.run(command, check=True, capture_output=True, text=True,
+                                            env={**os.environ, **env}).stdout.strip().splitlines()[-1])
             results.setdefault(key, []).append(out)
             print(r, key, out, file=sys.stderr, flush=True)
-    print("| rule | threads | Mparams/s (median) | bound Mparams/s | % of bound | state B/param |")
-    print("|---|---|---|---|---|---|")
+    print("| rule | ISA | threads | Mparams/s (median) | vs best torch | bound Mparams/s | "
+          "% of bound | state B/param |")
+    print("|---|---|---|---|---|---|---|---|")
     for threads in (1, 2):
-        gbps = statistics.median(o["gbps"] for o in results[("triad", threads)])
-        torch_best = max(statistics.median(o["params"] / o["seconds"] for o in results[(v, threads)])
-                         for v in ("torch-foreach", "torch-fused"))
-        for rule in ("adamw", "torch-foreach", "torch-fused", "adam8bit", "adafactor", "sgd", "lion"):
-            outs = results[(rule, threads)]
+        gbps = statistics.median(o["gbps"] for o in results[("triad", "", threads)])
+        torch_best = max((statistics.median(o["params"] / o["seconds"]
+                                            for o in results[(v, "", threads)]) for v in variants),
+                         default=None)
+        rows = [(v, "") for v in variants] + [(rule, isa) for isa in isas for rule in rules
+                                              if rule in CAPPED or isa == isas[0]]
+        for rule, isa in rows:
+            outs = results[(rule, isa, threads)]
             rate = statistics.median(o["params"] / o["seconds"] for o in outs)
             bound = gbps * 1e9 / BYTES[rule]
-            extra = f" ({rate / torch_best:.2f}x best torch)" if rule == "adamw" else ""
-            print(f"| {rule} | {threads} | {rate / 1e6:.0f}{extra} | {bound / 1e6:.0f} | "
-                  f"{100 * rate / bound:.0f}% | {outs[0]['state_bytes_per_param']:.3f} |")
-        stream = statistics.median(o["stream_gbps"] for o in results[("triad", threads)])
-        print(f"| triad | {threads} | {stream:.1f} GB/s STREAM count, {gbps:.1f} GB/s moved | | | |")
+            used = outs[0].get("kernel_isa", "")
+            versus = f"{rate / torch_best:.2f}x" if torch_best else ""
+            print(f"| {rule} | {used} | {threads} | {rate / 1e6:.0f} | {versus} | "
+                  f"{bound / 1e6:.0f} | {100 * rate / bound:.0f}% | "
+                  f"{outs[0]['state_bytes_per_param']:.3f} |")
+        stream = statistics.median(o["stream_gbps"] for o in results[("triad", "", threads)])
+        print(f"| triad | | {threads} | {stream:.1f} GB/s STREAM count, {gbps:.1f} GB/s moved "
+              "| | | | |")
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def bert(vocab_size, train_docs):
                  "unk_token": "[UNK]", "mask_token": "[MASK]"}
 
 
-def make(out, size):
+def make(out, size, only=None):
     rng = random.Random(1234)
     pool = {"fortunes": fortunes(), "code": code_snippets()}
     train_docs = corpus(rng, 600_000, pool)
@@ -199,15 +199,22 @@ def make(out, size):
     # Special tokens inside text: encode must split them out first.
     for i in range(0, len(test_docs), 50):
         test_docs[i] = test_docs[i] + "<|end_of_text|>" + test_docs[(i + 1) % len(test_docs)]
+    # Trained on demand: each test process (ctest runs one family per process) trains only its own.
     families = {
-        "gpt2": byte_level(None, False, False, 3000, train_docs, "<|endoftext|>"),
-        "llama3": byte_level(LLAMA3_SPLIT, True, False, 3000, train_docs, "<|begin_of_text|>"),
-        "qwen2": byte_level(QWEN2_SPLIT, False, True, 3000, train_docs, "<|endoftext|>"),
-        "bert": bert(3000, train_docs),
-        "llama2": sentencepiece_bpe(3000, train_docs),
-        "t5": unigram(3000, train_docs),
+        "gpt2": lambda: byte_level(None, False, False, 3000, train_docs, "<|endoftext|>"),
+        "llama3": lambda: byte_level(LLAMA3_SPLIT, True, False, 3000, train_docs, "<|begin_of_text|>"),
+        "qwen2": lambda: byte_level(QWEN2_SPLIT, False, True, 3000, train_docs, "<|endoftext|>"),
+        "bert": lambda: bert(3000, train_docs),
+        "llama2": lambda: sentencepiece_bpe(3000, train_docs),
+        "t5": lambda: unigram(3000, train_docs),
     }
-    for name, (tok, config) in families.items():
+    unknown = set(only or []) - families.keys()
+    if unknown:
+        sys.exit(f"unknown families {sorted(unknown)}; known: {sorted(families)}")
+    for name, train in families.items():
+        if only and name not in only:
+            continue
+        tok, config = train()
         folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)
         tok.save(os.path.join(folder, "tokenizer.json"))
@@ -227,6 +234,6 @@ def make(out, size):
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "make":
-        make(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1_050_000)
+        make(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1_050_000, sys.argv[4:])
     else:
-        sys.exit("usage: reference.py make DIR [BYTES]")
+        sys.exit("usage: reference.py make DIR [BYTES [FAMILY...]] (all families when none named)")

@@ -2,9 +2,13 @@
 // first attempt only — a machine failure, for the dead-peer and restart tests; with
 // mode = "skip_unit", makes that rank skip one unit's forward at that step — a diverged rank;
 // with mode = "sigterm", sends SIGTERM to its own process during that step's backward — a
-// pre-emption at a known step (Note [Graceful stop]).
+// pre-emption at a known step (Note [Graceful stop]); with mode = "skip_collective", every rank
+// all-gathers 3 int64 values at each step's end except that rank at that step — a collective
+// skipped on one rank (Note [Hang reports]).
 #include <signal.h>
 #include <unistd.h>
+
+#include <ATen/ATen.h>
 
 #include <cstdlib>
 
@@ -41,7 +45,8 @@ class Chaos final : public loom::Plugin {
     s.key_int("rank", 1, "the rank that dies").key_int("step", 3, "during this step's backward")
         .key_string("mode", "kill",
                     "kill: SIGKILL the rank; skip_unit: it skips a unit's forward; sigterm: "
-                    "SIGTERM to the rank")
+                    "SIGTERM to the rank; skip_collective: it skips the step-end all_gather "
+                    "the other ranks make")
         .key_int("unit", 1, "skip_unit: the unit's index");
     return {s};
   }
@@ -54,6 +59,16 @@ class Chaos final : public loom::Plugin {
   void attach(loom::Engine& engine) override {
     if (mode_ == "skip_unit") {
       engine.add_unit_interceptor(std::make_shared<SkipUnit>(engine, rank_, step_, unit_));
+      return;
+    }
+    if (mode_ == "skip_collective") {
+      engine.on(loom::Event::step_end, [this](loom::Engine& e) {
+        // state().step counts finished steps: at step_end of step S it is S.
+        if (e.comm().rank() == rank_ && e.state().step == step_) return;
+        at::Tensor mine = at::full({3}, e.state().step, at::kLong).to(e.comm().device());
+        at::Tensor all = at::empty({3 * e.comm().world_size()}, mine.options());
+        e.comm().all_gather(all, mine)->wait();
+      });
       return;
     }
     engine.on(loom::Event::before_backward, [this](loom::Engine& e) {

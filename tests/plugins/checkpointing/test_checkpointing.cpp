@@ -1,6 +1,8 @@
 // The checkpointing plugin: gradients equal those of the plain run (bitwise on CPU, dropout on,
-// with accumulation, frozen inputs, bf16 autocast), the policy picks the right units, the peak
-// of the tracked allocator drops, and bad policies and models without a UnitList are errors.
+// with accumulation, frozen inputs, bf16 autocast), for each recompute policy (full, attention,
+// mlp, every_n) on gpt and llama; the keys pick the right units and regions, the peak of the
+// tracked allocator drops by each policy's share, and bad policies, selective policies on
+// units without regions and models without a UnitList are errors.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
@@ -20,8 +22,8 @@ namespace {
 using test::TempDir;
 using test::tiny_gpt_job;
 
-// Counts how often each unit runs; added inside the checkpointing interceptor, it sees the
-// recompute too.
+// Counts how often each unit and each region (Note [Recompute regions]) runs; added inside
+// the checkpointing interceptor, it sees the recompute too.
 class RunCounter final : public nn::UnitInterceptor {
  public:
   std::string name() const override { return "test_counter"; }
@@ -30,7 +32,12 @@ class RunCounter final : public nn::UnitInterceptor {
     ++runs[index];
     return next(x);
   }
-  std::map<int64_t, int> runs;
+  at::Tensor intercept_region(int64_t index, const nn::RegionCall& call,
+                              const nn::RegionFn& next) override {
+    ++(call.region == nn::Region::attention ? attention_runs : mlp_runs)[index];
+    return next(call.inputs);
+  }
+  std::map<int64_t, int> runs, attention_runs, mlp_runs;
 };
 
 struct StepResult {
@@ -38,7 +45,8 @@ struct StepResult {
   std::vector<at::Tensor> grads;
   std::vector<double> losses;
   int64_t activation_peak = 0;  // most bytes above the forward's start, over the micro-steps
-  std::map<int64_t, int> unit_runs;
+  std::map<int64_t, int> unit_runs, attention_runs, mlp_runs;
+  std::vector<at::Tensor> final_weights;  // after the last update
 };
 
 struct Options {
@@ -46,16 +54,34 @@ struct Options {
   std::vector<std::string> set;
   bool autocast_bf16 = false;
   bool freeze_embeddings = false;
+  bool llama = false;  // a tiny llama (grouped-query attention, SwiGLU) instead of the gpt
+  int64_t steps = 1;
 };
+
+// A llama as small as tiny_gpt_job's gpt, with attention dropout (its only dropout).
+std::string tiny_llama_job(const std::string& dir) {
+  std::string job = tiny_gpt_job(dir);
+  job.replace(job.find("model = \"gpt\""), 13, "model = \"llama\"");
+  const auto from = job.find("[model]"), to = job.find("[data]");
+  job.replace(from, to - from,
+              "[model]\nvocab_size = 64\nhidden_size = 32\nintermediate_size = 48\n"
+              "num_hidden_layers = 4\nnum_attention_heads = 4\nnum_key_value_heads = 2\n"
+              "max_position_embeddings = 16\nattention_dropout = 0.1\n\n");
+  return job;
+}
 
 StepResult train_one_step(const Options& options) {
   TempDir dir;
-  std::string job = tiny_gpt_job(dir.str());
+  std::string job = options.llama ? tiny_llama_job(dir.str()) : tiny_gpt_job(dir.str());
   if (!options.policy.empty())
     job += "\n[checkpointing]\n" + options.policy + "\n";
-  std::vector<std::string> set = {"train.max_steps=1", "train.max_grad_norm=0",
-                                  "train.save_final=false", "model.dropout=0.1",
-                                  "model.n_layer=4", "train.gradient_accumulation_steps=2"};
+  std::vector<std::string> set = {"train.max_steps=" + std::to_string(options.steps),
+                                  "train.max_grad_norm=0", "train.save_final=false",
+                                  "train.gradient_accumulation_steps=2"};
+  if (!options.llama) {
+    set.push_back("model.dropout=0.1");
+    set.push_back("model.n_layer=4");
+  }
   set.insert(set.end(), options.set.begin(), options.set.end());
   auto trainer = Trainer::from_text(job, dir.path(), set);
   Engine& engine = trainer->engine();
@@ -88,13 +114,19 @@ StepResult train_one_step(const Options& options) {
     run.activation_peak = std::max(run.activation_peak, memory::cpu_stats().peak_bytes - start);
   });
   engine.on(Event::before_update, [&](Engine& e) {
+    // The last update's gradients.
+    run.names.clear();
+    run.grads.clear();
     for (const auto& p : e.params()) {
       run.names.push_back(p.name);
       run.grads.push_back(p.tensor.grad().defined() ? p.tensor.grad().clone() : at::Tensor());
     }
   });
   trainer->run();
+  for (const auto& p : engine.params()) run.final_weights.push_back(p.tensor.detach().clone());
   run.unit_runs = counter->runs;
+  run.attention_runs = counter->attention_runs;
+  run.mlp_runs = counter->mlp_runs;
   return run;
 }
 
@@ -108,6 +140,9 @@ void expect_bitwise_equal(const StepResult& want, const StepResult& got) {
         << want.names[i] << " max diff "
         << (want.grads[i] - got.grads[i]).abs().max().item<double>();
   }
+  ASSERT_EQ(want.final_weights.size(), got.final_weights.size());
+  for (size_t i = 0; i < want.final_weights.size(); ++i)
+    EXPECT_TRUE(at::equal(want.final_weights[i], got.final_weights[i])) << want.names[i];
 }
 
 TEST(Checkpointing, GradientsEqualThePlainRunBitwiseWithDropout) {
@@ -178,6 +213,93 @@ TEST(Checkpointing, PeakActivationMemoryDrops) {
   EXPECT_LT(second.activation_peak, plain.activation_peak);
 }
 
+// Each unit of the 4 runs once per micro-batch (2 micro-batches a step) in the plain run.
+std::map<int64_t, int> each_unit(int plain_steps_runs, std::map<int64_t, int> extra = {}) {
+  std::map<int64_t, int> runs;
+  for (int64_t i = 0; i < 4; ++i) runs[i] = plain_steps_runs + extra[i];
+  return runs;
+}
+
+TEST(Checkpointing, EveryPolicyTrainsBitwiseLikeThePlainRunOnGptAndLlama) {
+  // Three steps of two micro-batches, dropout on (the gpt's everywhere, the llama's in
+  // attention): losses, last gradients and final weights are the plain run's, bit for bit.
+  for (const bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama" : "gpt");
+    const StepResult plain = train_one_step({.llama = llama, .steps = 3});
+    ASSERT_EQ(plain.losses.size(), 6u);
+    EXPECT_EQ(plain.unit_runs, each_unit(6));
+    EXPECT_EQ(plain.attention_runs, each_unit(6));
+    EXPECT_EQ(plain.mlp_runs, each_unit(6));
+    // What each policy runs again in backward: the whole unit, or just one region of it.
+    const StepResult full = train_one_step({"policy = \"full\"", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, full);
+    EXPECT_EQ(full.unit_runs, each_unit(12));
+    EXPECT_EQ(full.attention_runs, each_unit(12));
+    const StepResult attention =
+        train_one_step({"policy = \"attention\"", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, attention);
+    EXPECT_EQ(attention.unit_runs, each_unit(6));
+    EXPECT_EQ(attention.attention_runs, each_unit(12));
+    EXPECT_EQ(attention.mlp_runs, each_unit(6));
+    const StepResult mlp = train_one_step({"policy = \"mlp\"", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, mlp);
+    EXPECT_EQ(mlp.unit_runs, each_unit(6));
+    EXPECT_EQ(mlp.attention_runs, each_unit(6));
+    EXPECT_EQ(mlp.mlp_runs, each_unit(12));
+    const StepResult every_n =
+        train_one_step({"policy = \"every_n\"\nevery = 2", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, every_n);
+    EXPECT_EQ(every_n.unit_runs, each_unit(6, {{0, 6}, {2, 6}}));
+    // A selective policy on chosen units only.
+    const StepResult listed =
+        train_one_step({"policy = \"attention\"\nunits = [1, 2]", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, listed);
+    EXPECT_EQ(listed.attention_runs, each_unit(6, {{1, 6}, {2, 6}}));
+  }
+}
+
+TEST(Checkpointing, EachPolicyCutsThePeakByWhatItDoesNotKeep) {
+  // 4 gpt units, B 8, T 64, C 64, H 4, dropout 0.1 (SDPA's math kernel: it keeps the (B,H,T,T)
+  // probabilities, its dropout mask and their product). What each policy stops keeping per
+  // unit, in fp32 bytes (torch.autograd.graph.saved_tensors_hooks counts the same on this
+  // shape):
+  //   attention: the 3 (B,H,T,T) tensors; its scaled q and k copies and v's contiguous copy
+  //              (3 BTC) trade for the region's input, qkv's (B,T,3C) output.
+  //   mlp:       fc_in's (B,T,4C) output, the activation's (B,T,4C) output and the (B,T,C)
+  //              dropout mask; its input, norm2's output, fc_in kept anyway.
+  const int64_t B = 8, T = 64, C = 64, H = 4, units = 4;
+  const double attention_bytes = 4.0 * 3 * B * H * T * T, mlp_bytes = 4.0 * 9 * B * T * C;
+  const std::vector<std::string> shape = {
+      "data.seq_len=64", "model.n_positions=64", "model.n_embd=64", "model.n_head=4",
+      "train.per_device_train_batch_size=8"};
+  auto peak = [&](const std::string& policy) {
+    return static_cast<double>(train_one_step({.policy = policy, .set = shape}).activation_peak);
+  };
+  const double plain = peak(""), full = peak("policy = \"full\"");
+  const double attention = peak("policy = \"attention\""), mlp = peak("policy = \"mlp\"");
+  const double every_n = peak("policy = \"every_n\"\nevery = 2");
+  // The peak is at the start of backward, when the last unit recomputes its region: the
+  // cut is between (units - 1) and units times the per-unit share, less the recompute's
+  // transients (measured: attention 3.4, mlp 2.9 shares). Cutting nothing, or both regions'
+  // share, falls outside.
+  const auto in_band = [&](double got, double per_unit) {
+    const double cut = plain - got;
+    return cut >= 0.9 * (units - 1) * per_unit && cut <= 1.05 * units * per_unit;
+  };
+  EXPECT_TRUE(in_band(attention, attention_bytes))
+      << "attention cut " << plain - attention << " of " << plain << "; per unit "
+      << attention_bytes;
+  EXPECT_TRUE(in_band(mlp, mlp_bytes))
+      << "mlp cut " << plain - mlp << " of " << plain << "; per unit " << mlp_bytes;
+  // Whole units keep only their inputs: more than either region alone, and every_n (half the
+  // units) lies between full and the plain run.
+  EXPECT_LT(full, attention);
+  EXPECT_LT(full, mlp);
+  EXPECT_LT(full, every_n);
+  EXPECT_LT(every_n, plain);
+  EXPECT_LT(full, plain / 2) << full << " vs " << plain;
+}
+
 TEST(Checkpointing, BadPoliciesAreClearErrors) {
   TempDir dir;
   auto setup_with = [&](const std::string& policy) {
@@ -195,6 +317,38 @@ TEST(Checkpointing, BadPoliciesAreClearErrors) {
   EXPECT_THROW_WITH(setup_with("units = []"), ConfigError, "units is empty");
   EXPECT_THROW_WITH(setup_with("units = [0]\nevery = 2"), ConfigError,
                     "either units or every, not both");
+  EXPECT_THROW_WITH(setup_with("policy = \"selective\""), ConfigError, "job.toml:",
+                    "[checkpointing] policy 'selective' is unknown",
+                    "the policies are full, attention, mlp, every_n");
+  EXPECT_THROW_WITH(setup_with("policy = \"every_n\""), ConfigError, "job.toml:",
+                    "policy = \"every_n\" needs every = N >= 2", "every is not set");
+  EXPECT_THROW_WITH(setup_with("policy = \"every_n\"\nevery = 1"), ConfigError,
+                    "policy = \"every_n\" needs every = N >= 2", "got every = 1");
+  EXPECT_THROW_WITH(setup_with("policy = \"every_n\"\nunits = [1]"), ConfigError, "job.toml:",
+                    "policy = \"every_n\" picks units by every; drop units");
+}
+
+TEST(Checkpointing, ASelectivePolicyOnUnitsWithoutRegionsIsAnError) {
+  // A model whose units mark no regions (a Unit of plain ATen pieces) must not silently save
+  // nothing. An interceptor that runs the gpt's units without the region runner stands in.
+  TempDir dir;
+  auto trainer = Trainer::from_text(
+      tiny_gpt_job(dir.str()) + "\n[checkpointing]\npolicy = \"mlp\"\n", dir.path(),
+      {"train.save_final=false", "train.max_steps=1"});
+  class Unmark final : public nn::UnitInterceptor {
+   public:
+    std::string name() const override { return "test_unmark"; }
+    at::Tensor intercept(int64_t, nn::Unit& unit, const at::Tensor& x,
+                         const nn::UnitFn&) override {
+      return unit.forward(x, nn::UnitArgs{});  // args without the region runner
+    }
+  };
+  trainer->engine().on(Event::setup, [](Engine& e) {
+    e.add_unit_interceptor(std::make_shared<Unmark>());
+  });
+  EXPECT_THROW_WITH(trainer->run(), ConfigError, "job.toml:",
+                    "policy = \"mlp\" found no mlp region in the chosen units of model 'gpt'",
+                    "use policy = \"full\"");
 }
 
 TEST(Checkpointing, AModelWithoutUnitListIsAnError) {

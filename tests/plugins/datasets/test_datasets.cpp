@@ -5,6 +5,7 @@
 // truncation=True) with the sorted label map; packing and bad input.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -223,6 +224,89 @@ TEST_F(Datasets, BadRecordsAreRefusedBeforeTrainingNamingFileAndLine) {
   test::TempDir unigram;
   std::ofstream(unigram / "tokenizer.json") << R"({"model": {"type": "WordLevel", "vocab": {}}})";
   refuse("{\"text\": \"a\"}\n", "", {"'WordLevel' is not supported", "WordPiece"}, unigram.str());
+}
+
+// Note [Data against the model]: records the model cannot take (a token id beyond its
+// vocabulary, a label beyond its classes, a negative label) and an empty shard are refused by
+// `loom check` (Trainer::from_text, describe) and by `loom run` (run()) with one message naming
+// the file and record, the value and the limit, before anything is written to output_dir.
+TEST_F(Datasets, DataTheModelCannotTakeIsRefusedByCheckAndRunAlikeBeforeAnythingIsWritten) {
+  test::TempDir out;
+  const auto output = out / "run";
+  const std::string llama3 = (*dir_ / "llama3").string();
+  const std::string data = (out / "data.jsonl").string(), empty = (out / "empty.jsonl").string();
+  // A BERT classifier of 3 classes over the tokenizer's 600 ids.
+  auto classifier = [&](const std::string& extra, const std::string& path = "") {
+    std::string text = job(output.string(), "source = \"jsonl\"\npath = " +
+                                                (path.empty() ? "\"" + data + "\"" : path) +
+                                                "\ntokenizer = \"" + llama3 + "\"\n" + extra);
+    return text.replace(text.find("model = \"gpt\""), 13, "model = \"bert\"")
+        .replace(text.find("[model]"), text.find("[data]") - text.find("[model]"),
+                 "[model]\nvocab_size = 600\nhidden_size = 16\nnum_hidden_layers = 1\n"
+                 "num_attention_heads = 2\nintermediate_size = 32\nmax_position_embeddings = 64\n"
+                 "num_labels = 3\n");
+  };
+  auto refuse = [&](const std::string& name, const std::string& records, const std::string& text,
+                    const std::vector<std::string>& parts) {
+    SCOPED_TRACE(name);
+    std::ofstream(data) << records;
+    std::string check, run;
+    try {
+      (void)Trainer::from_text(text, out.path())->describe();
+    } catch (const Error& error) {
+      check = error.what();
+    }
+    try {
+      Trainer::from_text(text, out.path())->run();
+    } catch (const Error& error) {
+      run = error.what();
+    }
+    ASSERT_FALSE(check.empty()) << "loom check accepted it";
+    EXPECT_EQ(check, run);
+    for (const auto& part : parts)
+      EXPECT_NE(check.find(part), std::string::npos) << "lacks \"" << part << "\": " << check;
+    EXPECT_FALSE(std::filesystem::exists(output)) << "output_dir was written";
+  };
+  const std::string three = "{\"text\": \"a\", \"label\": 0}\n{\"text\": \"b\", \"label\": 2}\n";
+  refuse("an integer label beyond the classes", three + "{\"text\": \"c\", \"label\": 3}\n",
+         classifier("max_seq_length = 24\n"),
+         {data + ":3: label 3 is not below the model's 3 classes ([model] num_labels (",
+          "the data has 4 classes: set [model] num_labels = 4, or fix the record"});
+  refuse("a negative label", three + "{\"text\": \"c\", \"label\": -1}\n",
+         classifier("max_seq_length = 24\n"),
+         {data + ":3: label -1 is negative; class ids count from 0"});
+  refuse("a named label beyond the classes",
+         "{\"text\": \"a\", \"label\": \"b\"}\n{\"text\": \"b\", \"label\": \"d\"}\n",
+         classifier("max_seq_length = 24\nlabel_names = [\"a\", \"b\", \"c\", \"d\"]\n"),
+         {data + ":2: label d (class 3) is not below the model's 3 classes"});
+  std::ofstream(empty).flush();
+  refuse("an empty shard", three,
+         classifier("max_seq_length = 24\n", "[\"" + data + "\", \"" + empty + "\"]"),
+         {"[data] path '" + empty + "': '" + empty + "' holds no records (0 bytes)"});
+  // A GPT of 300 ids under the tokenizer's 373: the first id >= 300 of the records, as the
+  // tokenizer (itself checked against transformers' in test_tokenizer) encodes them, with the
+  // specials and the EOS an LM document gets.
+  const auto tokenizer = Tokenizer::load(llama3);
+  const std::vector<std::string> texts = {"a", "the cat", "hello world, a longer text of words"};
+  std::string records, where, id;
+  for (size_t line = 0; line < texts.size(); ++line) {
+    records += json{{"text", texts[line]}}.dump() + "\n";
+    auto ids = tokenizer->encode(texts[line]).ids;
+    ids.push_back(*tokenizer->eos().id);
+    for (size_t t = 0; t < ids.size() && where.empty(); ++t)
+      if (ids[t] >= 300) {
+        where = data + ":" + std::to_string(line + 1) + ": token id " + std::to_string(ids[t]);
+        id = " at position " + std::to_string(t) + " of the record's tokens";
+      }
+  }
+  ASSERT_FALSE(where.empty()) << "no id >= 300 in the test's texts";
+  std::string small_vocab = job(output.string(), "source = \"jsonl\"\npath = \"" + data +
+                                                     "\"\ntokenizer = \"" + llama3 + "\"\n");
+  small_vocab.replace(small_vocab.find("vocab_size = 600"), 16, "vocab_size = 300");
+  refuse("a token id beyond the vocabulary", records, small_vocab,
+         {where, id, "is not below the model's vocabulary of 300 ids ([model] vocab_size (",
+          detail::cat("has ", tokenizer->vocab_size(), ": give the model vocab_size = ",
+                      tokenizer->vocab_size())});
 }
 
 TEST_F(Datasets, PackedDocumentsAreOneStreamWithEosBetween) {

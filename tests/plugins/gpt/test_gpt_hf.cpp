@@ -79,13 +79,20 @@ std::pair<RunSummary, std::vector<double>> run_evaluating(const std::string& job
 }
 
 TEST(GptHf, ImportedModelsGiveTransformersLogits) {
-  for (const std::string flags : {"", "'untied'", "'sharded'"}) {
+  const std::vector<std::string> variants = {"", "'untied'", "'sharded'"};
+  TempDir dir;
+  std::vector<std::string> makes;
+  for (size_t i = 0; i < variants.size(); ++i)
+    makes.push_back("['make', '" + (dir / ("hf" + std::to_string(i))).string() + "'" +
+                    (variants[i].empty() ? "" : ", " + variants[i]) + "]");
+  test::hf::run_script_each("gpt/gpt_hf.py", makes);
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const std::string& flags = variants[i];
     SCOPED_TRACE(flags.empty() ? "tied" : flags);
-    TempDir dir;
-    const fs::path hf = dir / "hf";
-    python("['make', '" + hf.string() + "'" + (flags.empty() ? "" : ", " + flags) + "]");
+    const fs::path hf = dir / ("hf" + std::to_string(i));
     if (flags == "'sharded'") ASSERT_TRUE(fs::exists(hf / "model.safetensors.index.json"));
-    auto trainer = Trainer::from_text(import_job(dir.str(), hf.string()), dir.path());
+    TempDir run;
+    auto trainer = Trainer::from_text(import_job(run.str(), hf.string()), run.path());
     trainer->setup();
     const auto ref = load(hf / "ref.safetensors");
     expect_close(logits_of(trainer->engine(), ref.at("input_ids")), ref.at("logits"), 1e-5);
@@ -247,17 +254,19 @@ TEST(GptHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {
 TEST(GptHf, GenerateGreedyEqualsTransformersGenerate) {
   TempDir dir;
   const fs::path hf = dir / "hf";
-  python("['make', '" + hf.string() + "', 'peaked']");
+  const std::vector<int64_t> prompt = {5, 17, 42, 3, 88};
+  safetensors::save(dir / "prompt.safetensors",
+                    {{"input_ids", at::tensor(prompt, at::kLong).view({1, -1})}});
+  test::hf::run_script_each("gpt/gpt_hf.py",
+                            {"['make', '" + hf.string() + "', 'peaked']",
+                             "['generate', '" + hf.string() + "', '" +
+                                 (dir / "prompt.safetensors").string() + "', '20', '" +
+                                 (dir / "hf_ids.safetensors").string() + "']"});
   // A checkpoint of the imported model, unchanged (learning rate 0).
   std::string job = import_job((dir / "run").string(), hf.string(), 1);
   job.replace(job.find("save_final = false"), 18, "save_final = true");
   const std::string checkpoint =
       Trainer::from_text(job, dir.path(), {"train.learning_rate=0.0"})->run().last_checkpoint;
-  const std::vector<int64_t> prompt = {5, 17, 42, 3, 88};
-  safetensors::save(dir / "prompt.safetensors",
-                    {{"input_ids", at::tensor(prompt, at::kLong).view({1, -1})}});
-  python("['generate', '" + hf.string() + "', '" + (dir / "prompt.safetensors").string() +
-         "', '20', '" + (dir / "hf_ids.safetensors").string() + "']");
   GenerateOptions options;
   options.prompt_ids = prompt;
   options.max_new_tokens = 20;

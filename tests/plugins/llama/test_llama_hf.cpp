@@ -92,15 +92,21 @@ vocab_high = 64
 }
 
 TEST(LlamaHf, ImportedModelsGiveTransformersLogits) {
-  for (const std::string flags :
-       {"", "'tied'", "'mha', 'bias'", "'sharded'", "'rope=linear'", "'rope=dynamic'",
-        "'rope=llama3'"}) {
+  const std::vector<std::string> variants = {"",           "'tied'",        "'mha', 'bias'", "'sharded'",
+                                            "'rope=linear'", "'rope=dynamic'", "'rope=llama3'"};
+  TempDir dir;
+  std::vector<std::string> makes;
+  for (size_t i = 0; i < variants.size(); ++i)
+    makes.push_back("['make', '" + (dir / ("hf" + std::to_string(i))).string() + "'" +
+                    (variants[i].empty() ? "" : ", " + variants[i]) + "]");
+  test::hf::run_script_each("llama/llama_hf.py", makes);
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const std::string& flags = variants[i];
     SCOPED_TRACE(flags.empty() ? "grouped-query, untied" : flags);
-    TempDir dir;
-    const fs::path hf = dir / "hf";
-    python("['make', '" + hf.string() + "'" + (flags.empty() ? "" : ", " + flags) + "]");
+    const fs::path hf = dir / ("hf" + std::to_string(i));
     if (flags == "'sharded'") ASSERT_TRUE(fs::exists(hf / "model.safetensors.index.json"));
-    auto trainer = Trainer::from_text(import_job(dir.str(), hf.string()), dir.path());
+    TempDir run;
+    auto trainer = Trainer::from_text(import_job(run.str(), hf.string()), run.path());
     trainer->setup();
     const auto ref = load(hf / "ref.safetensors");
     expect_close(logits_of(trainer->engine(), ref.at("input_ids")), ref.at("logits"), 1e-5);
@@ -144,22 +150,32 @@ std::string unchanged_checkpoint(const TempDir& dir, const fs::path& hf, const s
 }
 
 TEST(LlamaHf, GenerateGreedyEqualsTransformersGenerate) {
-  for (const std::string flags : {"", "'tied'", "'rope=dynamic'"}) {
-    SCOPED_TRACE(flags.empty() ? "grouped-query, untied" : flags);
-    TempDir dir;
-    const fs::path hf = dir / "hf";
-    python("['make', '" + hf.string() + "'" + (flags.empty() ? "" : ", " + flags) + "]");
-    const std::string checkpoint = unchanged_checkpoint(dir, hf, "llama");
-    const std::vector<int64_t> prompt = {5, 17, 42, 3, 88};
-    safetensors::save(dir / "prompt.safetensors",
-                      {{"input_ids", at::tensor(prompt, at::kLong).view({1, -1})}});
-    python("['generate', '" + hf.string() + "', '" + (dir / "prompt.safetensors").string() +
-           "', '12', '" + (dir / "hf_ids.safetensors").string() + "']");
+  const std::vector<std::string> variants = {"", "'tied'", "'rope=dynamic'"};
+  const std::vector<int64_t> prompt = {5, 17, 42, 3, 88};
+  TempDir dir;
+  safetensors::save(dir / "prompt.safetensors",
+                    {{"input_ids", at::tensor(prompt, at::kLong).view({1, -1})}});
+  // transformers' side of every variant in one Python process (run_script_each).
+  std::vector<std::string> calls;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const fs::path hf = dir / ("hf" + std::to_string(i));
+    calls.push_back("['make', '" + hf.string() + "'" +
+                    (variants[i].empty() ? "" : ", " + variants[i]) + "]");
+    calls.push_back("['generate', '" + hf.string() + "', '" +
+                    (dir / "prompt.safetensors").string() + "', '12', '" +
+                    (hf / "hf_ids.safetensors").string() + "']");
+  }
+  test::hf::run_script_each("llama/llama_hf.py", calls);
+  for (size_t i = 0; i < variants.size(); ++i) {
+    SCOPED_TRACE(variants[i].empty() ? "grouped-query, untied" : variants[i]);
+    const fs::path hf = dir / ("hf" + std::to_string(i));
+    TempDir run;
+    const std::string checkpoint = unchanged_checkpoint(run, hf, "llama");
     GenerateOptions options;
     options.prompt_ids = prompt;
     options.max_new_tokens = 12;
     const Generation out = generate(checkpoint, options);
-    test::hf::expect_same_ids(out.ids, load(dir / "hf_ids.safetensors").at("ids"));
+    test::hf::expect_same_ids(out.ids, load(hf / "hf_ids.safetensors").at("ids"));
   }
 }
 
@@ -194,23 +210,26 @@ target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
   export_checkpoint(summary.last_checkpoint, base);
   const at::Tensor ids = (at::arange(32, at::kLong) * 5 % 96).view({2, 16});
   safetensors::save(dir / "ids.safetensors", {{"input_ids", ids}});
-  python("['peft', '" + base.string() + "', '" + (dir / "run").string() + "', '" +
-         (dir / "ids.safetensors").string() + "', '" + (dir / "peft.safetensors").string() + "']");
-  const at::Tensor loom_logits = logits_of(trainer->engine(), ids);
-  expect_close(loom_logits, load(dir / "peft.safetensors").at("logits"), 1e-5);
-  // The base alone differs: the adapter mattered.
-  python("['logits', '" + base.string() + "', '" + (dir / "ids.safetensors").string() + "', '" +
-         (dir / "base.safetensors").string() + "']");
-  const at::Tensor base_logits = load(dir / "base.safetensors").at("logits");
-  EXPECT_GT((loom_logits - base_logits).abs().max().item<double>(), 1e-3);
   // Note [Merged export]: with --merge the folder is one plain model (no adapter tensors) whose
   // transformers logits are loom's with the adapter, as PEFT's merge_and_unload gives them.
   const fs::path merged = dir / "merged";
   export_checkpoint(summary.last_checkpoint, merged, {.merge = true});
   for (const auto& [name, tensor] : load(merged / "model.safetensors"))
     EXPECT_EQ(name.find("lora"), std::string::npos) << name;
-  python("['logits', '" + merged.string() + "', '" + (dir / "ids.safetensors").string() + "', '" +
-         (dir / "merged.safetensors").string() + "']");
+  const std::string ids_file = (dir / "ids.safetensors").string();
+  test::hf::run_script_each(  // PEFT's and transformers' side in one Python process
+      "llama/llama_hf.py",
+      {"['peft', '" + base.string() + "', '" + (dir / "run").string() + "', '" + ids_file +
+           "', '" + (dir / "peft.safetensors").string() + "']",
+       "['logits', '" + base.string() + "', '" + ids_file + "', '" +
+           (dir / "base.safetensors").string() + "']",
+       "['logits', '" + merged.string() + "', '" + ids_file + "', '" +
+           (dir / "merged.safetensors").string() + "']"});
+  const at::Tensor loom_logits = logits_of(trainer->engine(), ids);
+  expect_close(loom_logits, load(dir / "peft.safetensors").at("logits"), 1e-5);
+  // The base alone differs: the adapter mattered.
+  const at::Tensor base_logits = load(dir / "base.safetensors").at("logits");
+  EXPECT_GT((loom_logits - base_logits).abs().max().item<double>(), 1e-3);
   expect_close(loom_logits, load(dir / "merged.safetensors").at("logits"), 1e-5);
 }
 

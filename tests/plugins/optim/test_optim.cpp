@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "loom/kernel_isa.h"
 #include "loom/plugin.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
@@ -51,8 +52,10 @@ Problem make_problem(const std::vector<std::vector<int64_t>>& shapes, int steps,
 
 // Runs `rule` over the problem, each tensor cut into segments at `cuts` (flat offsets, without
 // 0 and numel); returns the parameters after every step.
+// With `with_state`, each step's snapshot also holds every segment's state tensors after the
+// parameters.
 Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, double weight_decay,
-                    const std::vector<std::vector<int64_t>>& cuts = {}) {
+                    const std::vector<std::vector<int64_t>>& cuts = {}, bool with_state = false) {
   std::vector<at::Tensor> params;
   std::vector<std::vector<Segment>> segments;
   for (size_t i = 0; i < problem.params.size(); ++i) {
@@ -90,6 +93,10 @@ Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, d
     std::vector<at::Tensor> snapshot;
     for (size_t i = 0; i < params.size(); ++i)
       snapshot.push_back(params[i].view(problem.params[i].sizes()).clone());
+    if (with_state)
+      for (const auto& list : segments)
+        for (const Segment& s : list)
+          for (const auto& named : s.state) snapshot.push_back(named.second.clone());
     out.push_back(snapshot);
   }
   return out;
@@ -461,6 +468,7 @@ TEST(OptimQuantization, TableQuantizeEqualsTheSearchForEveryFloatTried) {
     auto check = [&](float y) {
       ++tried;
       ASSERT_EQ(map.quantize_fast(y), map.quantize(y)) << "y = " << y;
+      ASSERT_EQ(map.quantize_step(y), map.quantize(y)) << "one step, y = " << y;
     };
     for (uint64_t bits = 0; bits < (1ull << 32); bits += 997) {
       float y;
@@ -480,6 +488,7 @@ TEST(OptimQuantization, TableQuantizeEqualsTheSearchForEveryFloatTried) {
       check(y);
     EXPECT_GT(tried, 4000000);
     EXPECT_LE(map.walk_steps, 3) << "cells wider than the codes' spacing";
+    EXPECT_TRUE(map.step_ready()) << "a one-step cell holds two thresholds";
   }
 }
 
@@ -487,19 +496,27 @@ TEST(OptimQuantization, TableQuantizeEqualsTheSearchForEveryFloatTried) {
 __attribute__((target("avx512f"))) void quantize16(const optim::QuantMap& map, const float* y,
                                                    uint8_t* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                   _mm512_cvtepi32_epi8(map.quantize16(_mm512_loadu_ps(y))));
+                   _mm512_cvtepi32_epi8(map.quantize16_step(_mm512_loadu_ps(y))));
+}
+__attribute__((target("avx2"))) void quantize8(const optim::QuantMap& map, const float* y,
+                                               uint8_t* out) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), map.quantize8(_mm256_loadu_ps(y)));
+  for (int l = 0; l < 8; ++l) out[l] = static_cast<uint8_t>(lanes[l]);
 }
 #endif
 
-// Note [Quantize in vectors]: 16 lanes at a time, quantize16 gives quantize_fast's byte for every
-// float tried (the stride through all bit patterns, and every threshold and code with its
-// neighbours, in every lane position).
+// Note [Quantize in one step]: 16 lanes (AVX-512) and 8 (AVX2) at a time give quantize_fast's
+// byte for every float tried (the stride through all bit patterns, and every threshold and
+// code with its neighbours, in every lane position). Each width runs where the CPU has it; the
+// AVX2 one everywhere the tests run (x86-64 CI machines all have AVX2).
 TEST(OptimQuantization, VectorQuantizeEqualsTheTableForEveryFloatTried) {
 #if defined(__x86_64__)
-  if (!__builtin_cpu_supports("avx512f")) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const bool avx512 = cpu::cpu_kernel_isa() == cpu::KernelIsa::avx512;
+  ASSERT_TRUE(__builtin_cpu_supports("avx2")) << "the AVX2 path must be tested";
   for (bool is_signed : {true, false}) {
     const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
-    ASSERT_TRUE(map.vector_ready());
+    ASSERT_TRUE(map.step_ready());
     std::vector<float> values;
     for (uint64_t bits = 0; bits < (1ull << 32); bits += 997) {
       float y;
@@ -513,40 +530,126 @@ TEST(OptimQuantization, VectorQuantizeEqualsTheTableForEveryFloatTried) {
           for (float v : {sign * x, std::nextafter(sign * x, -INFINITY),
                           std::nextafter(sign * x, INFINITY)})
             values.push_back(v);
-    for (float y : {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, 2.0f, INFINITY, -INFINITY, NAN})
+    for (float y : {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, 2.0f, 0x1p-26f, -0x1p-26f, 0x1p-27f,
+                    -0x1p-27f, 0x1p-149f, -0x1p-149f, INFINITY, -INFINITY, NAN})
       values.push_back(y);
+    int64_t tried = 0;
     for (int shift = 0; shift < 16; shift += 5) {  // each value in several lanes
       for (size_t at = shift; at + 16 <= values.size(); at += 16) {
         uint8_t got[16];
+        quantize8(map, values.data() + at, got);
+        quantize8(map, values.data() + at + 8, got + 8);
+        for (int lane = 0; lane < 16; ++lane)
+          ASSERT_EQ(got[lane], map.quantize_fast(values[at + lane]))
+              << "AVX2, y = " << values[at + lane];
+        tried += 16;
+        if (!avx512) continue;
         quantize16(map, values.data() + at, got);
         for (int lane = 0; lane < 16; ++lane)
-          ASSERT_EQ(got[lane], map.quantize_fast(values[at + lane])) << "y = " << values[at + lane];
+          ASSERT_EQ(got[lane], map.quantize_fast(values[at + lane]))
+              << "AVX-512, y = " << values[at + lane];
       }
     }
+    EXPECT_GT(tried, 4 * 4000000);
   }
 #else
   GTEST_SKIP() << "not x86-64";
 #endif
 }
 
-// Note [adam8bit in vectors]: the vector kernel and the scalar one (LOOM_ADAM8BIT_SCALAR=1) give
-// the same parameters after every step (each step reads back every state byte the last one
-// wrote), bit for bit, over blocks with tails of every kind.
-TEST(OptimQuantization, Adam8bitVectorKernelEqualsTheScalarOne) {
-  // 64-element blocks; 23 and 9 leave tails shorter than a vector in the last block.
-  const Problem problem = make_problem({{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}}, 6, 11);
+// Note [adam8bit in vectors]: the AVX-512, AVX2 and scalar kernels (LOOM_KERNEL_ISA caps the
+// choice: Note [Kernel ISA cap]) give the same parameters, codes and absmax after every step
+// (each step reads back every state byte the last one wrote), bit for bit, over blocks with
+// tails of every kind. The paths this CPU lacks are skipped, and said so.
+TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
+  // 64-element blocks; 23, 9 and 7 leave tails shorter than either vector in the last block,
+  // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16.
+  const Problem problem =
+      make_problem({{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}, {2048 + 12}}, 6, 11);
   auto rule = make_rule("adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{8}}});
-  auto run = [&](bool scalar) {
-    if (scalar) setenv("LOOM_ADAM8BIT_SCALAR", "1", 1);
-    auto out = run_rule(*rule, problem, 1e-3, 0.01);
-    unsetenv("LOOM_ADAM8BIT_SCALAR");
+  auto run = [&](const char* isa) {
+    setenv("LOOM_KERNEL_ISA", isa, 1);
+    Trajectory out;
+    try {
+      out = run_rule(*rule, problem, 1e-3, 0.01, {}, /*with_state=*/true);
+    } catch (...) {
+      unsetenv("LOOM_KERNEL_ISA");
+      throw;
+    }
+    unsetenv("LOOM_KERNEL_ISA");
     return out;
   };
-  const Trajectory vector = run(false), scalar = run(true);
-  ASSERT_EQ(vector.size(), scalar.size());
-  for (size_t step = 0; step < vector.size(); ++step)
-    for (size_t i = 0; i < vector[step].size(); ++i)
-      ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i])) << "step " << step << " tensor " << i;
+  const Trajectory scalar = run("scalar");
+  ASSERT_EQ(scalar.front().size(), 5u + 4u * 5u);  // parameters, then 4 state tensors each
+  std::vector<const char*> paths = {"avx2", "avx512"};
+  for (const char* isa : paths) {
+    const cpu::KernelIsa wanted = std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
+                                                             : cpu::KernelIsa::avx512;
+    if (cpu::cpu_kernel_isa() < wanted) {
+      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
+      continue;
+    }
+    const Trajectory vector = run(isa);
+    ASSERT_EQ(vector.size(), scalar.size());
+    for (size_t step = 0; step < vector.size(); ++step)
+      for (size_t i = 0; i < vector[step].size(); ++i)
+        ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i]))
+            << isa << ", step " << step << " tensor " << i;
+  }
+  // The codes moved: a comparison of untouched state could not fail.
+  EXPECT_FALSE(at::equal(scalar.back()[5], scalar.front()[5]));
+}
+
+// Note [Adafactor's kernels per ISA]: the AVX-512, AVX2 and baseline copies of adafactor's loops
+// give the same parameters and factors after every step, bit for bit (matrices, a rank-3
+// tensor, vectors; momentum on; columns that end inside and past a vector).
+TEST(OptimConformance, AdafactorKernelsAgreeAcrossIsas) {
+  const Problem problem = make_problem({{24, 40}, {3, 8, 13}, {77}, {9, 1031}}, 5, 3);
+  auto rule = make_rule("adafactor", {{"beta1", 0.9}});
+  auto run = [&](const char* isa) {
+    setenv("LOOM_KERNEL_ISA", isa, 1);
+    Trajectory out;
+    try {
+      out = run_rule(*rule, problem, 1e-3, 0.01, {}, /*with_state=*/true);
+    } catch (...) {
+      unsetenv("LOOM_KERNEL_ISA");
+      throw;
+    }
+    unsetenv("LOOM_KERNEL_ISA");
+    return out;
+  };
+  const Trajectory scalar = run("scalar");
+  for (const char* isa : {"avx2", "avx512"}) {
+    const cpu::KernelIsa wanted = std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
+                                                             : cpu::KernelIsa::avx512;
+    if (cpu::cpu_kernel_isa() < wanted) {
+      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
+      continue;
+    }
+    const Trajectory vector = run(isa);
+    for (size_t step = 0; step < vector.size(); ++step)
+      for (size_t i = 0; i < vector[step].size(); ++i)
+        ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i]))
+            << isa << ", step " << step << " tensor " << i;
+  }
+}
+
+TEST(OptimQuantization, KernelIsaCapRejectsAnUnknownValue) {
+  setenv("LOOM_KERNEL_ISA", "avx1024", 1);
+  try {
+    cpu::kernel_isa();
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("LOOM_KERNEL_ISA='avx1024'"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("avx512, avx2 or scalar"), std::string::npos) << e.what();
+  }
+  setenv("LOOM_KERNEL_ISA", "avx2", 1);
+  EXPECT_EQ(cpu::kernel_isa(), std::min(cpu::KernelIsa::avx2, cpu::cpu_kernel_isa()));
+  setenv("LOOM_KERNEL_ISA", "scalar", 1);
+  EXPECT_EQ(cpu::kernel_isa(), cpu::KernelIsa::scalar);
+  unsetenv("LOOM_KERNEL_ISA");
+  EXPECT_EQ(cpu::kernel_isa(), cpu::cpu_kernel_isa());
 }
 
 // Each value comes back within half the gap between the two codes around it (nearest

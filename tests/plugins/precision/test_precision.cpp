@@ -1,5 +1,6 @@
 // Tests of the `precision` plugin: the fp16 loss scaler against torch.amp.GradScaler, an injected
-// overflow, bf16 against fp32, bitwise fp16 resume, pure-half weights, and the bad-input errors.
+// overflow, the fallback from fp16 after an overflow storm, bf16 against fp32, bitwise fp16
+// resume, pure-half weights, and the bad-input errors.
 // Overflows are injected by an after_backward handler the test registers, not by a config key.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -303,6 +304,309 @@ TEST(Precision, Fp16ResumeContinuesBitwise) {
   }
 }
 
+// ---- falling back from fp16 (Note [Falling back from fp16]) ----
+
+// An overflow storm only fp16 suffers (weights or activations beyond 65504): +inf in one
+// gradient element on every step from `from` (0-based) for as long as the loss is scaled, i.e.
+// while the run is in fp16 (the scaler never reaches 1 in these jobs).
+void poison_while_fp16(Engine& engine, int64_t from) {
+  engine.on(Event::after_backward, [from](Engine& e) {
+    if (e.state().step < from || e.state().loss_scale == 1.0) return;
+    at::NoGradGuard no_grad;
+    e.params()[1].tensor.mutable_grad().view(-1)[3].fill_(INFINITY);
+  });
+}
+
+// Records the autocast dtype each training forward runs under ("fp32" without autocast). The
+// precision plugin runs first in before_forward, so this handler sees what it set.
+void record_forward_dtype(Engine& engine, std::vector<std::string>& dtypes) {
+  engine.on(Event::before_forward, [&dtypes](Engine&) {
+    dtypes.push_back(at::autocast::is_autocast_enabled(at::kCPU)
+                         ? c10::toString(at::autocast::get_autocast_dtype(at::kCPU))
+                         : "fp32");
+  });
+}
+
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors)
+    if (!at::isfinite(t).all().item<bool>()) return false;
+  return true;
+}
+
+// fp16 over a scale floor: 1024 -> 512 -> 256, then an overflow at 256 (step 5) is the floor.
+std::string storm_job(const std::string& dir, int steps, const std::string& precision,
+                      const std::string& resume = "") {
+  std::string job = test::tiny_gpt_job(dir);
+  job.replace(job.find("max_steps = 4"), 13, "max_steps = " + std::to_string(steps));
+  if (!resume.empty())
+    job.replace(job.find("[model]"), 7, "resume = \"" + resume + "\"\n\n[model]");
+  return with_precision(job, "mode = \"fp16\"\ninit_scale = 1024\nmin_scale = 256\n" + precision);
+}
+
+// What fallback_mode = "auto" picks on this machine.
+std::string auto_fallback_mode() {
+  return precision::cpu_half_gap(at::kBFloat16, at::cpu::get_cpu_capabilities()).empty()
+             ? "bf16"
+             : "fp32";
+}
+
+// The storm that ends an fp16 run at the scale's floor today: with on_overflow = "fallback" the
+// run switches at that step (5) to the mode fallback_mode = "auto" picks on this CPU, from the
+// weights of step 2 (the last clean update) bit for bit, says so once in a warning, marks the
+// step in metrics.jsonl and the switch in the checkpoint (read back by Python), and trains on
+// with finite weights. Resumed from a checkpoint written after the switch, with the same job
+// (still mode = "fp16"), the run continues in the fallback mode and ends bitwise where the
+// straight run ends; in fp16 it would have met the storm again.
+TEST(Precision, OverflowStormAtTheFloorFallsBackAndAResumeStaysFallenBack) {
+  const std::string target = auto_fallback_mode();
+  const std::string target_dtype = target == "bf16" ? "BFloat16" : "fp32";
+  TempDir straight_dir, resumed_dir;
+  auto straight = Trainer::from_text(
+      storm_job(straight_dir.str(), 8, "on_overflow = \"fallback\""), straight_dir.path(),
+      {"train.log_level=info"});
+  straight->setup();
+  Engine& engine = straight->engine();
+  poison_while_fp16(engine, 2);
+  std::vector<std::string> dtypes;
+  record_forward_dtype(engine, dtypes);
+  testing::internal::CaptureStderr();
+  ASSERT_TRUE(straight->step());
+  ASSERT_TRUE(straight->step());
+  const auto last_clean = snapshot(engine);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(straight->step());  // steps 3, 4: backoff; 5: floor
+  const auto at_switch = snapshot(engine);
+  EXPECT_EQ(engine.state().loss_scale, 1.0);
+  EXPECT_EQ(engine.state().skipped_updates, 3);
+  EXPECT_TRUE(all_bitwise_equal(last_clean, at_switch))
+      << "the fallback did not go on from the last clean update's weights";
+  straight->run();
+  const std::string log = testing::internal::GetCapturedStderr();
+  const auto trained = snapshot(engine);
+  EXPECT_EQ(engine.state().step, 8);
+  EXPECT_EQ(engine.state().skipped_updates, 3);
+  EXPECT_TRUE(all_finite(trained));
+  EXPECT_FALSE(all_bitwise_equal(at_switch, trained)) << "nothing trained after the switch";
+
+  const std::vector<std::string> expected_dtypes = {"Half", "Half", "Half", "Half", "Half",
+                                                    target_dtype, target_dtype, target_dtype};
+  EXPECT_EQ(dtypes, expected_dtypes);
+  const std::string warning =
+      "[precision] step 5: fp16 overflowed at the loss scale's floor 256 ([precision] "
+      "min_scale) (loss ";
+  const size_t first = log.find(warning);
+  ASSERT_NE(first, std::string::npos) << log;
+  EXPECT_EQ(log.find("[precision] step", first + 1), std::string::npos) << "warned twice: " << log;
+  EXPECT_NE(log.find("switching from fp16 to " +
+                         std::string(target == "bf16" ? "bf16 autocast" : "fp32") +
+                         " for the rest of the run (",
+                     first),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("from the weights and optimizer state of step 2, the last clean update",
+                     first),
+            std::string::npos)
+      << log;
+
+  // Python reads what the run wrote: the metrics line of the switch, and the final checkpoint.
+  const std::string read = R"(
+import json
+lines = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+print([l["step"] for l in lines if l.get("precision_fallback_to_)" + target + R"(") == 1])
+print([l["loss_scale"] for l in lines])
+print(sum(1 for l in lines for k in l if k.startswith("precision_fallback")))
+values = json.load(open(d + "/checkpoint-8/manifest.json"))["values"]
+print(*(values["precision." + k] for k in ("mode", "fallback_from", "fallback_step")))
+print("precision.growth_tracker" in values)
+)";
+  EXPECT_EQ(run_python("d = '" + straight_dir.str() + "'\n" + read),
+            "[5]\n[1024.0, 1024.0, 512.0, 256.0, 1.0, 1.0, 1.0, 1.0]\n1\n" + target +
+                " fp16 5\nFalse\n");
+
+  // Resume from step 6, after the switch.
+  auto first_part = Trainer::from_text(
+      storm_job(resumed_dir.str(), 6, "on_overflow = \"fallback\""), resumed_dir.path());
+  first_part->setup();
+  poison_while_fp16(first_part->engine(), 2);
+  first_part->run();
+  first_part.reset();
+  auto second = Trainer::from_text(
+      storm_job(resumed_dir.str(), 8, "on_overflow = \"fallback\"", "latest"),
+      resumed_dir.path(), {"train.log_level=info"});
+  testing::internal::CaptureStderr();
+  second->setup();
+  EXPECT_EQ(second->engine().state().step, 6);
+  EXPECT_EQ(second->engine().state().loss_scale, 1.0);
+  poison_while_fp16(second->engine(), 2);
+  std::vector<std::string> resumed_dtypes;
+  record_forward_dtype(second->engine(), resumed_dtypes);
+  second->run();
+  const std::string resumed_log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(resumed_dtypes, std::vector<std::string>(2, target_dtype));
+  EXPECT_NE(resumed_log.find("[precision] the checkpoint's run fell back from fp16 to " + target +
+                             " at step 5 ([precision] on_overflow = \"fallback\"); continuing in " +
+                             target),
+            std::string::npos)
+      << resumed_log;
+  EXPECT_EQ(resumed_log.find("the checkpoint was trained with mode"), std::string::npos)
+      << resumed_log;
+  EXPECT_EQ(second->engine().state().skipped_updates, 3);
+  EXPECT_TRUE(all_bitwise_equal(snapshot(second->engine()), trained));
+  const auto la = metrics(straight_dir.path()), lb = metrics(resumed_dir.path());
+  ASSERT_EQ(lb.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(la[i]["loss"], lb[i]["loss"]) << "step " << i + 1;
+  EXPECT_EQ(run_python("import json\nd = '" + resumed_dir.str() + R"('
+values = json.load(open(d + "/checkpoint-8/manifest.json"))["values"]
+print(*(values["precision." + k] for k in ("mode", "fallback_from", "fallback_step")))
+)"),
+            target + " fp16 5\n");
+}
+
+// fallback_after overflowing steps in a row switch the run before any floor. The run that falls
+// back to bf16 at step 5 ends bitwise where an independent route ends: an fp16 run that skips
+// the same three updates and saves at step 5, resumed with mode = "bf16".
+TEST(Precision, FallbackAfterAStreakEqualsAResumeInTheNewMode) {
+  TempDir fallen_dir, reference_dir;
+  auto job = [](const std::string& dir, int steps, const std::string& precision,
+                const std::string& resume) {
+    std::string text = test::tiny_gpt_job(dir);
+    text.replace(text.find("max_steps = 4"), 13, "max_steps = " + std::to_string(steps));
+    if (!resume.empty())
+      text.replace(text.find("[model]"), 7, "resume = \"" + resume + "\"\n\n[model]");
+    return with_precision(text, precision);
+  };
+  auto fallen = Trainer::from_text(
+      job(fallen_dir.str(), 8,
+          "mode = \"fp16\"\non_overflow = \"fallback\"\nfallback_after = 3\n"
+          "fallback_mode = \"bf16\"",
+          ""),
+      fallen_dir.path());
+  fallen->setup();
+  poison_steps(fallen->engine(), {2, 3, 4});
+  std::vector<std::string> dtypes;
+  record_forward_dtype(fallen->engine(), dtypes);
+  testing::internal::CaptureStderr();
+  fallen->run();
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("[precision] step 5: fp16 overflowed on 3 steps in a row ([precision] "
+                     "fallback_after = 3)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("switching from fp16 to bf16 autocast for the rest of the run ([precision] "
+                     "fallback_mode = \"bf16\""),
+            std::string::npos)
+      << log;
+  const std::vector<std::string> expected = {"Half", "Half", "Half", "Half", "Half",
+                                             "BFloat16", "BFloat16", "BFloat16"};
+  EXPECT_EQ(dtypes, expected);
+
+  auto fp16_part = Trainer::from_text(job(reference_dir.str(), 5, "mode = \"fp16\"", ""),
+                                      reference_dir.path());
+  fp16_part->setup();
+  poison_steps(fp16_part->engine(), {2, 3, 4});
+  fp16_part->run();
+  EXPECT_EQ(fp16_part->engine().state().skipped_updates, 3);
+  fp16_part.reset();
+  auto bf16_part = Trainer::from_text(job(reference_dir.str(), 8, "mode = \"bf16\"", "latest"),
+                                      reference_dir.path());
+  bf16_part->run();
+
+  EXPECT_TRUE(all_finite(snapshot(fallen->engine())));
+  EXPECT_TRUE(all_bitwise_equal(snapshot(fallen->engine()), snapshot(bf16_part->engine())));
+  const auto la = metrics(fallen_dir.path()), lb = metrics(reference_dir.path());
+  ASSERT_EQ(la.size(), 8u);
+  ASSERT_EQ(lb.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(la[i]["loss"], lb[i]["loss"]) << "step " << i + 1;
+  EXPECT_EQ(la[4]["precision_fallback_to_bf16"], 1);
+  EXPECT_FALSE(la[3].contains("precision_fallback_to_bf16"));
+  EXPECT_FALSE(la[5].contains("precision_fallback_to_bf16"));
+}
+
+// The default (on_overflow = "error"): the same storm ends the run at the floor, named, as
+// before the fallback existed.
+TEST(Precision, OverflowStormAtTheFloorIsStillANamedErrorByDefault) {
+  for (const std::string policy : {"", "on_overflow = \"error\""}) {
+    SCOPED_TRACE(policy.empty() ? "default" : policy);
+    TempDir dir;
+    auto trainer = Trainer::from_text(storm_job(dir.str(), 8, policy), dir.path());
+    trainer->setup();
+    poison_while_fp16(trainer->engine(), 2);
+    EXPECT_THROW_WITH(trainer->run(), Error, "step 5: the gradients are inf/NaN at the loss "
+                      "scale's floor 256 ([precision] min_scale");
+    EXPECT_EQ(trainer->engine().state().step, 4);
+    EXPECT_EQ(trainer->engine().state().loss_scale, 256.0);
+  }
+}
+
+// A real fp16 overflow, not an injected one: after step 2 the embedding (tied to the LM head)
+// is scaled past fp16's 65504, so under fp16 autocast the head's weight casts to inf and the loss
+// is NaN at every loss scale. The run falls back to fp32 after 3 such steps and trains on with a
+// finite loss (fp32 holds those weights), where fp16 could only skip.
+TEST(Precision, WeightsBeyondFp16sRangeFallBackAndTrainOnWithAFiniteLoss) {
+  TempDir dir;
+  std::string job = test::tiny_gpt_job(dir.str());
+  job.replace(job.find("max_steps = 4"), 13, "max_steps = 8");
+  auto trainer = Trainer::from_text(
+      with_precision(job, "mode = \"fp16\"\non_overflow = \"fallback\"\nfallback_after = 3\n"
+                          "fallback_mode = \"fp32\""),
+      dir.path());
+  trainer->setup();
+  trainer->engine().on(Event::step_end, [](Engine& e) {
+    if (e.state().step != 2) return;
+    at::NoGradGuard no_grad;
+    at::Tensor wte = e.model().named_parameters()["wte.weight"];
+    wte.mul_(1e7);
+    ASSERT_GT(wte.abs().max().item<float>(), 65504.0f);
+  });
+  trainer->run();
+  EXPECT_EQ(trainer->engine().state().skipped_updates, 3);
+  EXPECT_TRUE(all_finite(snapshot(trainer->engine())));
+  const auto lines = metrics(dir.path());
+  ASSERT_EQ(lines.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    SCOPED_TRACE("step " + std::to_string(i + 1));
+    const bool fp16_overflow = i >= 2 && i <= 4;
+    // nlohmann writes a NaN loss as null.
+    EXPECT_EQ(lines[i]["loss"].is_number(), !fp16_overflow) << lines[i].dump();
+    EXPECT_EQ(lines[i].contains("precision_fallback_to_fp32"), i == 4);
+  }
+}
+
+TEST(Precision, BadFallbackValuesAreErrorsNamingTheKey) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"mode = \"fp16\"\non_overflow = \"retry\"",
+       {"[precision] on_overflow 'retry' is unknown (use \"error\" or \"fallback\")"}},
+      {"mode = \"fp16\"\non_overflow = \"fallback\"\nfallback_after = 0",
+       {"[precision] fallback_after must be > 0 (overflowing steps in a row), got 0"}},
+      {"mode = \"fp16\"\non_overflow = \"fallback\"\nfallback_after = -3",
+       {"[precision] fallback_after must be > 0 (overflowing steps in a row), got -3"}},
+      {"mode = \"fp16\"\non_overflow = \"fallback\"\nfallback_mode = \"fp16\"",
+       {"[precision] fallback_mode 'fp16' is unknown (use \"auto\", \"bf16\" or \"fp32\")"}},
+      {"mode = \"fp16\"\nfallback_after = 5",
+       {"[precision] fallback_after applies only with on_overflow = \"fallback\", but "
+        "on_overflow is \"error\""}},
+      {"mode = \"bf16\"\non_overflow = \"fallback\"",
+       {"[precision] on_overflow sets the fp16 loss scaler, but mode is 'bf16'"}},
+      {"mode = \"full_fp16\"\non_overflow = \"fallback\"",
+       {"[precision] on_overflow = \"fallback\" needs mode = \"fp16\"", "use mode = \"fp16\""}}};
+  for (const auto& [lines, messages] : cases) {
+    SCOPED_TRACE(lines);
+    TempDir dir;
+    auto build = [&] {
+      return Trainer::from_text(with_precision(test::tiny_gpt_job(dir.str()), lines), dir.path());
+    };
+    std::vector<std::string> parts = {"job.toml:"};
+    parts.insert(parts.end(), messages.begin(), messages.end());
+    try {
+      build();
+      ADD_FAILURE() << "no ConfigError";
+    } catch (const ConfigError& error) {
+      const std::string message = error.what();
+      for (const auto& part : parts)
+        EXPECT_NE(message.find(part), std::string::npos) << message;
+    }
+  }
+}
+
 // ---- autocast and pure-half modes ----
 
 TEST(Precision, Bf16AndFullBf16FollowTheFp32Loss) {
@@ -487,6 +791,39 @@ TEST(Precision, FrozenWeightsResumeAcrossHalfAndFp32Checkpoints) {
     EXPECT_EQ(resumed->engine().state().step, 2);
     resumed->run();
     EXPECT_TRUE(all_bitwise_equal(snapshot(resumed->engine()), expected));
+  }
+}
+
+// Note [Falling back from fp16]: LoRA's frozen base Linears, held in fp16 under fp16 autocast,
+// follow the run into its fallback mode (an fp32 forward cannot multiply by an fp16 weight), and
+// the run trains on.
+TEST(Precision, FallbackCastsFrozenHalfWeightsToTheNewMode) {
+  for (const std::string target : {"fp32", "bf16"}) {
+    SCOPED_TRACE(target);
+    TempDir dir;
+    std::string job = lora_everywhere(dir.str(), /*llama=*/false);
+    job.replace(job.find("max_steps = 4"), 13, "max_steps = 6");
+    auto trainer = Trainer::from_text(
+        with_precision(job, "mode = \"fp16\"\ninit_scale = 1024\nmin_scale = 256\n"
+                            "on_overflow = \"fallback\"\nfallback_mode = \"" + target + "\""),
+        dir.path());
+    trainer->setup();
+    Engine& e = trainer->engine();
+    poison_while_fp16(e, 2);
+    std::map<std::string, at::Tensor> frozen;
+    for (const auto& p : e.model().named_parameters(true))
+      if (p.value().scalar_type() == at::kHalf) frozen[p.key()] = p.value();
+    ASSERT_EQ(frozen.size(), 16u);  // 2 blocks x (qkv, proj, fc_in, fc_out) x (weight, bias)
+    const auto before = snapshot(e);
+    trainer->run();
+    EXPECT_EQ(e.state().step, 6);
+    EXPECT_EQ(e.state().skipped_updates, 3);
+    for (const auto& [name, tensor] : frozen)
+      EXPECT_EQ(tensor.scalar_type(), target == "fp32" ? at::kFloat : at::kBFloat16) << name;
+    const auto after = snapshot(e);
+    EXPECT_TRUE(all_finite(after));
+    EXPECT_FALSE(all_bitwise_equal(before, after));
+    EXPECT_EQ(metrics(dir.path())[4]["precision_fallback_to_" + target], 1);
   }
 }
 

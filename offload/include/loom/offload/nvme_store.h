@@ -7,9 +7,10 @@
 // Note [Swap file]: one file per store, made in nvme_path at construction and removed at
 // destruction. Its whole size is reserved up front (fallocate), so a disk too small is an error
 // at the start, naming the path and the bytes, not a failure mid-run; every region is aligned
-// to 4 KiB (O_DIRECT's rule), and every write records a 64-bit checksum of the region's bytes
-// that the read checks, so a file truncated or changed under the run is an error naming it,
-// never silently wrong numbers. A file system without O_DIRECT is used with buffered I/O after
+// to 4 KiB (O_DIRECT's rule), and every write records a CRC-32C (core/app/loom/crc32c.h) of each
+// block_size piece of the region's bytes that the read checks, so a file truncated or changed
+// under the run is an error naming it, never silently wrong numbers. The sums live in memory
+// only, as long as the file does: no file format or checkpoint carries them. A file system without O_DIRECT is used with buffered I/O after
 // a warning, and one in memory (tmpfs, ramfs: it takes O_DIRECT on recent kernels) after a
 // warning that it saves no memory; require_direct = true refuses both.
 //
@@ -58,10 +59,6 @@ class AlignedBuffer {
 };
 
 int64_t align_up(int64_t bytes);
-
-// The checksum a region carries: 64 bits over its bytes (four interleaved multiply-xor lanes:
-// several GB/s, so checking every read costs little beside the transfer).
-uint64_t checksum(const void* data, int64_t bytes);
 
 class SwapFile {
  public:
