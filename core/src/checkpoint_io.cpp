@@ -381,7 +381,10 @@ void CheckpointWriter::write_files() {
     if (c.rng_device.defined()) files["trainer"].emplace_back("rng.cuda", c.rng_device);
     for (const auto& [stem, tensors] : files) {
       const fs::path file = temp_dir / (stem + ".safetensors");
-      safetensors::save(file, tensors, {{"format", "pt"}});
+      safetensors::Metadata metadata = {{"format", "pt"}};
+      if (stem == "model" && !c.model_partial.empty())  // Note [Partial model files]
+        metadata["loom_partial"] = c.model_partial;
+      safetensors::save(file, tensors, metadata);
       const auto d = fsutil::digest(file);
       rank0_files_.push_back({stem + ".safetensors", d.bytes, d.crc32});
     }

@@ -35,6 +35,9 @@ struct CheckpointContents {
   int64_t skipped_updates = 0;
   double loss_scale = 1.0;
   NamedTensors model;      // model.safetensors (rank 0's)
+  // Note [Partial model files]: empty when `model` is the whole model; else what the file
+  // lacks and how to get the whole model, written as its "loom_partial" metadata.
+  std::string model_partial;
   StatePieces optimizer;   // this rank's pieces; written by every rank when optimizer_sharded
   bool optimizer_sharded = false;
   at::Tensor rng_cpu;      // trainer.safetensors

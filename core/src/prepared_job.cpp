@@ -14,6 +14,7 @@
 #include "dist_env.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
+#include "loom/pretrained.h"
 
 namespace loom {
 
@@ -104,6 +105,13 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
     if (purpose_ == Purpose::inference && std::string(table) == "data") continue;
     choice->provider->plugin->validate(choice->name, section(table), tables);
   }
+  // A from_pretrained folder (the key every model plugin reads) is opened here, config.json and
+  // the weight files' headers, so `check` refuses a folder that building the model would: a
+  // missing file, a broken index, a part of a model (Note [Partial model files]).
+  const auto& model_table = section("model");
+  if (model_table.schema().find("from_pretrained") &&
+      !model_table.get_string("from_pretrained").empty())
+    pretrained::Folder{resolve_path(model_table.get_string("from_pretrained"))};
   if (resolved_.eval_data.provider && purpose_ != Purpose::inference)
     resolved_.eval_data.provider->plugin->validate(resolved_.eval_data.name, section("eval_data"),
                                                    tables);

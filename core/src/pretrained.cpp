@@ -82,6 +82,17 @@ Folder::Folder(const std::filesystem::path& dir) : dir_(dir) {
     for (const auto& entry : safetensors::read_header(single).entries)
       where_[entry.name] = single;
   }
+  // Note [Partial model files]: a loom checkpoint's model.safetensors at ZeRO stage 3 or with
+  // expert parallelism is part of a model; loading it would leave the rest at initial values.
+  std::set<fs::path> weight_files;
+  for (const auto& [name, file] : where_) weight_files.insert(file);
+  for (const auto& file : weight_files) {
+    const auto metadata = safetensors::read_header(file).metadata;
+    const auto partial = metadata.find("loom_partial");
+    LOOM_CHECK_AS(CheckpointError, partial == metadata.end(), "'", file.string(),
+                  "' is not a whole model: ", partial->second,
+                  "; then point from_pretrained at that output");
+  }
 }
 
 std::vector<std::string> Folder::names() const {

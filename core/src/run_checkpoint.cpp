@@ -27,6 +27,32 @@ NamedTensors model_tensors(Model& model, const StepDriver* driver, bool without_
   return out;
 }
 
+// Note [Partial model files]: at ZeRO stage 3 the units' weights, and with expert parallelism
+// the experts, are pieces in the ranks' optimizer-*.safetensors files ("weight/<name>"), so a
+// checkpoint's model.safetensors then holds only part of the model. A file that looks like a
+// model and is not one must say so: its safetensors metadata carries "loom_partial" (what it
+// lacks, and `loom consolidate`/`loom export`, which join the pieces), which Python's reader
+// shows, and which `from_pretrained` refuses by name. loom's own checkpoint reader serves the
+// missing tensors from the pieces (Note [Checkpoint format 2]) and ignores the mark.
+std::string partial_model_note(Model& model, const NamedTensors& held) {
+  std::set<std::string> in_file;
+  for (const auto& [name, tensor] : held) in_file.insert(name);
+  std::vector<std::string> missing;
+  int64_t total = 0;
+  for (const auto& item : model.named_parameters(true)) {
+    ++total;
+    if (!in_file.count(item.key())) missing.push_back(item.key());
+  }
+  total += static_cast<int64_t>(model.named_buffers(true).size());
+  if (missing.empty()) return "";
+  return detail::cat("this file holds ", held.size(), " of the model's ", total, " tensors; the ",
+                     missing.size(), " others (", missing.front(),
+                     missing.size() > 1 ? ", ..." : "", ") are pieces in the checkpoint's "
+                     "optimizer-*.safetensors files (ZeRO stage 3 or expert parallelism): "
+                     "`loom consolidate CHECKPOINT OUT.safetensors` or `loom export CHECKPOINT "
+                     "FOLDER` writes the whole model");
+}
+
 CheckpointContents checkpoint_contents(const RunParts& run, CheckpointData plugin) {
   CheckpointContents contents;
   contents.step = run.state.step;
@@ -41,6 +67,7 @@ CheckpointContents checkpoint_contents(const RunParts& run, CheckpointData plugi
   contents.skipped_updates = run.state.skipped_updates;
   contents.loss_scale = run.state.loss_scale;
   contents.model = model_tensors(run.model, &run.driver, /*without_sharded=*/true);
+  contents.model_partial = partial_model_note(run.model, contents.model);
   contents.optimizer = run.driver.state_pieces();
   contents.optimizer_sharded = run.driver.state_is_sharded();
   {

@@ -38,6 +38,13 @@ for case in "2 2 mpi" "4 4 mpi" "4 2 gloo" "2 2 gloo"; do
   else fail "ep $ep of $n ($backend): ${d:-} $(grep -v '^\s*$' "$out.log" | tail -4)"; fi
 done
 
+# Note [Partial model files]: with experts over ranks, model.safetensors lacks the experts
+# and says so; the consolidated file has them all (whole_experts above).
+partial=$("$python" "$src/tests/support/tensors.py" metadata "$work/ep2-n2-mpi/checkpoint-20/model.safetensors" loom_partial)
+[[ $partial == *"of the model's"*"loom consolidate"* ]] &&
+  ok "the expert-parallel model.safetensors is marked partial (${partial:0:60}...)" ||
+  fail "expert-parallel partial mark: '$partial'"
+
 # Resume at the same world size: bitwise. Balancing and z-losses on, capacity dropping too.
 full=(--set moe.expert_parallel_size=2 --set moe.dropless=false --set moe.capacity_factor=1.0
       --set moe.aux_loss_coef=0.01 --set moe.z_loss_coef=0.001 --set train.save_steps=10)

@@ -241,6 +241,27 @@ ranks none 1 "$work/r-single" "${base[@]}" --set zero.stage=0 --set train.per_de
   ok "loom consolidate of the 4-rank stage-3 checkpoint == 1 process ($d; Python reads $n)" ||
   fail "consolidate: ${d:-} ${n:-}"
 
+# Note [Partial model files]: the stage-3 checkpoint's model.safetensors holds only the
+# whole-kept tensors and says so (Python sees it in the metadata); the stage-0 one is whole and
+# unmarked; a from_pretrained folder holding the partial file is refused by check and by run,
+# with one message, before output_dir is made.
+tensors=("$python" "$src/tests/support/tensors.py")
+partial=$("${tensors[@]}" metadata "$work/r4/checkpoint-20/model.safetensors" loom_partial)
+whole=$("${tensors[@]}" metadata "$work/r-single/checkpoint-20/model.safetensors" loom_partial)
+[[ $partial == *"of the model's"*"loom consolidate"* ]] && [ -z "$whole" ] &&
+  ok "a stage-3 checkpoint's model.safetensors is marked partial (${partial:0:50}...), stage 0's is not" ||
+  fail "partial mark: '$partial' / '$whole'"
+"$loom" export "$work/r4/checkpoint-20" "$work/r4-export" >/dev/null &&
+  cp "$work/r4/checkpoint-20/model.safetensors" "$work/r4-export/model.safetensors"
+pretrained=(--set "model.from_pretrained=\"$work/r4-export\"" --set "train.output_dir=$work/from-partial")
+check_err=$("$loom" check "$job" "${pretrained[@]}" 2>&1 >/dev/null); check_rc=$?
+run_out=$("$loom" run "$job" "${pretrained[@]}" 2>&1); run_rc=$?
+run_err=$(grep "^loom: error" <<<"$run_out")
+if [ $check_rc -ne 0 ] && [ $run_rc -ne 0 ] && [[ $check_err == *"is not a whole model"* ]] &&
+   [ "$check_err" = "$run_err" ] && [ ! -e "$work/from-partial" ]; then
+  ok "from_pretrained of a partial model file: refused by check and run alike, nothing written"
+else fail "from_pretrained partial (check $check_rc, run $run_rc): $check_err / $run_err"; fi
+
 # --- ranks started with Slurm's variables, as srun starts them (rendezvous from MASTER_ADDR)
 port=$((port + 1))
 for r in 0 1; do

@@ -12,6 +12,8 @@ usage: tensors.py compare A.safetensors B.safetensors TOLERANCE
          prints "worst relative difference X[, bitwise]"; exits 1 when X > TOLERANCE
        tensors.py shape FILE NAME
          prints the tensor's shape as comma-separated integers
+       tensors.py metadata FILE KEY
+         prints the header's __metadata__ value of KEY (empty when it has none)
 """
 import json
 import sys
@@ -64,6 +66,11 @@ def compare(path_a, path_b, tolerance):
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3], float(sys.argv[4])))
+    if len(sys.argv) == 4 and sys.argv[1] == "metadata":
+        with open(sys.argv[2], "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        print(header.get("__metadata__", {}).get(sys.argv[3], ""))
+        sys.exit(0)
     if len(sys.argv) == 4 and sys.argv[1] == "shape":
         print(",".join(str(d) for d in load(sys.argv[2])[sys.argv[3]].shape))
         sys.exit(0)
