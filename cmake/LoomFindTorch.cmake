@@ -41,6 +41,22 @@ function(loom_cuda_toolkit_nvcc out)
   endif()
 endfunction()
 
+# The imported target loom_libtorch_cpu (libtorch_cpu.so, linking libc10.so) with LibTorch's
+# include folders and compile definitions, once.
+function(loom_torch_cpu_target lib_torch_cpu lib_c10 include_dirs definitions)
+  if(TARGET loom_libtorch_cpu)
+    return()
+  endif()
+  add_library(loom_libc10 SHARED IMPORTED)
+  set_target_properties(loom_libc10 PROPERTIES IMPORTED_LOCATION "${lib_c10}")
+  add_library(loom_libtorch_cpu SHARED IMPORTED)
+  set_target_properties(loom_libtorch_cpu PROPERTIES
+    IMPORTED_LOCATION "${lib_torch_cpu}"
+    INTERFACE_INCLUDE_DIRECTORIES "${include_dirs}"
+    INTERFACE_COMPILE_DEFINITIONS "${definitions}"
+    INTERFACE_LINK_LIBRARIES loom_libc10)
+endfunction()
+
 # The wheel's CPU libraries as the imported target loom_libtorch_cpu (Note [LibTorch without
 # the CUDA toolkit]).
 function(loom_import_torch_cpu mode)
@@ -80,16 +96,7 @@ function(loom_import_torch_cpu mode)
     set(definitions "${CMAKE_MATCH_1}")
   endif()
   set(include_dirs "${prefix}/include;${prefix}/include/torch/csrc/api/include")
-  if(NOT TARGET loom_libtorch_cpu)
-    add_library(loom_libc10 SHARED IMPORTED)
-    set_target_properties(loom_libc10 PROPERTIES IMPORTED_LOCATION "${lib_c10}")
-    add_library(loom_libtorch_cpu SHARED IMPORTED)
-    set_target_properties(loom_libtorch_cpu PROPERTIES
-      IMPORTED_LOCATION "${lib_torch_cpu}"
-      INTERFACE_INCLUDE_DIRECTORIES "${include_dirs}"
-      INTERFACE_COMPILE_DEFINITIONS "${definitions}"
-      INTERFACE_LINK_LIBRARIES loom_libc10)
-  endif()
+  loom_torch_cpu_target("${lib_torch_cpu}" "${lib_c10}" "${include_dirs}" "${definitions}")
   set(Torch_FOUND TRUE PARENT_SCOPE)
   set(TORCH_FOUND TRUE PARENT_SCOPE)
   set(Torch_VERSION "${PACKAGE_VERSION}" PARENT_SCOPE)
@@ -97,6 +104,30 @@ function(loom_import_torch_cpu mode)
   set(TORCH_INCLUDE_DIRS "${include_dirs}" PARENT_SCOPE)
   set(TORCH_LIBRARIES loom_libtorch_cpu PARENT_SCOPE)
   set(TORCH_CXX_FLAGS "" PARENT_SCOPE)
+endfunction()
+
+# Note [CUDA loaded on demand] (core/src/cuda_runtime.h): after Torch's own config ran, the
+# imported target loom_libtorch_cpu links only libtorch_cpu and libc10 but compiles with
+# everything the whole `torch` target gives (its CPU and CUDA halves' definitions, the CUDA
+# toolkit's headers), so a TU compiles the same whichever half its target links.
+function(loom_torch_cpu_half_of_cuda_build)
+  set(definitions "")
+  foreach(half torch_cpu torch_cuda)
+    get_target_property(defs ${half} INTERFACE_COMPILE_DEFINITIONS)
+    if(defs)
+      list(APPEND definitions ${defs})
+    endif()
+  endforeach()
+  set(include_dirs ${TORCH_INCLUDE_DIRS})
+  if(TARGET CUDA::cudart)
+    get_target_property(cuda_include CUDA::cudart INTERFACE_INCLUDE_DIRECTORIES)
+    if(cuda_include)
+      list(APPEND include_dirs ${cuda_include})
+    endif()
+  endif()
+  get_target_property(lib_torch_cpu torch_cpu LOCATION)
+  get_target_property(lib_c10 c10 LOCATION)
+  loom_torch_cpu_target("${lib_torch_cpu}" "${lib_c10}" "${include_dirs}" "${definitions}")
 endfunction()
 
 # A macro: find_package's results land in the caller's scope, as they did before.
@@ -117,7 +148,15 @@ macro(loom_find_torch mode)
       set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
     endif()
     find_package(Torch ${mode})
+    # Note [CUDA loaded on demand]: everything links the CPU half; what needs the CUDA half
+    # (libloom_cuda, the preload plugin, the GPU tests) links LOOM_TORCH_CUDA_LIBRARIES.
+    if(Torch_FOUND)
+      set(LOOM_TORCH_CUDA_LIBRARIES ${TORCH_LIBRARIES})
+      loom_torch_cpu_half_of_cuda_build()
+      set(TORCH_LIBRARIES loom_libtorch_cpu)
+    endif()
   else()
+    set(LOOM_TORCH_CUDA_LIBRARIES "")
     loom_import_torch_cpu(${mode})
   endif()
 endmacro()

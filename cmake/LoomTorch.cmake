@@ -57,6 +57,15 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
 else()
   set(LOOM_WITH_CUDA OFF)
 endif()
+# Note [CUDA loaded on demand] (core/src/cuda_runtime.cpp): loom::torch links LibTorch's CPU
+# half only; loom::torch_cuda adds the CUDA half (libtorch_cuda, libc10_cuda, NCCL: half a
+# second of start-up each process pays) for the few targets whose code calls CUDA APIs itself.
+add_library(loom_torch_cuda INTERFACE)
+add_library(loom::torch_cuda ALIAS loom_torch_cuda)
+target_link_libraries(loom_torch_cuda INTERFACE loom_torch)
+foreach(_lib ${LOOM_TORCH_CUDA_LIBRARIES})
+  target_link_libraries(loom_torch_cuda INTERFACE $<BUILD_INTERFACE:${_lib}>)
+endforeach()
 # Installed binaries and plugins find LibTorch in the venv it was built against, by that venv's
 # real folder: the clone's .venv link may be removed with the clone, or re-pointed at another
 # pin's venv, whose LibTorch would not match the binaries.

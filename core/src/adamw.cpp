@@ -1,14 +1,18 @@
 // The built-in AdamW update rule: a fused, vectorised, multi-threaded CPU kernel over flat fp32
-// segments, PyTorch's fused kernel on CUDA, and tensor ops on any other device. Not
-// torch::optim: no param groups here; the step driver resolves lr and weight decay per segment.
+// segments, PyTorch's fused kernel on CUDA, and tensor ops on any other device; with [optimizer]
+// state_dtype = "bf16" its moments kept in bf16 and written back with stochastic rounding
+// (Note [Stochastic rounding of the state]). Not torch::optim: no param groups here; the step
+// driver resolves lr and weight decay per segment.
 #include "adamw.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "loom/error.h"
+#include "loom/kernel_isa.h"
 
 namespace loom {
 namespace {
@@ -41,6 +45,158 @@ void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restr
   }
 }
 
+// Note [Stochastic rounding of the state]: with [optimizer] state_dtype = "bf16" AdamW keeps
+// exp_avg and exp_avg_sq as bf16 (4 B per parameter instead of 8). Each update widens them to
+// fp32 (exact), runs the fp32 arithmetic above unchanged, updates the parameter from the fp32
+// moments, and writes the moments back rounded stochastically: a uniform random 16-bit value is
+// added to the low half of the fp32 bits and the low half dropped, so a value rounds up with
+// probability equal to its distance from the bf16 below (in units of the last place), and
+// E[round(x)] = x. Round-to-nearest would lose every update smaller than half a bf16 ulp of the
+// moment, 2^-9 of it: exp_avg_sq with beta2 = 0.999 moves by 0.1 % per step, so it would stall.
+// NaN stays NaN (quieted); a value that rounds past the largest bf16 becomes inf, as it should.
+//
+// The random bits are a counter-based hash, not a stateful generator, so nothing but the
+// element's coordinates decides them: the run's [train] seed (UpdateRule::set_seed, the same
+// on every rank), the step, the parameter's name and the element's index in the whole flattened
+// tensor (segment offset + i). A run is thus deterministic, a resume continues bitwise (nothing
+// to save), and threads, ZeRO cuts and offload chunks cannot change the result. Per element:
+//   key  = mix64(mix64(mix64(seed ^ fnv1a64(name)) ^ step) ^ (index >> 32))   (per span)
+//   x    = lowbias32(lowbias32(uint32(index) ^ key_lo) ^ key_hi)
+//   exp_avg takes the low 16 bits of x, exp_avg_sq the high 16.
+// mix64 is SplitMix64's finaliser (with its golden-ratio increment), lowbias32 Chris Wellons'
+// 32-bit integer hash; tests/plugins/optim/bf16_state_reference.py recomputes both in numpy.
+uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t fnv1a64(const std::string& text) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001B3ull;
+  return h;
+}
+
+// Elements [begin, end) of the whole tensor share a key when begin and end - 1 share index >> 32.
+uint64_t rounding_key(uint64_t tensor_key, int64_t step, int64_t index) {
+  return mix64(mix64(tensor_key ^ static_cast<uint64_t>(step)) ^
+               (static_cast<uint64_t>(index) >> 32));
+}
+
+__attribute__((always_inline)) inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__attribute__((always_inline)) inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Note [Stochastic rounding of the state].
+__attribute__((always_inline)) inline uint16_t float_to_bf16_stochastic(float f,
+                                                                       uint32_t random16) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t rounded = (bits + random16) >> 16;
+  return static_cast<uint16_t>(nan ? (bits >> 16) | 0x0040u : rounded);
+}
+
+// The same AdamW step as adamw_kernel over bf16 moments (raw bf16 bits in m and v), for
+// elements first_index.. of the whole tensor, all with one rounding key. An always-inlined body
+// that each ISA's copy below vectorises for itself; no FMA contraction (-ffp-contract=off), so
+// every copy, and torch's separate ops in the tests' reference, round alike.
+// p, g: (n) fp32; m, v: (n) bf16 bits.
+__attribute__((always_inline)) inline void adamw_bf16_body(
+    float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
+    uint16_t* __restrict v, int64_t n, AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
+    uint32_t key_hi) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
+    const float mi = m0 + c.w1 * (gi - m0);
+    const float vi = c.b2 * v0 + c.w2 * gi * gi;
+    const uint32_t index = first_index + static_cast<uint32_t>(i);
+    const uint32_t x = lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
+    m[i] = float_to_bf16_stochastic(mi, x & 0xFFFFu);
+    v[i] = float_to_bf16_stochastic(vi, x >> 16);
+    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
+  }
+}
+
+// Picked per update by loom::cpu::kernel_isa(), so LOOM_KERNEL_ISA runs the AVX2 and scalar
+// copies on an AVX-512 machine and the tests compare all three bit for bit (Note [Kernel ISA
+// cap]).
+using AdamWBf16Kernel = void (*)(float*, const float*, uint16_t*, uint16_t*, int64_t,
+                                 AdamWCoefficients, uint32_t, uint32_t, uint32_t);
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) void adamw_bf16_avx512(
+    float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
+    uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
+  adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
+}
+__attribute__((target("arch=x86-64-v3"))) void adamw_bf16_avx2(
+    float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
+    uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
+  adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
+}
+#endif
+// The baseline: the scalar path (SSE2 at most, which the compiler may still use for it).
+void adamw_bf16_baseline(float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n,
+                         AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
+                         uint32_t key_hi) {
+  adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
+}
+
+AdamWBf16Kernel adamw_bf16_kernel() {
+#if defined(__x86_64__)
+  switch (cpu::kernel_isa()) {
+    case cpu::KernelIsa::avx512: return adamw_bf16_avx512;
+    case cpu::KernelIsa::avx2: return adamw_bf16_avx2;
+    case cpu::KernelIsa::scalar: break;
+  }
+#endif
+  return adamw_bf16_baseline;
+}
+
+// The random bits as tensor ops (int64 tensors holding uint32 values), for devices without the
+// CPU kernel: the same bits as the kernels.
+// x * factor mod 2^32 for x < 2^32 held in int64, in two halves of factor so that no product
+// reaches 2^63 (signed overflow).
+at::Tensor multiply_mod32(const at::Tensor& x, int64_t factor) {
+  const at::Tensor low = x * (factor & 0xFFFF);
+  const at::Tensor high = at::bitwise_left_shift(at::bitwise_and(x * (factor >> 16), 0xFFFF), 16);
+  return at::bitwise_and(low + high, 0xFFFFFFFFll);
+}
+
+at::Tensor lowbias32_ops(at::Tensor x) {
+  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
+  x = multiply_mod32(x, 0x7FEB352Dll);
+  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
+  x = multiply_mod32(x, 0x846CA68Bll);
+  return at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
+}
+
+// x (fp32) rounded stochastically into `into` (bf16) with random16 (int64 in [0, 65536)).
+void round_into_ops(const at::Tensor& x, const at::Tensor& random16, at::Tensor& into) {
+  const at::Tensor bits = at::bitwise_and(x.view(at::kInt).to(at::kLong), 0xFFFFFFFFll);
+  const at::Tensor nan = at::bitwise_and(bits, 0x7FFFFFFFll) > 0x7F800000ll;
+  const at::Tensor rounded = at::bitwise_right_shift(bits + random16, 16);
+  const at::Tensor quiet = at::bitwise_or(at::bitwise_right_shift(bits, 16), 0x0040);
+  at::Tensor half = at::where(nan, quiet, at::bitwise_and(rounded, 0xFFFF));
+  // 0..65535 into int16's bit pattern.
+  half = at::where(half >= 32768, half - 65536, half).to(at::kShort);
+  into.view(at::kShort).copy_(half);
+}
+
 // AdamW (Loshchilov & Hutter) with torch.optim.AdamW's arithmetic and bias correction.
 class AdamW final : public UpdateRule {
  public:
@@ -51,10 +207,22 @@ class AdamW final : public UpdateRule {
     LOOM_CHECK_AS(ConfigError, beta2_ >= 0 && beta2_ < 1, c.where("beta2"),
                   ": [optimizer] beta2 must be in [0, 1), got ", beta2_);
     LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
+    // A schema without the core's common keys (a rule built by hand) keeps fp32 state.
+    if (c.schema().find("state_dtype")) {
+      const std::string dtype = c.get_string("state_dtype");
+      LOOM_CHECK_AS(ConfigError, dtype == "fp32" || dtype == "bf16", c.where("state_dtype"),
+                    ": [optimizer] state_dtype '", dtype,
+                    "' is unknown for adamw; use \"fp32\" (the default) or \"bf16\"");
+      bf16_state_ = dtype == "bf16";
+    }
   }
   std::string name() const override { return "adamw"; }
+  std::vector<std::string> state_dtypes() const override { return {"fp32", "bf16"}; }
+  void set_seed(uint64_t seed) override { seed_ = seed; }
   NamedTensors init_state(const Segment& s) const override {
-    return {{"exp_avg", at::zeros_like(s.param)}, {"exp_avg_sq", at::zeros_like(s.param)}};
+    const auto options = s.param.options().dtype(bf16_state_ ? at::kBFloat16 : at::kFloat);
+    return {{"exp_avg", at::zeros(s.param.sizes(), options)},
+            {"exp_avg_sq", at::zeros(s.param.sizes(), options)}};
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     at::Tensor& m = s.state_at("exp_avg");
@@ -62,6 +230,7 @@ class AdamW final : public UpdateRule {
     const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
     const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2_, static_cast<double>(ctx.step)));
     const double step_size = ctx.lr / bc1;
+    if (bf16_state_) return update_bf16_state(s, ctx, bc2_sqrt, step_size);
     if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
         s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
       const AdamWCoefficients c{static_cast<float>(1.0 - ctx.lr * ctx.weight_decay),
@@ -95,7 +264,7 @@ class AdamW final : public UpdateRule {
 
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    bool fused = !segments.empty();
+    bool fused = !segments.empty() && !bf16_state_;
     for (const Segment* s : segments)
       fused = fused && fused_cuda(*s) && s->param.device() == segments.front()->param.device();
     if (fused) return fused_cuda_update(segments, ctx);
@@ -128,7 +297,86 @@ class AdamW final : public UpdateRule {
                       ctx.weight_decay, eps_, /*amsgrad=*/false, /*maximize=*/false);
   }
 
+  AdamWCoefficients coefficients(const UpdateContext& ctx, double bc2_sqrt,
+                                 double step_size) const {
+    return {static_cast<float>(1.0 - ctx.lr * ctx.weight_decay),
+            static_cast<float>(1.0 - beta1_),
+            static_cast<float>(beta2_),
+            static_cast<float>(1.0 - beta2_),
+            static_cast<float>(bc2_sqrt),
+            static_cast<float>(eps_),
+            static_cast<float>(step_size)};
+  }
+
+  // Note [Stochastic rounding of the state]. The CPU kernel for contiguous fp32 parameters and
+  // gradients; tensor ops with the same arithmetic and the same random bits anywhere else.
+  void update_bf16_state(Segment& s, const UpdateContext& ctx, double bc2_sqrt,
+                         double step_size) const {
+    at::Tensor& m = s.state_at("exp_avg");
+    at::Tensor& v = s.state_at("exp_avg_sq");
+    LOOM_INTERNAL_ASSERT(m.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                             m.is_contiguous() && v.is_contiguous(),
+                         "adamw with bf16 state got ", m.scalar_type(), " moments for ", s.name);
+    const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
+    const uint64_t tensor_key = mix64(seed_ ^ fnv1a64(s.name));
+    const int64_t n = s.param.numel();
+    if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+        s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
+      float* p = s.param.data_ptr<float>();
+      const float* g = s.grad.data_ptr<float>();
+      auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
+      auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+      const AdamWBf16Kernel kernel = adamw_bf16_kernel();
+      const int64_t offset = s.offset, step = ctx.step;
+      at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+        // A span never crosses a multiple of 2^32 in the whole tensor: one key per span.
+        while (begin < end) {
+          const int64_t index = offset + begin;
+          const int64_t block_end = ((index >> 32) + 1) << 32;
+          const int64_t stop = std::min(end, begin + (block_end - index));
+          const uint64_t key = rounding_key(tensor_key, step, index);
+          kernel(p + begin, g + begin, mp + begin, vp + begin, stop - begin, c,
+                 static_cast<uint32_t>(index), static_cast<uint32_t>(key),
+                 static_cast<uint32_t>(key >> 32));
+          begin = stop;
+        }
+      });
+      return;
+    }
+    // Tensor ops: each op rounds to fp32 as the kernel's expression does, in the same order.
+    const auto f32 = [&](double x) {
+      return at::scalar_tensor(static_cast<float>(x), s.param.options().dtype(at::kFloat));
+    };
+    const at::Tensor g = s.grad.to(at::kFloat);
+    const at::Tensor m0 = m.to(at::kFloat), v0 = v.to(at::kFloat);
+    const at::Tensor mi = m0 + f32(c.w1) * (g - m0);
+    const at::Tensor vi = f32(c.b2) * v0 + f32(c.w2) * g * g;
+    // ATen's CPU sqrt of a long fp32 tensor is not correctly rounded (VML: 0.8 % of elements
+    // one ulp off); fp64's, rounded to fp32, is, as the kernel's sqrtps is.
+    const at::Tensor root = at::sqrt(vi.to(at::kDouble)).to(at::kFloat);
+    const at::Tensor denominator = root / f32(c.bc2_sqrt) + f32(c.eps);
+    s.param.copy_(s.param * f32(c.decay) - f32(c.step_size) * (mi / denominator));
+    const auto longs = s.param.options().dtype(at::kLong);
+    at::Tensor random = at::empty({n}, longs);
+    for (int64_t begin = 0; begin < n;) {
+      const int64_t index = s.offset + begin;
+      const int64_t stop = std::min(n, begin + ((((index >> 32) + 1) << 32) - index));
+      const uint64_t key = rounding_key(tensor_key, ctx.step, index);
+      const at::Tensor low =
+          at::bitwise_and(at::arange(index, s.offset + stop, longs), 0xFFFFFFFFll);
+      random.slice(0, begin, stop)
+          .copy_(lowbias32_ops(at::bitwise_xor(
+              lowbias32_ops(at::bitwise_xor(low, static_cast<int64_t>(key & 0xFFFFFFFFull))),
+              static_cast<int64_t>(key >> 32))));
+      begin = stop;
+    }
+    round_into_ops(mi.contiguous(), at::bitwise_and(random, 0xFFFF), m);
+    round_into_ops(vi.contiguous(), at::bitwise_right_shift(random, 16), v);
+  }
+
   double beta1_, beta2_, eps_;
+  bool bf16_state_ = false;
+  uint64_t seed_ = 0;
 };
 
 }  // namespace

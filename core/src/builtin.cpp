@@ -17,7 +17,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <tuple>
 #include <sstream>
 #include <thread>
@@ -25,6 +24,7 @@
 #include "loom/data.h"
 #include "loom/engine.h"
 #include "loom/error.h"
+#include "loom/hf_config.h"
 #include "loom/log.h"
 #include "loom/update_rule.h"
 
@@ -74,38 +74,15 @@ void check_random_tokens(const ConfigSection& c) {
 // The limits are the model's as the job states them, in transformers' names, which every model
 // table and every config.json uses: `vocab_size` and `num_labels` of the [model] table, or of
 // its from_pretrained folder's config.json (num_labels there: the size of id2label, as
-// transformers counts). A model that states neither (a test plugin's) gets no check. A full
-// pass over a file costs a read of it; past kFullScanBytes, the cost of reading far more data
-// than a run of most jobs trains on, a sample of evenly spread stripes is read instead, and one
-// info line says so (an id outside it is still refused by the model's own check at its
-// forward).
-struct ModelLimit {
-  int64_t value = 0;   // 0: the job states none
-  std::string source;  // for messages: "[model] vocab_size (job.toml:12)"
-};
-
-// The model's `key` (vocab_size | num_labels), from the job's [model] table or its
-// from_pretrained config.json.
+// transformers counts), read for every data source, the datasets plugin's too, by
+// pretrained::model_limit (loom/hf_config.h). A model that states neither (a test plugin's)
+// gets no check. A full pass over a file costs a read of it; past kFullScanBytes, the cost of
+// reading far more data than a run of most jobs trains on, a sample of evenly spread stripes is
+// read instead, and one info line says so (an id outside it is still refused by the model's own
+// check at its forward).
+using pretrained::ModelLimit;
 ModelLimit model_limit(const Plugin::JobTables& job, const char* key) {
-  const ConfigSection* model = job("model");
-  if (!model) return {};
-  const bool pretrained = model->schema().find("from_pretrained") &&
-                          !model->get_string("from_pretrained").empty();
-  if (model->schema().find(key) && (model->has(key) || !pretrained))
-    return {model->get_int(key), detail::cat("[model] ", key, " (", model->where(key), ")")};
-  if (!pretrained) return {};
-  const std::string file =
-      (std::filesystem::path(job.resolve_path(model->get_string("from_pretrained"))) /
-       "config.json").string();
-  std::ifstream in(file);
-  if (!in) return {};  // the model plugin names a folder without config.json
-  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object()) return {};
-  if (std::string(key) == "num_labels" && config.contains("id2label") &&
-      config["id2label"].is_object() && !config["id2label"].empty())
-    return {static_cast<int64_t>(config["id2label"].size()), "the id2label of '" + file + "'"};
-  if (!config.contains(key) || !config[key].is_number_integer()) return {};
-  return {config[key].get<int64_t>(), detail::cat(key, " of '", file, "'")};
+  return pretrained::model_limit(job("model"), job.resolve_path, key);
 }
 
 constexpr int64_t kFullScanBytes = int64_t{256} << 20;

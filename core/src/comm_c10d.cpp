@@ -18,9 +18,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef LOOM_WITH_CUDA
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -30,6 +27,7 @@
 
 #include "comm_backends.h"
 #include "comm_trace.h"
+#include "cuda_runtime.h"
 #include "loom/error.h"
 #include "loom/log.h"
 
@@ -492,15 +490,16 @@ std::unique_ptr<Comm> make_gloo_comm(const CommOptions& options, const DistEnv& 
 bool nccl_built() { return true; }
 std::unique_ptr<Comm> make_nccl_comm(const CommOptions& options, const DistEnv& env,
                                      const CommChecks& checks) {
-  LOOM_CHECK_AS(ConfigError, at::hasCUDA(),
-                "[distributed] backend = \"nccl\" needs CUDA devices, and none is visible; "
-                "use gloo or mpi on CPUs");
+  // ProcessGroupNCCL lives in LibTorch's CUDA half: Note [CUDA loaded on demand].
+  const CudaRuntime* cuda = cuda_runtime();
+  LOOM_CHECK_AS(ConfigError, cuda && at::hasCUDA(),
+                "[distributed] backend = \"nccl\" needs CUDA devices, and none is visible (",
+                "LibTorch's CUDA half is ", cuda_runtime_status(), "); use gloo or mpi on CPUs");
   auto store = rendezvous(env, options.timeout);
-  auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-  nccl_options->timeout = options.timeout;
-  BackendFactory factory = [nccl_options](const c10::intrusive_ptr<c10d::Store>& on, int rank,
-                                          int size) -> c10::intrusive_ptr<c10d::Backend> {
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(on, rank, size, nccl_options);
+  const std::chrono::milliseconds timeout = options.timeout;
+  BackendFactory factory = [cuda, timeout](const c10::intrusive_ptr<c10d::Store>& on, int rank,
+                                           int size) -> c10::intrusive_ptr<c10d::Backend> {
+    return cuda->make_nccl_backend(on, rank, size, timeout);
   };
   try {
     auto group = factory(store, env.rank, env.world_size);

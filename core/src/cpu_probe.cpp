@@ -20,6 +20,8 @@
 #include <sstream>
 #include <thread>
 
+#include "cuda_runtime.h"
+#include "device.h"
 #include "dist_env.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
@@ -433,6 +435,9 @@ std::string describe_environment() {
       << DNNL_VERSION_PATCH;
 #endif
   out << "\n";
+  // Note [CUDA loaded on demand] (cuda_runtime.h).
+  out << "cuda         LibTorch's CUDA half " << cuda_runtime_status() << "; "
+      << cuda_device_count() << " device(s)\n";
   return out.str();
 }
 

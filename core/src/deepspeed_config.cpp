@@ -800,7 +800,7 @@ class Mapper {
          "consolidate` or `loom export` gives the whole model"},
         {"ignore_unused_parameters", "a parameter without a gradient gets none in loom too"},
         {"round_robin_gradients", "loom's buckets are its own"},
-        {"mics_hierarchical_params_gather", "MiCS is not enabled"},
+        {"mics_hierarchical_params_gather", "loom's gathers stay within the shard group"},
         {"memory_efficient_linear", "loom's Linear keeps what autograd needs"},
         {"override_module_apply", "loom's models do not use module.apply hooks"},
         {"pipeline_loading_checkpoint", "no pipeline engine"},
@@ -847,7 +847,11 @@ class Mapper {
         continue;
       }
       if (key == "mics_shard_size") {
-        if (value.is_number() && value.get<double>() > 0) refuse(k, "MiCS sharding groups");
+        // MiCS: every model state sharded within groups of this many ranks, replicated across
+        // them: hybrid sharding (Note [Hybrid sharding] in loom/sharding/zero_driver.h). -1
+        // (DeepSpeed's default) is off.
+        if (value.is_number() && value.get<double>() > 0)
+          assign(k, value, "zero", "shard_group_size", Kind::Int);
         continue;
       }
       if (key == "zero_quantized_weights" || key == "zero_quantized_gradients" ||

@@ -29,6 +29,7 @@
 #include "dist_env.h"
 #include "engine_factory.h"
 #include "job.h"
+#include "optimizer_in_backward.h"
 #include "param_groups.h"
 #include "loom/comm.h"
 #include "loom/cpu.h"
@@ -311,8 +312,12 @@ class EngineImpl final : public Engine, public Trainer {
     driver_options.weight_decay = weight_decay;
     driver_options.comm = comm_.get();
     driver_ = make_driver(driver_options);
+    if (train.get_bool("optimizer_in_backward"))  // Note [Optimizer in backward]
+      in_backward_ = std::make_unique<InBackwardUpdate>(
+          params_, *driver_, state_, final_grads_by_plugin_, train.where("optimizer_in_backward"));
     install_grad_hooks();
     fire(Event::params_ready);
+    if (in_backward_) in_backward_->check_sync(comm_->world_size(), grad_sync_plugin());
 
     prepare_output_dir(train);
     // Note [Asynchronous checkpoints].
@@ -446,8 +451,13 @@ class EngineImpl final : public Engine, public Trainer {
           "aux_loss", host[2].item<double>() /
                           static_cast<double>(state_.accumulation_steps * comm_->world_size()));
 
+    // Note [Optimizer in backward]: the parameters are updated already; this is their norm.
+    const at::Tensor in_backward_norm = in_backward_ ? in_backward_->finish_backward() : at::Tensor();
     fire(Event::before_update);
     if (state_.skip_update) {
+      LOOM_CHECK(!in_backward_, "step ", state_.step + 1, ": a plugin asked to skip this update "
+                 "in before_update, but [train] optimizer_in_backward applied it during "
+                 "backward; turn optimizer_in_backward off for this job");
       ++state_.skipped_updates;
       log::warn("step ", state_.step + 1, ": update skipped (", state_.skipped_updates,
                 " so far)");
@@ -460,7 +470,8 @@ class EngineImpl final : public Engine, public Trainer {
       LOOM_INTERNAL_ASSERT(!state_.grads_scaled,
                            "gradients are still scaled by the loss scale at update time; the "
                            "precision plugin must unscale them in before_update");
-      state_.grad_norm = std::sqrt(driver_->grad_norm_squared().item<double>());
+      state_.grad_norm = std::sqrt(
+          (in_backward_ ? in_backward_norm : driver_->grad_norm_squared()).item<double>());
       LOOM_CHECK(std::isfinite(state_.grad_norm), "step ", state_.step + 1,
                  ": the gradient norm is ", state_.grad_norm, " (loss ", state_.loss,
                  "): training diverged; lower [train] learning_rate, or use [precision] with "
@@ -470,7 +481,7 @@ class EngineImpl final : public Engine, public Trainer {
         const double coefficient = max_norm / (state_.grad_norm + 1e-6);
         if (coefficient < 1.0) driver_->scale_grads(coefficient);
       }
-      driver_->update(state_.step + 1, state_.lr);
+      if (!in_backward_) driver_->update(state_.step + 1, state_.lr);
     }
     ++state_.step;
     fire(Event::after_update);
@@ -749,8 +760,20 @@ class EngineImpl final : public Engine, public Trainer {
     return *driver_;
   }
 
+  void grad_final(const at::Tensor& param, const at::Tensor& grad) override {
+    LOOM_CHECK(in_backward_, "grad_final hands a gradient to [train] optimizer_in_backward, "
+               "which this job does not set");
+    in_backward_->grad_final(param, grad);
+  }
+  void will_hand_final_grads() override {
+    final_grads_by_plugin_ = true;
+    if (in_backward_) in_backward_->plugin_hands_final_grads();
+  }
+
   void fire_grad_ready(size_t index) {
     for (auto& handler : grad_handlers_) handler(*this, params_[index]);
+    // Last, after every plugin's handler saw the gradient (Note [Optimizer in backward]).
+    if (in_backward_) in_backward_->grad_ready(params_[index]);
   }
 
  private:
@@ -815,6 +838,13 @@ class EngineImpl final : public Engine, public Trainer {
     return finished ? next.epoch + 1 : next.epoch;
   }
 
+  std::string grad_sync_plugin() const {
+    for (auto* plugin : resolved_.table_plugins)
+      for (Slot slot : plugin->plugin->slots())
+        if (slot == Slot::grad_sync) return plugin->name;
+    return "";
+  }
+
   // The plugin filling Slot::step_driver makes the driver; else the core's default one.
   std::unique_ptr<StepDriver> make_driver(const StepDriverOptions& options) {
     for (auto* plugin : resolved_.table_plugins)
@@ -831,7 +861,8 @@ class EngineImpl final : public Engine, public Trainer {
   // grad_ready hooks go on every trainable parameter once, when the first handler arrives at
   // or after collect_params (a handler registered in params_ready fires like an earlier one).
   void install_grad_hooks() {
-    if (grad_handlers_.empty() || grad_hooks_installed_ || params_.empty()) return;
+    if ((grad_handlers_.empty() && !in_backward_) || grad_hooks_installed_ || params_.empty())
+      return;
     for (size_t i = 0; i < params_.size(); ++i)
       torch::autograd::impl::set_post_acc_grad_hooks(
           params_[i].tensor, std::make_unique<GradReadyHook>(this, i));
@@ -853,6 +884,8 @@ class EngineImpl final : public Engine, public Trainer {
     if (driver_->grad_bytes() < 0)  // unsharded: one gradient per weight, as built
       s.grad_bytes = trainable_bytes_;
     if (driver_->grad_bytes() >= 0) s.grad_bytes = driver_->grad_bytes();  // sharded grads
+    // Note [Optimizer in backward]: none held from backward to the update (but accumulated ones).
+    if (in_backward_ && state_.accumulation_steps == 1) s.grad_bytes = 0;
     s.master_bytes = driver_->master_bytes();
     s.optimizer_bytes = driver_->state_bytes();
     return s;
@@ -940,6 +973,8 @@ class EngineImpl final : public Engine, public Trainer {
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<UpdateRule> rule_;
   std::unique_ptr<StepDriver> driver_;
+  std::unique_ptr<InBackwardUpdate> in_backward_;  // [train] optimizer_in_backward only
+  bool final_grads_by_plugin_ = false;              // Engine::will_hand_final_grads
   bool grad_hooks_installed_ = false;
   int64_t param_count_ = 0, trainable_count_ = 0, trainable_bytes_ = 0;
   std::vector<Param> params_;

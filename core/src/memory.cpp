@@ -13,10 +13,7 @@
 #include <sstream>
 #include <string>
 
-#ifdef LOOM_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
-
+#include "cuda_runtime.h"
 #include "loom/error.h"
 
 namespace loom::memory {
@@ -124,31 +121,29 @@ void reset_cpu_peak() {
 }
 
 Stats device_stats(c10::Device device) {
-#ifdef LOOM_WITH_CUDA
   if (device.is_cuda()) {
-    using namespace c10::CachingDeviceAllocator;
+    const CudaRuntime* cuda = cuda_runtime();
+    LOOM_CHECK(cuda, "memory statistics for ", device.str(), ": LibTorch's CUDA half is ",
+               cuda_runtime_status());
     // Before the first CUDA allocation the caching allocator has no devices yet (asking it
     // then is "Invalid device argument"): nothing is allocated.
-    if (!c10::cuda::CUDACachingAllocator::get()->initialized()) return {};
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    const auto& bytes = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)];
-    const auto& count = stats.allocation[static_cast<size_t>(StatType::AGGREGATE)];
-    return {bytes.current, bytes.peak, count.current};
+    if (!cuda->allocator_initialized()) return {};
+    Stats stats;
+    cuda->allocated_bytes(device.index(), &stats.current_bytes, &stats.peak_bytes,
+                          &stats.allocations);
+    return stats;
   }
-#endif
   LOOM_CHECK(device.is_cpu(), "memory statistics for ", device.str(),
              " are not available in this build");
   return cpu_stats();
 }
 
 void reset_device_peak(c10::Device device) {
-#ifdef LOOM_WITH_CUDA
   if (device.is_cuda()) {
-    if (c10::cuda::CUDACachingAllocator::get()->initialized())
-      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    const CudaRuntime* cuda = cuda_runtime();
+    if (cuda && cuda->allocator_initialized()) cuda->reset_peak(device.index());
     return;
   }
-#endif
   reset_cpu_peak();
 }
 

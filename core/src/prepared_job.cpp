@@ -15,6 +15,7 @@
 #include "loom/cpu.h"
 #include "loom/error.h"
 #include "loom/pretrained.h"
+#include "optimizer_in_backward.h"
 
 namespace loom {
 
@@ -61,6 +62,7 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                 ": [train] learning_rate must be >= 0, got ", train.get_float("learning_rate"));
   LOOM_CHECK_AS(ConfigError, train.get_float("max_grad_norm") >= 0, train.where("max_grad_norm"),
                 ": [train] max_grad_norm must be >= 0");
+  check_optimizer_in_backward(train);  // Note [Optimizer in backward]
   LOOM_CHECK_AS(ConfigError, train.get_int("num_threads") >= 0, train.where("num_threads"),
                 ": [train] num_threads must be >= 0 (0 = all cores)");
   LOOM_CHECK_AS(ConfigError, train.get_int("save_steps") >= 0, train.where("save_steps"),
@@ -89,6 +91,10 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
     LOOM_CHECK_AS(ConfigError, optimizer.get_float("weight_decay") >= 0,
                   optimizer.where("weight_decay"), ": [optimizer] weight_decay must be >= 0, got ",
                   optimizer.get_float("weight_decay"));
+  const std::string state_dtype = optimizer.get_string("state_dtype");
+  LOOM_CHECK_AS(ConfigError, state_dtype == "fp32" || state_dtype == "bf16",
+                optimizer.where("state_dtype"), ": [optimizer] state_dtype '", state_dtype,
+                "' is unknown; use \"fp32\" (the default) or \"bf16\" (adamw)");
 
   // Every table plugin's own table, then every active plugin against the whole job.
   for (auto* plugin : resolved_.table_plugins) plugin->plugin->configure(section(plugin->name));
@@ -124,6 +130,19 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                                                                      optimizer);
   LOOM_INTERNAL_ASSERT(rule_, "plugin ", resolved_.update_rule.provider->name,
                        " made no update rule '", resolved_.update_rule.name, "'");
+  // Note [Stochastic rounding of the state] (core/src/adamw.cpp): a rule that does not keep its
+  // state in the asked dtype is refused by name, never left to ignore the key.
+  const auto offered = rule_->state_dtypes();
+  if (std::find(offered.begin(), offered.end(), state_dtype) == offered.end()) {
+    std::string list;
+    for (const auto& dtype : offered) list += (list.empty() ? "\"" : ", \"") + dtype + "\"";
+    throw ConfigError(detail::cat(optimizer.where("state_dtype"), ": [optimizer] state_dtype = \"",
+                                  state_dtype, "\" is not offered by the update rule '",
+                                  resolved_.update_rule.name, "', which keeps its state as ", list,
+                                  " only; use name = \"adamw\" for bf16 state, or remove "
+                                  "state_dtype"));
+  }
+  rule_->set_seed(static_cast<uint64_t>(train.get_int("seed")));
   if (purpose_ == Purpose::train) check_output_dir();
 }
 

@@ -289,6 +289,10 @@ std::vector<Schema> core_schemas() {
                     "cosine_with_restarts), lr_end and power (polynomial), timescale "
                     "(inverse_sqrt), min_lr or min_lr_rate (cosine_with_min_lr)")
       .key_float("max_grad_norm", 1.0, "clip the global gradient norm to this (0 = off)")
+      .key_bool("optimizer_in_backward", false,
+                "update each parameter as soon as its gradient is final, during backward, and "
+                "free the gradient at once (lower peak memory; needs max_grad_norm = 0; "
+                "Note [Optimizer in backward])")
       .key_int("seed", 42, "seed of every random number loom draws")
       .key_int("data_seed", -1,
                "seed of the data order and validation_split alone (the Trainer's); -1 = seed")
@@ -368,6 +372,10 @@ std::vector<Schema> core_schemas() {
   schemas.push_back(eval_data);
   Schema optimizer("optimizer");
   optimizer.key_string("name", "adamw", "the update rule: adamw (core) or a plugin's")
+      .key_string("state_dtype", "fp32",
+                  "fp32 | bf16: the dtype of the rule's state; bf16 (adamw) keeps the moments "
+                  "in bf16 with stochastic rounding, 4 B/param less (Note [Stochastic rounding "
+                  "of the state])")
       .key_optional("param_groups", ValueType::Array,
                     "[{match = \"regex over parameter names\", lr_scale = 1.0, weight_decay = x}]; "
                     "the first match sets a parameter's lr multiplier and weight decay");

@@ -34,6 +34,7 @@ DefaultStepDriver::DefaultStepDriver(std::vector<Param> params, const UpdateRule
       LOOM_INTERNAL_ASSERT(comm_, "parameter ", param.name, " is placed, but the driver has no Comm");
       any_rows_placed_ = true;
     }
+    entry_of_[param.tensor.unsafeGetTensorImpl()] = entries_.size();
     entries_.push_back(std::move(entry));
   }
 }
@@ -176,11 +177,31 @@ void DefaultStepDriver::update(int64_t step, double lr) {
     for (Entry* entry : group) segments.push_back(&entry->segment);
     rule_.update_many(segments, context);
     for (Entry* entry : group) {
-      if (entry->separate_master)
-        entry->param.tensor.detach().copy_(entry->master.view(entry->param.tensor.sizes()));
+      write_back(*entry);
       entry->segment.grad = at::Tensor();
     }
   }
+}
+
+void DefaultStepDriver::write_back(Entry& entry) {
+  if (entry.separate_master)
+    entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
+}
+
+void DefaultStepDriver::update_param(const Param& param, const at::Tensor& grad, int64_t step,
+                                     double lr) {
+  auto found = entry_of_.find(param.tensor.unsafeGetTensorImpl());
+  LOOM_INTERNAL_ASSERT(found != entry_of_.end(), "update_param for ", param.name,
+                       ", which is not a parameter of this driver");
+  at::NoGradGuard no_grad;
+  Entry& entry = entries_[found->second];
+  // update()'s conversion and context, and the rule's update_many on one segment: a batch's
+  // results do not depend on its batching (UpdateRule::update_many), so these are its bits.
+  entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.reshape(-1)
+                                                        : grad.to(at::kFloat).reshape(-1);
+  rule_.update_many({&entry.segment}, update_context(entry.param, step, lr, weight_decay_));
+  write_back(entry);
+  entry.segment.grad = at::Tensor();
 }
 
 // The checkpoint pieces of one parameter, aliasing its state, masters and (placed) weights, so
@@ -252,6 +273,11 @@ int64_t DefaultStepDriver::master_bytes() const {
 }
 
 StepDriver::~StepDriver() = default;
+
+void StepDriver::update_param(const Param& param, const at::Tensor&, int64_t, double) {
+  LOOM_INTERNAL_ASSERT(false, "step driver ", name(), " cannot update ", param.name,
+                       " in backward (updates_in_backward() is false)");
+}
 StateReader::~StateReader() = default;
 
 StatePiece state_piece(const std::string& name, const at::Tensor& piece, const at::Tensor& whole,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "loom/engine.h"
@@ -28,6 +29,10 @@ class DefaultStepDriver final : public StepDriver {
   std::vector<at::Tensor> grads() override;
   // Runs the rule on every segment; step is the 1-based update count.
   void update(int64_t step, double lr) override;
+  // Note [Optimizer in backward]: one tensor, as update() runs it.
+  bool updates_in_backward() const override { return true; }
+  void update_param(const Param& param, const at::Tensor& grad, int64_t step,
+                    double lr) override;
 
   // "state/<param>/<key>" and "master/<param>" tensors, for checkpoints.
   StatePieces state_pieces() const override;
@@ -54,7 +59,10 @@ class DefaultStepDriver final : public StepDriver {
   };
   // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
   StatePieces pieces_of(const Entry& entry) const;
+  // Writes an updated master back to its parameter (a separate master only).
+  static void write_back(Entry& entry);
   std::vector<Entry> entries_;
+  std::unordered_map<const void*, size_t> entry_of_;  // parameter's TensorImpl -> entries_ index
   const UpdateRule& rule_;
   double weight_decay_;
   Comm* comm_;

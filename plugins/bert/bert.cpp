@@ -67,10 +67,7 @@ BertConfig config_from_hf(const loom::pretrained::HfConfig& hf) {
   const std::string positions = hf.text("position_embedding_type", "absolute");
   LOOM_CHECK_AS(ConfigError, positions == "absolute", "'", file, "': position_embedding_type '",
                 positions, "' is not supported; loom's bert has absolute positions");
-  int64_t labels = integer("num_labels", 2);
-  if (const auto& json = hf.json(); json.contains("id2label") && json["id2label"].is_object() &&
-                                     !json["id2label"].empty())
-    labels = static_cast<int64_t>(json["id2label"].size());
+  const int64_t labels = hf.num_labels(2);  // id2label's size first, as transformers counts
   BertConfig c{integer("vocab_size", 30522),
                integer("hidden_size", 768),
                integer("num_hidden_layers", 12),

@@ -17,6 +17,7 @@
 #include "loom/data.h"
 #include "loom/engine.h"
 #include "loom/error.h"
+#include "loom/hf_config.h"
 #include "loom/log.h"
 #include "loom/plugin.h"
 #include "records.h"
@@ -52,29 +53,9 @@ std::string label_map_text(const std::vector<std::string>& names) {
 }
 
 // Note [Data against the model] (core/src/builtin.cpp): the model's vocab_size or num_labels as
-// the job states them, in transformers' names: the [model] table's key, or its from_pretrained
-// folder's config.json (num_labels: the size of id2label). value 0: the job states none.
-struct ModelLimit {
-  int64_t value = 0;
-  std::string source;  // "[model] num_labels (job.toml:9)"
-};
-ModelLimit model_limit(const ConfigSection* model, const PathResolver& resolve, const char* key) {
-  if (!model) return {};
-  const std::string folder = model_tokenizer(model);
-  if (model->schema().find(key) && (model->has(key) || folder.empty()))
-    return {model->get_int(key), detail::cat("[model] ", key, " (", model->where(key), ")")};
-  if (folder.empty()) return {};
-  const std::string file = (std::filesystem::path(resolve(folder)) / "config.json").string();
-  std::ifstream in(file);
-  if (!in) return {};  // the model plugin reports a folder without config.json
-  const auto config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!config.is_object()) return {};
-  if (std::string(key) == "num_labels" && config.contains("id2label") &&
-      config["id2label"].is_object() && !config["id2label"].empty())
-    return {static_cast<int64_t>(config["id2label"].size()), "the id2label of '" + file + "'"};
-  if (!config.contains(key) || !config[key].is_number_integer()) return {};
-  return {config[key].get<int64_t>(), detail::cat(key, " of '", file, "'")};
-}
+// the job states them, read as the core's data sources read them.
+using pretrained::ModelLimit;
+using pretrained::model_limit;
 
 // A pretrained classifier's label map: config.json's id2label when it names real classes
 // (transformers writes LABEL_0, LABEL_1... when nobody named them: those say nothing).

@@ -59,6 +59,8 @@ class Ddp final : public loom::Plugin {
     loom::sharding::start_from_rank0(e, broadcast_buffers_);
     buckets_ = std::make_unique<loom::sharding::GradBuckets>(e.params(), bucket_bytes_, comm,
                                                              overlap_);
+    // Note [Optimizer in backward] (core/src/optimizer_in_backward.h).
+    if (e.section("train").get_bool("optimizer_in_backward")) buckets_->hand_final_grads_to(e);
     loom::log::info("ddp: ", comm.world_size(), " ranks over ", comm.backend(), ", ",
                     buckets_->bucket_count(), " gradient bucket(s) of up to ",
                     loom::memory::format_bytes(bucket_bytes_), ", overlap ",

@@ -80,10 +80,13 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 //   (Note [Lookups in registers]), in a pass of its own per state so one table fills the
 //   registers; on AVX2 (16 registers of 8 floats cannot hold 256) by a gather, fused into the
 //   update pass;
-// - requantizing is Note [Quantize in one step]: one gather and a comparison, the same byte as
-//   quantize_fast. (quantize()'s binary search with its thresholds in registers, twelve
-//   permutes per 16 values and no gather, was measured slower on the Xeon of issue 39:
-//   docs/BENCHMARKS.md.)
+// - requantizing follows Note [Quantize by arithmetic], the code from the float's exponent and
+//   one fused multiply-subtract, no gather; the rare vector with a lane too close to a
+//   threshold for that arithmetic to be sure (about 1 in 800 in training) takes Note [Quantize
+//   in one step]'s gather, the same byte as quantize_fast either way. (quantize()'s binary search
+//   with its thresholds in registers, twelve permutes per 16 values, was measured slower than
+//   the gather on the Xeon of issue 39: docs/BENCHMARKS.md.) On AVX-512 a block is
+//   requantized in the loop that updates the next (Note [adam8bit's blocks in a pipeline]).
 // A tail of fewer than a vector runs scalar.
 __attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const QuantMap& map,
                                                         float absmax, float* out, int64_t whole) {
@@ -96,46 +99,131 @@ __attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const 
   }
 }
 
-__attribute__((target("avx512f"))) void block_avx512(const Block& b, const Coefficients& c,
-                                                     float* mbuf, float* vbuf) {
+// Note [adam8bit's blocks in a pipeline]: the update of a block waits on the divider (two
+// divisions and a square root per 16 elements, ~32 cycles on the Xeon of issue 39), its
+// requantization on the vector ports (Note [Quantize by arithmetic]); in passes of their own
+// neither overlaps the other. A block's requantization needs its new absmax, known only when its
+// update ends, so the AVX-512 kernel runs one loop over block b's update and block b-1's
+// requantization together (two pairs of block buffers), and the out-of-order core fills the
+// divider's wait with the quantizer's work. The bytes and floats are block_scalar's: each block
+// sees the same operations in the same order, only interleaved with its neighbour's.
+struct BlockBuffers {
+  float* m;
+  float* v;
+};
+
+// m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
+__attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominator(
+    __m256 m, __m256 v, __m256 bc2, __m256 eps) {
+  return _mm256_div_ps(m, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
+}
+
+// Block b's update over its whole vectors: AdamW from the dequantized buffers, the new m and v
+// kept in them, their absmax folded into most_m, most_v (lanes); with `prev`, block b-1's
+// requantization (its buffers `pbuf` times inv_m, inv_v) in the same loop.
+template <bool kWithPrevious>
+__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
+update_and_requantize(const Block& b, const Coefficients& c, BlockBuffers buffers, int64_t whole,
+    const Block& prev, BlockBuffers pbuf, float inv_m, float inv_v, __m512& most_m,
+    __m512& most_v) {
   const QuantMap& ms = signed_map();
   const QuantMap& vs = unsigned_map();
-  const int64_t whole = b.len / 16 * 16;
-  dequantize_pass(b.qm, ms, *b.am, mbuf, whole);
-  dequantize_pass(b.qv, vs, *b.av, vbuf, whole);
   const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
-               decay = _mm512_set1_ps(c.decay), bc2 = _mm512_set1_ps(c.bc2_sqrt),
-               eps = _mm512_set1_ps(c.eps), step = _mm512_set1_ps(c.step_size);
-  __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
+               decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size);
+  const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
+  const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
   for (int64_t i = 0; i < whole; i += 16) {
-    __m512 m = _mm512_loadu_ps(mbuf + i);
-    __m512 v = _mm512_loadu_ps(vbuf + i);
+    __m512 m = _mm512_loadu_ps(buffers.m + i);
+    __m512 v = _mm512_loadu_ps(buffers.v + i);
     const __m512 g = _mm512_loadu_ps(b.g + i);
     m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(g, m)));
     v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
-    const __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
+    // Xeon of issue 39 against 32 at 512 bits (the same roundings).
+    const __m256 low = divide_by_denominator(_mm512_castps512_ps256(m),
+                                             _mm512_castps512_ps256(v), bc2, eps);
+    const __m256 high = divide_by_denominator(_mm512_extractf32x8_ps(m, 1),
+                                              _mm512_extractf32x8_ps(v, 1), bc2, eps);
+    const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
     const __m512 p = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(b.p + i), decay),
-                                   _mm512_mul_ps(step, _mm512_div_ps(m, denominator)));
+                                   _mm512_mul_ps(step, ratio));
     _mm512_storeu_ps(b.p + i, p);
-    _mm512_storeu_ps(mbuf + i, m);
-    _mm512_storeu_ps(vbuf + i, v);
+    _mm512_storeu_ps(buffers.m + i, m);
+    _mm512_storeu_ps(buffers.v + i, v);
     const __m512 abs_m = _mm512_abs_ps(m);
     most_m = _mm512_mask_mov_ps(most_m, _mm512_cmp_ps_mask(most_m, abs_m, _CMP_LT_OQ), abs_m);
     most_v = _mm512_mask_mov_ps(most_v, _mm512_cmp_ps_mask(most_v, v, _CMP_LT_OQ), v);
+    if (!kWithPrevious) continue;
+    const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(pbuf.m + i), scale_m);
+    const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(pbuf.v + i), scale_v);
+    __mmask16 unsure_m, unsure_v;
+    __m512i qm = ms.quantize16_arith(ym, unsure_m);
+    __m512i qv = vs.quantize16_arith(yv, unsure_v);
+    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
+    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(prev.qm + i), _mm512_cvtepi32_epi8(qm));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(prev.qv + i), _mm512_cvtepi32_epi8(qv));
   }
-  float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
-  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
-  const float inv_m = inverse(new_am), inv_v = inverse(new_av);
+}
+
+// A block's requantization alone (the range's last block, or one whose length differs from the
+// next's): the same operations as the fused loop's second half, then the scalar tail.
+__attribute__((target("avx512f,avx512bw"))) void requantize_avx512(const Block& b,
+                                                                   BlockBuffers buffers,
+                                                                   float inv_m, float inv_v) {
+  const QuantMap& ms = signed_map();
+  const QuantMap& vs = unsigned_map();
+  const int64_t whole = b.len / 16 * 16;
   const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
   for (int64_t i = 0; i < whole; i += 16) {
-    const __m512i qm = ms.quantize16_step(_mm512_mul_ps(_mm512_loadu_ps(mbuf + i), scale_m));
-    const __m512i qv = vs.quantize16_step(_mm512_mul_ps(_mm512_loadu_ps(vbuf + i), scale_v));
+    const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(buffers.m + i), scale_m);
+    const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(buffers.v + i), scale_v);
+    __mmask16 unsure_m, unsure_v;
+    __m512i qm = ms.quantize16_arith(ym, unsure_m);
+    __m512i qv = vs.quantize16_arith(yv, unsure_v);
+    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
+    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qm + i), _mm512_cvtepi32_epi8(qm));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qv + i), _mm512_cvtepi32_epi8(qv));
   }
-  requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
-  *b.am = new_am;
-  *b.av = new_av;
+  requantize_range(b, buffers.m, buffers.v, whole, b.len, inv_m, inv_v);
+}
+
+// Blocks [0, count) of a range (Note [adam8bit's blocks in a pipeline]); `block_at(k)` gives
+// block k, scratch holds 4 x block_size floats.
+template <typename BlockAt>
+__attribute__((target("avx512f,avx512bw,avx512dq"))) void blocks_avx512(
+    BlockAt block_at, int64_t count, const Coefficients& c, float* scratch, int64_t block) {
+  const QuantMap& ms = signed_map();
+  const QuantMap& vs = unsigned_map();
+  const BlockBuffers pair[2] = {{scratch, scratch + block},
+                                {scratch + 2 * block, scratch + 3 * block}};
+  Block prev{};
+  float prev_inv_m = 0.0f, prev_inv_v = 0.0f;
+  for (int64_t k = 0; k < count; ++k) {
+    const Block b = block_at(k);
+    const BlockBuffers here = pair[k % 2], before = pair[(k + 1) % 2];
+    const int64_t whole = b.len / 16 * 16;
+    dequantize_pass(b.qm, ms, *b.am, here.m, whole);
+    dequantize_pass(b.qv, vs, *b.av, here.v, whole);
+    __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
+    if (k > 0 && prev.len / 16 * 16 == whole) {
+      update_and_requantize<true>(b, c, here, whole, prev, before, prev_inv_m, prev_inv_v,
+                                  most_m, most_v);
+      requantize_range(prev, before.m, before.v, whole, prev.len, prev_inv_m, prev_inv_v);
+    } else {
+      if (k > 0) requantize_avx512(prev, before, prev_inv_m, prev_inv_v);
+      update_and_requantize<false>(b, c, here, whole, prev, before, 0.0f, 0.0f, most_m, most_v);
+    }
+    float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
+    update_range(b, c, here.m, here.v, whole, b.len, new_am, new_av);
+    *b.am = new_am;
+    *b.av = new_av;
+    prev = b;
+    prev_inv_m = inverse(new_am);
+    prev_inv_v = inverse(new_av);
+  }
+  if (count > 0) requantize_avx512(prev, pair[(count - 1) % 2], prev_inv_m, prev_inv_v);
 }
 
 // Eight int32 codes (each in [0, 255]) to eight bytes.
@@ -190,8 +278,15 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
   const __m256 inverse_m = _mm256_set1_ps(inv_m), inverse_v = _mm256_set1_ps(inv_v);
   for (int64_t i = 0; i < whole; i += 8) {
-    store8_codes(b.qm + i, ms.quantize8(_mm256_mul_ps(_mm256_loadu_ps(mbuf + i), inverse_m)));
-    store8_codes(b.qv + i, vs.quantize8(_mm256_mul_ps(_mm256_loadu_ps(vbuf + i), inverse_v)));
+    const __m256 ym = _mm256_mul_ps(_mm256_loadu_ps(mbuf + i), inverse_m);
+    const __m256 yv = _mm256_mul_ps(_mm256_loadu_ps(vbuf + i), inverse_v);
+    int unsure_m, unsure_v;
+    __m256i qm = ms.quantize8_arith(ym, unsure_m);
+    __m256i qv = vs.quantize8_arith(yv, unsure_v);
+    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize8(ym);
+    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize8(yv);
+    store8_codes(b.qm + i, qm);
+    store8_codes(b.qv + i, qv);
   }
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
@@ -199,17 +294,16 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
 }
 #endif
 
-// The block kernel this CPU runs, capped by LOOM_KERNEL_ISA (Note [Kernel ISA cap]: the tests
-// compare all three).
-using BlockKernel = void (*)(const Block&, const Coefficients&, float*, float*);
-BlockKernel block_kernel() {
+// The path this CPU runs, capped by LOOM_KERNEL_ISA (Note [Kernel ISA cap]: the tests compare
+// all three); the vector paths need the maps' one-step and arithmetic quantizers.
+cpu::KernelIsa kernel_path() {
 #if defined(__x86_64__)
-  static const bool maps_ready = signed_map().step_ready() && unsigned_map().step_ready();
-  const cpu::KernelIsa isa = cpu::kernel_isa();
-  if (maps_ready && isa == cpu::KernelIsa::avx512) return block_avx512;
-  if (maps_ready && isa == cpu::KernelIsa::avx2) return block_avx2;
+  static const bool maps_ready = signed_map().step_ready() && unsigned_map().step_ready() &&
+                                 signed_map().arithmetic_ready() &&
+                                 unsigned_map().arithmetic_ready();
+  if (maps_ready) return cpu::kernel_isa();
 #endif
-  return block_scalar;
+  return cpu::KernelIsa::scalar;
 }
 
 class Adam8bit final : public UpdateRule {
@@ -227,6 +321,14 @@ class Adam8bit final : public UpdateRule {
                   "; 256 is the default, 2048 the paper's");
     LOOM_CHECK_AS(ConfigError, min_8bit_ >= 0, c.where("min_8bit_size"),
                   ": [optimizer] min_8bit_size must be >= 0");
+    // state_dtype is one of the core's common keys (absent from a hand-built schema).
+    LOOM_CHECK_AS(ConfigError,
+                  !c.schema().find("state_dtype") || c.get_string("state_dtype") == "fp32",
+                  c.where("state_dtype"), ": [optimizer] state_dtype = \"",
+                  c.schema().find("state_dtype") ? c.get_string("state_dtype") : "",
+                  "\" does not apply to adam8bit: it already quantizes its moments to 8 bits "
+                  "per block (2 B/param); remove state_dtype, or use name = \"adamw\" with "
+                  "state_dtype = \"bf16\" (4 B/param)");
   }
   std::string name() const override { return "adam8bit"; }
   Partitioning partitioning() const override { return {Granularity::block, block_}; }
@@ -294,15 +396,25 @@ class Adam8bit final : public UpdateRule {
     float* av = s.state_at("exp_avg_sq_absmax").data_ptr<float>();
     const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / block);
-    const BlockKernel kernel = block_kernel();
+    const cpu::KernelIsa path = kernel_path();
     at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-      std::vector<float> mbuf(block), vbuf(block);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t start = b * block;
-        kernel({p + start, g + start, qm + start, qv + start, am + b, av + b,
-                std::min(block, n - start)},
-               c, mbuf.data(), vbuf.data());
+      auto block_at = [&](int64_t k) {
+        const int64_t b = first + k, start = b * block;
+        return Block{p + start, g + start, qm + start, qv + start, am + b, av + b,
+                     std::min(block, n - start)};
+      };
+#if defined(__x86_64__)
+      if (path == cpu::KernelIsa::avx512) {
+        std::vector<float> scratch(4 * block);
+        blocks_avx512(block_at, last - first, c, scratch.data(), block);
+        return;
       }
+      const auto kernel = path == cpu::KernelIsa::avx2 ? block_avx2 : block_scalar;
+#else
+      const auto kernel = block_scalar;
+#endif
+      std::vector<float> mbuf(block), vbuf(block);
+      for (int64_t k = 0; k < last - first; ++k) kernel(block_at(k), c, mbuf.data(), vbuf.data());
     });
   }
 

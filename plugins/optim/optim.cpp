@@ -1,9 +1,12 @@
-// The optim plugin: the update rules adafactor, adam8bit, sgd and lion as [optimizer] choices
-// (adamw is built into the core), and the element-wise rules sgd and lion themselves.
+// The optim plugin: the update rules adafactor, adam8bit, sgd, lion and muon as [optimizer]
+// choices (adamw is built into the core), and the element-wise rules sgd and lion themselves.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "loom/engine.h"
+#include "loom/log.h"
 #include "loom/plugin.h"
+#include "muon.h"
 #include "rules.h"
 
 namespace loom::optim {
@@ -123,11 +126,25 @@ class Lion final : public UpdateRule {
   double beta1_, beta2_;
 };
 
+// A key whose default is an array (the Schema's setters take scalars).
+KeySpec float_array(const std::string& name, const std::vector<double>& values,
+                    const std::string& doc) {
+  ConfigArray array;
+  for (double v : values) array.push_back(ConfigValue{v, "default"});
+  return KeySpec{name, ValueType::Array, ConfigValue{std::move(array), "default"}, doc, false};
+}
+KeySpec string_array(const std::string& name, const std::vector<std::string>& values,
+                     const std::string& doc) {
+  ConfigArray array;
+  for (const auto& v : values) array.push_back(ConfigValue{v, "default"});
+  return KeySpec{name, ValueType::Array, ConfigValue{std::move(array), "default"}, doc, false};
+}
+
 class OptimPlugin final : public Plugin {
  public:
   std::string name() const override { return "optim"; }
   std::string description() const override {
-    return "update rules adafactor, adam8bit (blockwise 8-bit state), sgd, lion";
+    return "update rules adafactor, adam8bit (blockwise 8-bit state), sgd, lion, muon";
   }
   std::vector<Schema> schemas() const override {
     Schema adafactor("optimizer", "adafactor");
@@ -160,7 +177,43 @@ class OptimPlugin final : public Plugin {
     lion.key_float("beta1", 0.9, "interpolation for the update's sign")
         .key_float("beta2", 0.99, "momentum decay")
         .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)");
-    return {adafactor, adam8bit, sgd, lion};
+    Schema muon("optimizer", "muon");
+    muon.key_float("momentum", 0.95, "momentum of the matrices' buffer (buf = momentum buf + g)")
+        .key_bool("nesterov", true, "Nesterov look-ahead: orthogonalise g + momentum buf")
+        .key_int("ns_steps", 5, "Newton-Schulz iterations (fp32: Note [Newton-Schulz in fp32])")
+        .add(float_array("ns_coefficients", {3.4445, -4.7750, 2.0315},
+                         "the quintic iteration's (a, b, c): X = a X + (b S + c S S) X, S = X X^T"))
+        .key_float("rms_scale", 0.2,
+                   "an A x B update is scaled by rms_scale sqrt(max(A, B)), so its RMS is "
+                   "rms_scale (Moonlight's match of AdamW's: its lr and weight decay carry over)")
+        .key_float("weight_decay", 0.1,
+                   "decoupled weight decay p *= 1 - lr wd, both rules (not biases/norms)")
+        .add(float_array("adamw_betas", {0.9, 0.95}, "AdamW's (beta1, beta2) for the tensors "
+                                                     "Muon does not take"))
+        .key_float("adamw_eps", 1e-8, "AdamW's eps for the tensors Muon does not take")
+        .add(string_array("adamw_params", {kDefaultAdamWParams},
+                          "regexes over whole parameter names given to AdamW besides rank < 2 "
+                          "tensors; the default: embeddings and output heads (wte, wpe, "
+                          "embed_tokens, lm_head, classifier...); [] = by shape alone"));
+    return {adafactor, adam8bit, sgd, lion, muon};
+  }
+  // The muon rule says which tensors it orthogonalises and which go to AdamW, once the
+  // trainable parameters are known (Note [Which tensors Muon takes]).
+  void attach(Engine& engine) override {
+    const ConfigSection& optimizer = engine.section("optimizer");
+    if (optimizer.get_string("name") != "muon") return;
+    engine.on(Event::params_ready, [](Engine& e) {
+      const MuonSelection selection(e.section("optimizer"));
+      std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+      std::vector<std::string> names;
+      for (const Param& p : e.params()) {
+        // A placed parameter's own rows are what the rule sees (Note [Placed parameters]).
+        shapes.emplace_back(p.name, p.tensor.sizes().vec());
+        names.push_back(p.name);
+      }
+      selection.check_patterns_match(names);
+      log::info(selection.report(shapes));
+    });
   }
   std::unique_ptr<UpdateRule> create_update_rule(const std::string& name,
                                                  const ConfigSection& c) override {
@@ -168,6 +221,7 @@ class OptimPlugin final : public Plugin {
     if (name == "adam8bit") return make_adam8bit(c);
     if (name == "sgd") return make_sgd(c);
     if (name == "lion") return make_lion(c);
+    if (name == "muon") return make_muon(c);
     throw InternalError("plugin optim has no optimizer " + name);
   }
 };

@@ -90,6 +90,7 @@ struct QuantMap {
         walk_steps = std::max({walk_steps, below(hi) - below(lo), at_most(-lo) - below(-hi)});
     }
     build_step_cells();
+    build_arithmetic(is_signed);
   }
 
   // The nearest code of y (|y| <= 1): a branch-free binary search over the midpoints.
@@ -201,6 +202,103 @@ struct QuantMap {
         _mm512_set1_epi32(1));
     return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), q);  // NaN: 0
   }
+
+  // Note [Quantize by arithmetic]: the map is arithmetic, so its code is too. Decade e (scale
+  // 10^-e, n_e codes, the first at byte base_e) holds the codes 10^-e (0.1 + 0.9 (k+1)/n_e), and
+  // its thresholds, the midpoints, lie where x = (|y| 10^e - 0.1) n_e / 0.9 is k + 1/2: its lower
+  // edge (the midpoint to the decade below) at x = 1/2, the one between codes k-1 and k at
+  // k + 1/2. So with x'' = |y| scale_e - offset_e = x - 1/2 + base_e, the byte is floor(x''),
+  // capped at the decade's top code. The decade itself comes from the exponent (a table of 32
+  // binades gives the decade of each binade's top; a binade holds at most one decade edge) and
+  // one comparison with that decade's lower edge, an exact threshold of the map. The thresholds
+  // are float roundings of double arithmetic, so x'' misses them by a little: a lane whose x''
+  // lies within kArithMargin of an integer is "unsure" and the caller quantizes that vector by
+  // the one-step table (quantize8 / quantize16_step). The constructor proves the rest exact
+  // (arithmetic_ready()): at every threshold of every decade x'' (the same fma) lies within
+  // kArithMargin / 2 of its integer, and x'' rises with |y|, so a sure lane is on the right
+  // side of every threshold. The negative half of the signed map mirrors the positive
+  // (threshold[254 - i] = -threshold[i], checked): byte 255 - q, and y <= 0 takes the lower of
+  // the two zeros. The unsigned map's negatives and NaN are 0 (max(y, 0) is 0 for both); the
+  // signed map's NaN is unsure. No gather: about 20 register operations per vector, against a
+  // gather of ~35 cycles on the Xeon of issue 39 (docs/BENCHMARKS.md).
+  static constexpr float kArithMargin = 1.0f / 4096;
+  bool arithmetic_ready() const { return arith_fits; }
+  // |y| as an integer to compare with a decade's lower edge (integers order as non-negative
+  // floats do): y at an edge goes to the decade below, as the search rounds a tie, but on the
+  // signed map's negative half the tie rounds away from zero, so a negative y counts as one ulp
+  // larger (its key is |y| + 1: an edge E is below y exactly when |y| < E).
+  __attribute__((target("avx512f"))) __m512i edge_key(__m512 y, __m512 a) const {
+    const __m512i magnitude = _mm512_castps_si512(a);
+    const __m512i negative = _mm512_srai_epi32(_mm512_castps_si512(y), 31);  // 0 or -1
+    return is_signed_map ? _mm512_sub_epi32(magnitude, negative) : magnitude;
+  }
+  __attribute__((target("avx2"))) __m256i edge_key8(__m256 y, __m256 a) const {
+    const __m256i magnitude = _mm256_castps_si256(a);
+    const __m256i negative = _mm256_srai_epi32(_mm256_castps_si256(y), 31);  // 0 or -1
+    return is_signed_map ? _mm256_sub_epi32(magnitude, negative) : magnitude;
+  }
+  __attribute__((target("avx512f,avx512bw"))) __m512i quantize16_arith(__m512 y,
+                                                                       __mmask16& unsure) const {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 a = is_signed_map ? _mm512_abs_ps(y) : _mm512_max_ps(y, zero);
+    // The binade, 0 for anything below 2^-26, 31 from 2^5 up (inf and NaN included).
+    const __m512i binade = _mm512_min_epu32(
+        _mm512_subs_epu16(_mm512_srli_epi32(_mm512_castps_si512(a), 23),
+                          _mm512_set1_epi32(kArithFirstExponent)),
+        _mm512_set1_epi32(31));
+    __m512i decade = _mm512_permutex2var_epi32(_mm512_loadu_si512(arith_binade_decade.data()),
+                                               binade,
+                                               _mm512_loadu_si512(arith_binade_decade.data() + 16));
+    const __mmask16 below_edge = _mm512_cmple_epi32_mask(
+        edge_key(y, a), _mm512_permutexvar_epi32(
+                            decade, _mm512_castps_si512(_mm512_loadu_ps(arith_lower.data()))));
+    decade = _mm512_mask_add_epi32(decade, below_edge, decade, _mm512_set1_epi32(1));
+    const __m512 x = _mm512_min_ps(
+        _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_top.data())),
+        _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_scale.data())),
+                        _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_offset.data()))));
+    __m512i q = _mm512_cvttps_epi32(x);  // NaN last in min: a NaN x stays NaN, so unsure
+    const __m512 from_half = _mm512_abs_ps(
+        _mm512_sub_ps(_mm512_sub_ps(x, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(0.5f)));
+    unsure = _mm512_cmp_ps_mask(from_half, _mm512_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
+    if (is_signed_map)
+      q = _mm512_mask_xor_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ), q,
+                                _mm512_set1_epi32(0xff));
+    return q;
+  }
+  // The same for 8 lanes; without a 32-entry permute the decade is a count of the edges at or
+  // above |y| (decades 0-7; the unsigned map's zero "decade" 8 by one more comparison).
+  __attribute__((target("avx2,fma"))) __m256i quantize8_arith(__m256 y, int& unsure) const {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 a = is_signed_map ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y)
+                                   : _mm256_max_ps(y, zero);
+    const __m256i key = edge_key8(y, a);
+    __m256i decade = _mm256_set1_epi32(7);
+    for (int e = 0; e < 7; ++e)  // 7 less the edges below |y| (a mask of all ones is -1)
+      decade = _mm256_add_epi32(
+          decade, _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int32_t>(
+                                              to_bits(arith_lower[e])))));
+    const __m256 x = _mm256_min_ps(
+        _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_top.data()), decade),
+        _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_scale.data()), decade),
+                        _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_offset.data()), decade)));
+    __m256i q = _mm256_cvttps_epi32(x);
+    const __m256 from_half = _mm256_andnot_ps(
+        _mm256_set1_ps(-0.0f),
+        _mm256_sub_ps(_mm256_sub_ps(x, _mm256_cvtepi32_ps(q)), _mm256_set1_ps(0.5f)));
+    __m256 doubt = _mm256_cmp_ps(from_half, _mm256_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
+    if (is_signed_map) {
+      const __m256 not_positive = _mm256_cmp_ps(y, zero, _CMP_LE_OQ);
+      q = _mm256_xor_si256(
+          q, _mm256_and_si256(_mm256_castps_si256(not_positive), _mm256_set1_epi32(0xff)));
+    } else {  // at or below the lowest edge: byte 0, sure
+      const __m256 nothing = _mm256_cmp_ps(a, _mm256_set1_ps(arith_lower[7]), _CMP_LE_OQ);
+      q = _mm256_andnot_si256(_mm256_castps_si256(nothing), q);
+      doubt = _mm256_andnot_ps(nothing, doubt);
+    }
+    unsure = _mm256_movemask_ps(doubt);
+    return q;
+  }
 #endif
 
   // Cells: [0, 2^(kMinExponent-127)) is cell 0, then kCellsPerBinade per binade up to |y| < 2;
@@ -213,6 +311,63 @@ struct QuantMap {
 
  private:
   bool step_cells_fit = true;
+  // The tables of Note [Quantize by arithmetic]: per decade e its lower edge, scale, offset and
+  // top + 1/2 (decade 7 of the signed map, 8 of the unsigned, is the zero decade below the
+  // lowest edge: edge -1, scale 0); per binade from 2^(kArithFirstExponent - 127) the decade of
+  // its largest float.
+  static constexpr int kArithFirstExponent = 127 - 26;
+  bool is_signed_map = false, arith_fits = true;
+  std::array<float, 16> arith_lower{}, arith_scale{}, arith_offset{}, arith_top{};
+  std::array<int32_t, 32> arith_binade_decade{};
+  void build_arithmetic(bool is_signed) {
+    is_signed_map = is_signed;
+    const int decades = is_signed ? 7 : 8;  // decade `decades` is the zero one
+    auto base_of = [&](int e) { return (is_signed ? 128 : 0) + (1 << (decades - 1 - e)); };
+    for (int e = 0; e < 16; ++e) {
+      if (e >= decades) {  // the zero decade (and unused entries): x'' = its byte + 1/2
+        const float byte = is_signed ? 128.0f : 0.0f;
+        arith_lower[e] = -1.0f;
+        arith_scale[e] = 0.0f;
+        arith_offset[e] = -(byte + 0.5f);
+        arith_top[e] = byte + 0.5f;
+        continue;
+      }
+      const int n = 1 << (decades - 1 - e), base = base_of(e);
+      arith_lower[e] = threshold[base - 1];
+      arith_top[e] = static_cast<float>(base + n - 1) + 0.5f;
+      if (n == 1) {  // the lowest decade, one code: its lower edge is the midpoint to 0
+        arith_scale[e] = 0.0f;
+        arith_offset[e] = -arith_top[e];
+        continue;
+      }
+      arith_scale[e] = static_cast<float>(std::pow(10.0, e) * n / 0.9);
+      arith_offset[e] = static_cast<float>(0.1 * n / 0.9 + 0.5 - base);
+      // The proof: x'' within half the margin of base + k at the decade's lower edge (k = 0)
+      // and at each threshold inside it (k = 1 .. n-1).
+      for (int k = 0; k < n; ++k) {
+        const float t = threshold[base - 1 + k];
+        const float x = std::fma(t, arith_scale[e], -arith_offset[e]);
+        if (!(std::fabs(x - static_cast<float>(base + k)) <= kArithMargin / 2))
+          arith_fits = false;
+      }
+    }
+    // Each binade's decade: the count of decade edges at or above its largest float.
+    auto decade_of = [&](float v) {
+      int e = 0;
+      while (e < decades && v <= arith_lower[e]) ++e;
+      return e;
+    };
+    for (int b = 0; b < 32; ++b) {
+      const uint32_t next = static_cast<uint32_t>(kArithFirstExponent + b + 1) << 23;
+      const float top = from_bits(next - 1);
+      const float bottom = b == 0 ? 0.0f : from_bits(next - (1u << 23));
+      arith_binade_decade[b] = decade_of(top);
+      if (decade_of(bottom) > arith_binade_decade[b] + 1) arith_fits = false;  // two edges
+    }
+    if (is_signed)
+      for (int i = 0; i < 255; ++i)
+        if (!(threshold[254 - i] == -threshold[i])) arith_fits = false;
+  }
   static float from_bits(uint32_t bits) {
     float out;
     std::memcpy(&out, &bits, sizeof out);

@@ -1,5 +1,5 @@
-// The optim plugin's update rules (adafactor, adam8bit, sgd, lion): factories the plugin class
-// calls, plus the shared checks. Plugin-internal; not part of the SDK.
+// The optim plugin's update rules (adafactor, adam8bit, sgd, lion, muon): factories the plugin
+// class calls, plus the shared checks. Plugin-internal; not part of the SDK.
 #pragma once
 
 #include <memory>
@@ -14,6 +14,7 @@ std::unique_ptr<UpdateRule> make_adafactor(const ConfigSection& table);
 std::unique_ptr<UpdateRule> make_adam8bit(const ConfigSection& table);
 std::unique_ptr<UpdateRule> make_sgd(const ConfigSection& table);
 std::unique_ptr<UpdateRule> make_lion(const ConfigSection& table);
+std::unique_ptr<UpdateRule> make_muon(const ConfigSection& table);
 
 // A decay rate in [0, 1), named in the error.
 inline double beta_in_range(const ConfigSection& c, const char* key) {

@@ -228,6 +228,19 @@ class Precision final : public loom::Plugin {
     frozen_half_ = frozen == "half";
   }
 
+  // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): the dynamic loss scaler
+  // must check every gradient for an overflow before any update, which rules out updating each
+  // parameter during backward.
+  void validate(const std::string&, const loom::ConfigSection&,
+                const JobTables& job) const override {
+    LOOM_CHECK_AS(ConfigError, !loss_scaling(mode_) || !job("train")->get_bool("optimizer_in_backward"),
+                  where_mode_, ": [precision] mode = \"", mode_name_, "\" scales the loss, and "
+                  "its overflow check needs every gradient before any update, but [train] "
+                  "optimizer_in_backward = true updates each parameter during backward; use "
+                  "mode = \"bf16\" or \"full_bf16\" (no loss scaling), or turn "
+                  "optimizer_in_backward off");
+  }
+
   void attach(loom::Engine& engine) override {
     device_ = engine.device();
     if (auto_) resolve_auto(engine.comm());
@@ -544,10 +557,35 @@ class Precision final : public loom::Plugin {
       out << weights << " B fp32 weights + " << grads << " B fp32 grads + " << optimizer
           << " B optimizer state = " << weights + grads + optimizer << " B";
     }
-    if (loss_scaling(mode_))
-      out << "; dynamic loss scale " << scaler_.scale << " (x" << scaler_.growth_factor
-          << " every " << scaler_.growth_interval << " clean steps, x" << scaler_.backoff_factor
-          << " on overflow)";
+    if (loss_scaling(mode_)) out << "; " << scaler_settings();
+    return out.str();
+  }
+
+  // Every key of the fp16 scaler and of on_overflow as this run uses them, defaults included,
+  // for the run's header: a job that leaves hysteresis, min_scale or on_overflow out behaves by
+  // their defaults, and the header is where a reader of the log learns which those are.
+  std::string scaler_settings() const {
+    std::ostringstream out;
+    out << "dynamic loss scale " << scaler_.scale << " (x" << scaler_.growth_factor << " every "
+        << scaler_.growth_interval << " clean steps, x" << scaler_.backoff_factor
+        << " on overflow; hysteresis " << scaler_.hysteresis;
+    if (scaler_.hysteresis > 1)
+      out << " overflows at one scale before it backs off, restored "
+          << (scaler_.consecutive_hysteresis ? "after every clean step" : "when the scale grows");
+    out << "; min_scale ";
+    if (scaler_.min_scale > 0) out << scaler_.min_scale;
+    else out << "0 (none: the floor is 2^-24)";
+    out << "); on_overflow ";
+    if (!fallback_on_) {
+      out << "error: an overflow at the floor ends the run";
+    } else {
+      const auto [target, reason] = fallback_target();
+      out << "fallback: an overflow at the floor or " << fallback_after_
+          << " overflowing steps in a row switch the run to "
+          << (target == Mode::bf16 ? "bf16 autocast" : "fp32") << " (fallback_mode "
+          << fallback_choice_ << (fallback_choice_ == "auto" ? ": " + reason : std::string())
+          << ")";
+    }
     return out.str();
   }
 

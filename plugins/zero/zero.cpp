@@ -172,13 +172,17 @@ class Zero final : public loom::Plugin {
         .key_optional("offload_optimizer", loom::ValueType::Table,
                       "where fp32 masters and optimizer state live (DeepSpeed's keys): { device "
                       "= \"nvme\", nvme_path = \"/local_nvme\", buffer_count = 4, "
-                      "pin_memory = true, block_size = 1048576, queue_depth = 8 }; device = "
-                      "\"cpu\" on a CPU run changes nothing")
+                      "pin_memory = true, block_size = 1048576, queue_depth = 8, "
+                      "delayed_update = false }; device = \"cpu\" on a CPU run changes nothing")
         .key_optional("offload_param", loom::ValueType::Table,
                       "stage 3: where the weights' shards live between uses (DeepSpeed's key): "
                       "{ device = \"nvme\", nvme_path = \"/local_nvme\" } needs half-precision "
                       "weights ([precision] mode = \"full_bf16\"); device = \"cpu\" on a CPU "
                       "run changes nothing")
+        .key_int("shard_group_size", 0,
+                 "stages 1-3: shard over groups of this many consecutive ranks (a node's, "
+                 "typically) and replicate across the groups, HSDP (Note [Hybrid sharding] in "
+                 "loom/sharding/zero_driver.h); must divide the world size; 0: every rank")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
@@ -206,6 +210,16 @@ class Zero final : public loom::Plugin {
                   t.where("allgather_bucket_size"), ": [zero] allgather_bucket_size must be "
                   "positive, got ", options_.allgather_bucket_bytes);
     options_.overlap = t.get_bool("overlap_comm");
+    options_.shard_group_size = static_cast<int>(t.get_int("shard_group_size"));
+    where_group_ = t.where("shard_group_size");
+    LOOM_CHECK_AS(ConfigError, t.get_int("shard_group_size") >= 0 &&
+                                   t.get_int("shard_group_size") <= (1 << 30),
+                  where_group_, ": [zero] shard_group_size must be a positive number of ranks "
+                  "dividing the world size (0: every rank), got ", t.get_int("shard_group_size"));
+    LOOM_CHECK_AS(ConfigError, stage_ >= 1 || options_.shard_group_size == 0, where_group_,
+                  ": [zero] shard_group_size = ", options_.shard_group_size, " shards stages "
+                  "1-3 within groups of ranks, but stage = 0 shards nothing; set stage = 1, 2 "
+                  "or 3, or leave shard_group_size out");
     parse_offload(t);
     broadcast_buffers_ = t.get_bool("broadcast_buffers");
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
@@ -214,6 +228,34 @@ class Zero final : public loom::Plugin {
   // Note [One resolved job]: what the driver would refuse once built, refused from the job.
   void validate(const std::string&, const loom::ConfigSection&,
                 const JobTables& job) const override {
+    // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): stage 0 hands each
+    // bucket's averaged gradients over as they land; the sharded and swapped drivers update
+    // after backward.
+    if (job("train")->get_bool("optimizer_in_backward")) {
+      LOOM_CHECK_AS(ConfigError, stage_ == 0, where_stage_, ": [zero] stage ", stage_,
+                    " with [train] optimizer_in_backward is not built (the sharded update runs "
+                    "after backward, over each rank's chunks); use stage = 0 or [ddp], or turn "
+                    "optimizer_in_backward off");
+      LOOM_CHECK_AS(ConfigError, offload_.device != "nvme", where_offload_, ": [zero] "
+                    "offload_optimizer to NVMe with [train] optimizer_in_backward is not built "
+                    "(the swapped state is updated in one pipelined walk after backward); leave "
+                    "offload_optimizer out or turn optimizer_in_backward off");
+    }
+    // Note [Delayed update] (loom/offload/offloaded_driver.h).
+    if (offload_.delayed_update) {
+      LOOM_CHECK_AS(ConfigError, offload_.device != "none", where_offload_, ": [zero] "
+                    "offload_optimizer.delayed_update runs the offloaded update on the CPU one "
+                    "step late, but offload_optimizer.device is \"none\"; set device = \"cpu\" "
+                    "or \"nvme\"");
+      LOOM_CHECK_AS(ConfigError, stage_ == 0, where_offload_, ": [zero] offload_optimizer."
+                    "delayed_update is built for stage 0 (one GPU, or data parallelism with the "
+                    "whole state on every rank), not stage ", stage_, "; set stage = 0 or turn "
+                    "delayed_update off");
+      LOOM_CHECK_AS(ConfigError, !job("train")->get_bool("optimizer_in_backward"), where_offload_,
+                    ": [zero] offload_optimizer.delayed_update and [train] optimizer_in_backward "
+                    "both move the update, one after the next step's backward, the other into "
+                    "this step's; choose one");
+    }
     if (offload_param_.device == "nvme") {
       LOOM_CHECK_AS(ConfigError, stage_ == 3, where_offload_param_, ": [zero] offload_param "
                     "offloads stage 3's weight shards, but stage = ", stage_, "; set stage = 3");
@@ -235,6 +277,16 @@ class Zero final : public loom::Plugin {
 
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
                                                        loom::Engine& engine) override {
+    // Note [Hybrid sharding]: the world size is known from here on.
+    if (options_.shard_group_size > 0) {
+      const int n = options.comm->world_size();
+      LOOM_CHECK_AS(ConfigError, options_.shard_group_size <= n &&
+                                     n % options_.shard_group_size == 0,
+                    where_group_, ": [zero] shard_group_size = ", options_.shard_group_size,
+                    " must divide the world size ", n, " (groups of consecutive ranks that "
+                    "each hold one copy of the sharded state); use a divisor of ", n,
+                    " such as the ranks per node, or leave it out to shard over every rank");
+    }
     // Every replica starts from rank 0's weights, before the driver copies its chunks.
     loom::sharding::start_from_rank0(engine, broadcast_buffers_);
     auto& comm = *options.comm;
@@ -297,6 +349,8 @@ class Zero final : public loom::Plugin {
       if (comm.world_size() > 1) {
         buckets_ = std::make_unique<loom::sharding::GradBuckets>(
             options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
+        if (engine.section("train").get_bool("optimizer_in_backward"))
+          buckets_->hand_final_grads_to(engine);  // Note [Optimizer in backward]
         loom::log::info("zero: stage 0 (data parallel) over ", comm.world_size(), " ranks, ",
                         buckets_->bucket_count(), " gradient bucket(s)");
       } else {
@@ -351,6 +405,10 @@ class Zero final : public loom::Plugin {
       if (buckets_ && e.state().sync_grads && (!driver_ || p.placed())) buckets_->grad_ready(p);
       if (driver_ && !p.placed() && (stage_ >= 2 || e.state().sync_grads)) driver_->grad_ready(p);
     });
+    // Note [Hybrid sharding]: the last micro-step's chunks go across the groups as they land.
+    engine.on(loom::Event::before_backward, [this](loom::Engine& e) {
+      if (driver_) driver_->begin_backward(e.state().is_last_micro_step());
+    });
     engine.on(loom::Event::after_backward, [this](loom::Engine& e) {
       const bool last = e.state().is_last_micro_step();
       if (buckets_ && last) {
@@ -359,7 +417,7 @@ class Zero final : public loom::Plugin {
         e.state().metrics.emplace_back("zero_exposed_comm_s", buckets_->last_stats().exposed_seconds);
       }
       if (driver_ && (stage_ >= 2 || last)) {
-        driver_->finish_backward();
+        driver_->finish_backward(/*window_end=*/last);
         if (last) {
           e.state().metrics.emplace_back("zero_comm_s", driver_->stats().comm_seconds);
           e.state().metrics.emplace_back("zero_exposed_comm_s", driver_->stats().exposed_seconds);
@@ -391,6 +449,22 @@ class Zero final : public loom::Plugin {
                       loom::memory::format_bytes(formula), " by ZeRO's formula ", text, " (",
                       off, ")");
     });
+    // Note [Delayed update]: a checkpoint holds no update in flight, and the run ends with all.
+    engine.on(loom::Event::save, [this](loom::Engine&) {
+      if (offloaded_) offloaded_->synchronize();
+    });
+    engine.on(loom::Event::teardown, [this](loom::Engine&) {
+      if (offloaded_) offloaded_->synchronize();
+    });
+    engine.on(loom::Event::save, [this](loom::Engine& e) {
+      // What cut the pieces (informational: a resume reads them at any world size and group
+      // size by their global offsets, Note [Hybrid sharding]).
+      if (driver_) {
+        auto& values = e.checkpoint().values;
+        values["zero.stage"] = std::to_string(stage_);
+        values["zero.shard_group_size"] = std::to_string(driver_->shard_group_size());
+      }
+    });
     engine.on(loom::Event::teardown, [this](loom::Engine& e) {
       // Only after a finished run: after an error a peer may be gone.
       if (driver_ && stage_ == 3 && gather_at_end_ && e.state().step >= e.state().max_steps)
@@ -412,6 +486,9 @@ class Zero final : public loom::Plugin {
       if (driver_)
         e.state().metrics.emplace_back("zero_comm_elements",
                                        static_cast<double>(driver_->stats().elements));
+      if (driver_ && driver_->replicas() > 1)  // Note [Hybrid sharding]
+        e.state().metrics.emplace_back("zero_cross_group_elements",
+                                       static_cast<double>(driver_->stats().cross_group_elements));
       if (driver_ && driver_->offloads_params()) {
         // Note [Offloaded parameters]: how much of the shard reads the read-ahead hid.
         e.state().metrics.emplace_back("offload_param_reads_ahead",
@@ -471,7 +548,8 @@ class Zero final : public loom::Plugin {
   std::pair<int64_t, std::string> formula_bytes(loom::Engine& e) const {
     const auto ms = e.model_state();
     const double psi = static_cast<double>(ms.trainable_count);
-    const double n = e.comm().world_size();
+    // Note [Hybrid sharding]: the sharded terms are divided by the shard group's size.
+    const double n = driver_ ? driver_->shard_group_size() : e.comm().world_size();
     const auto& params = e.params();
     const double w = params.empty() ? 4.0 : static_cast<double>(params.front().tensor.element_size());
     const double m = w == 4.0 ? 0.0 : 4.0;
@@ -559,6 +637,14 @@ class Zero final : public loom::Plugin {
         LOOM_CHECK_AS(ConfigError, flag, value.where, ": [zero] ", name,
                       ".pin_memory must be true or false");
         into.pin_memory = *flag;
+      } else if (key == "delayed_update") {
+        const auto* flag = std::get_if<bool>(&value.value);
+        LOOM_CHECK_AS(ConfigError, flag, value.where, ": [zero] ", name,
+                      ".delayed_update must be true or false");
+        LOOM_CHECK_AS(ConfigError, name == "offload_optimizer", value.where, ": [zero] ", name,
+                      ".delayed_update: the delayed update is the offloaded optimizer's; set it "
+                      "in offload_optimizer");
+        into.delayed_update = *flag;
       } else if (key == "block_size") {
         into.nvme.block_size = integer();
       } else if (key == "queue_depth") {
@@ -566,7 +652,8 @@ class Zero final : public loom::Plugin {
       } else {
         throw loom::ConfigError(loom::detail::cat(
             value.where, ": [zero] ", name, " has no key '", key, "'; it takes device, "
-            "nvme_path, buffer_count, pin_memory, block_size, queue_depth"));
+            "nvme_path, buffer_count, pin_memory, block_size, queue_depth",
+            name == "offload_optimizer" ? ", delayed_update" : ""));
       }
     }
     LOOM_CHECK_AS(ConfigError, into.device != "nvme" || !into.nvme.path.empty(), t.where(name),
@@ -582,7 +669,7 @@ class Zero final : public loom::Plugin {
   bool measured_ = false;
   int stage_ = 2;
   int64_t persistence_threshold_ = 100000;
-  std::string where_stage_;
+  std::string where_stage_, where_group_;
   loom::sharding::ZeroOptions options_;
   bool broadcast_buffers_ = true, gather_at_end_ = true;
   std::unique_ptr<loom::sharding::GradBuckets> buckets_;

@@ -59,6 +59,8 @@ void GradBuckets::grad_ready(const Param& param) {
   if (slot.ready) return;  // a parameter used twice in one graph reports twice
   at::NoGradGuard no_grad;
   bucket.flat.narrow(0, slot.offset, slot.numel).copy_(param.tensor.grad().reshape(-1));
+  // Note [Optimizer in backward]: the bucket holds it now; .grad's bytes go back at once.
+  if (final_grads_to_) param.tensor.mutable_grad() = at::Tensor();
   slot.ready = true;
   if (--bucket.pending == 0 && overlap_) launch(bucket);
 }
@@ -96,8 +98,14 @@ void GradBuckets::finish() {
     for (auto& slot : bucket.slots) {
       at::Tensor& grad = slot.param.mutable_grad();
       at::Tensor averaged = bucket.flat.narrow(0, slot.offset, slot.numel).view(slot.param.sizes());
-      if (grad.defined()) grad.copy_(averaged);
-      else grad = averaged.to(slot.param.scalar_type()).clone();
+      if (final_grads_to_) {
+        // What .grad would have held (the parameter's dtype), so the update's bits are the same.
+        final_grads_to_->grad_final(slot.param, averaged.to(slot.param.scalar_type()));
+      } else if (grad.defined()) {
+        grad.copy_(averaged);
+      } else {
+        grad = averaged.to(slot.param.scalar_type()).clone();
+      }
       slot.ready = false;
     }
     bucket.pending = bucket.slots.size();

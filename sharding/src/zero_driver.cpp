@@ -36,16 +36,45 @@ at::Tensor aligned_tensor(int64_t numel, at::ScalarType dtype) {
                        at::TensorOptions().dtype(dtype));
 }
 
+// Note [Hybrid sharding]: the checked group size; 0 (the default) is every rank.
+int group_size(const Comm& world, int requested) {
+  const int n = world.world_size();
+  if (requested == 0) return n;
+  LOOM_CHECK_AS(ConfigError, requested >= 1 && requested <= n && n % requested == 0,
+                "[zero] shard_group_size = ", requested, " must divide the world size ", n,
+                " (groups of consecutive ranks that each hold one copy of the sharded state); "
+                "use a divisor of ", n, " such as the ranks per node, or leave it out to shard "
+                "over every rank");
+  return requested;
+}
+
+// The world cut into groups of G consecutive ranks (shards), or one rank of each group (replicas).
+// Both splits are made by every rank in this order, as collectives must be.
+std::unique_ptr<Comm> split_shards(Comm& world, int requested) {
+  const int g = group_size(world, requested);
+  if (g == world.world_size()) return nullptr;
+  return world.split(world.rank() / g, world.rank());
+}
+std::unique_ptr<Comm> split_replicas(Comm& world, int requested) {
+  const int g = group_size(world, requested);
+  if (g == world.world_size()) return nullptr;
+  return world.split(world.rank() % g, world.rank());
+}
+
 }  // namespace
 
 ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero)
     : params_(options.params),
       rule_(*options.rule),
       weight_decay_(options.weight_decay),
-      comm_(*options.comm),
+      world_comm_(*options.comm),
+      shard_comm_(split_shards(world_comm_, zero.shard_group_size)),
+      replica_comm_(split_replicas(world_comm_, zero.shard_group_size)),
+      comm_(shard_comm_ ? *shard_comm_ : world_comm_),
       options_(zero),
-      rank_(options.comm->rank()),
-      world_(options.comm->world_size()) {
+      rank_(comm_.rank()),
+      world_(comm_.world_size()),
+      replicas_(world_comm_.world_size() / world_) {
   LOOM_CHECK_AS(ConfigError, zero.stage >= 1 && zero.stage <= 3,
                 "the ZeRO driver runs stages 1 to 3, not ", zero.stage);
   LOOM_INTERNAL_ASSERT(!params_.empty(), "ZeRO needs trainable parameters");
@@ -243,7 +272,11 @@ std::string ZeroDriver::describe() const {
   }
   std::ostringstream out;
   out.precision(3);
-  out << "ZeRO stage " << options_.stage << " over " << world_ << " rank(s): " << groups_.size()
+  out << "ZeRO stage " << options_.stage << " over " << world_ << " rank(s)";
+  if (replica_comm_)  // Note [Hybrid sharding]
+    out << " (shard group " << world_comm_.rank() / world_ << " of " << replicas_
+        << " replicas; " << padded / world_ << " gradient elements all-reduced across them per step)";
+  out << ": " << groups_.size()
       << " flat group(s) cut at " << rule_.name() << "'s granularity, " << numel
       << " trainable elements, " << padded / world_ << " per rank (padding "
       << 100.0 * static_cast<double>(padded - numel) / static_cast<double>(std::max<int64_t>(1, numel))
@@ -338,19 +371,29 @@ void ZeroDriver::land(Group& group) {
   const auto done = Clock::now();
   stats_.exposed_seconds += std::chrono::duration<double>(done - waited).count();
   stats_.comm_seconds += std::chrono::duration<double>(done - group.launched).count();
-  // The engine scaled each rank's loss by world / global targets: the average is the gradient.
-  group.received.div_(world_);
-  if (options_.stage >= 2) group.grad.add_(group.received);
-  // Stage 1: the window's whole gradient arrives at once, kept in the weights' dtype as the
-  // unsharded driver keeps .grad (so both update from the same values).
-  else group.grad = weight_dtype_ == at::kFloat ? group.received : group.received.to(weight_dtype_);
+  // The engine scaled each rank's loss by world / global targets: the average is the gradient
+  // (over every rank, the other shard groups' part added by reduce_across_replicas).
+  group.received.div_(world_comm_.world_size());
+  const size_t g = static_cast<size_t>(&group - groups_.data());
+  if (replica_comm_ && window_end_) {
+    // Note [Hybrid sharding]: the window's chunk so far plus this one, in fp32, across groups.
+    at::Tensor sum = group.received;
+    if (options_.stage >= 2) sum = group.grad.to(at::kFloat).add_(group.received);
+    launch_across_replicas(g, std::move(sum));
+  } else if (options_.stage >= 2) {
+    group.grad.add_(group.received);
+  } else {
+    // Stage 1: the window's whole gradient arrives at once, kept in the weights' dtype as the
+    // unsharded driver keeps .grad (so both update from the same values).
+    group.grad = weight_dtype_ == at::kFloat ? group.received : group.received.to(weight_dtype_);
+  }
   group.work.reset();
   group.send = at::Tensor();
   group.received = at::Tensor();
   group.pending = group.plan.tensors.size();
 }
 
-void ZeroDriver::finish_backward() {
+void ZeroDriver::finish_backward(bool window_end) {
   at::NoGradGuard no_grad;
   if (!backward_open_) stats_.comm_seconds = stats_.exposed_seconds = 0.0;
   backward_open_ = false;
@@ -373,11 +416,55 @@ void ZeroDriver::finish_backward() {
   flying_bytes_ = 0;
   for (auto& group : groups_) group.launched_this_backward = false;
   std::fill(ready_.begin(), ready_.end(), false);
+  LOOM_INTERNAL_ASSERT(!replica_comm_ || window_end == window_end_, "hybrid sharding: the zero "
+                       "plugin's begin_backward and finish_backward disagree on the window's end");
+  if (window_end) reduce_across_replicas();
+}
+
+// Note [Hybrid sharding]: `sum` (fp32; for fp32 stage-2 chunks, the chunk itself) is summed
+// over the replica Comm in flight; past kBucketsInFlight reduce buckets of them, the oldest
+// lands first (Note [Bucket memory]).
+void ZeroDriver::launch_across_replicas(size_t g, at::Tensor sum) {
+  Group& group = groups_[g];
+  LOOM_INTERNAL_ASSERT(!group.across_work, "a chunk sent across groups twice in one backward");
+  group.across = sum.to(replica_comm_->device());
+  group.across_work = replica_comm_->all_reduce(group.across, ReduceOp::sum);
+  stats_.elements += group.across.numel();
+  stats_.cross_group_elements += group.across.numel();
+  across_flying_.push_back(g);
+  across_bytes_ += group.across.nbytes();
+  while (across_bytes_ > kBucketsInFlight * options_.reduce_bucket_bytes &&
+         across_flying_.size() > 1) {
+    land_across(across_flying_.front());
+    across_flying_.pop_front();
+  }
+}
+
+void ZeroDriver::land_across(size_t g) {
+  Group& group = groups_[g];
+  const auto waited = Clock::now();
+  group.across_work->wait();
+  stats_.exposed_seconds += std::chrono::duration<double>(Clock::now() - waited).count();
+  at::Tensor sum = group.across.to(device_);
+  if (options_.stage == 1) {
+    group.grad = sum.to(weight_dtype_);  // the dtype the update reads, as without groups
+  } else if (!sum.is_same(group.grad)) {
+    group.grad.copy_(sum);
+  }
+  across_bytes_ -= group.across.nbytes();
+  group.across = at::Tensor();
+  group.across_work.reset();
+}
+
+void ZeroDriver::reduce_across_replicas() {
+  for (; !across_flying_.empty(); across_flying_.pop_front()) land_across(across_flying_.front());
+  across_bytes_ = 0;
 }
 
 void ZeroDriver::zero_grad() {
   at::NoGradGuard no_grad;
   stats_.elements = 0;
+  stats_.cross_group_elements = 0;
   stats_.shard_reads_ahead = 0;
   stats_.shard_wait_seconds = 0.0;
   if (options_.stage == 1) {
@@ -903,6 +990,8 @@ void ZeroDriver::add_pieces(size_t g, size_t k, const Segment& segment, StatePie
 
 StatePieces ZeroDriver::state_pieces() const {
   StatePieces out;
+  // Note [Hybrid sharding]: the other groups hold copies of group 0's pieces.
+  if (world_comm_.rank() >= world_) return out;
   if (swap_) {
     // Note [Offloaded ZeRO]: streamed, each piece read from the file when the checkpoint writer
     // reaches it (add_pieces makes the state pieces in the segment's order, then the master).

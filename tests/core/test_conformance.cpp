@@ -1,5 +1,5 @@
 // The conformance kits (loom/conformance.h) on every in-tree plugin: the update rules (core
-// adamw; optim's adafactor, adam8bit, sgd, lion), the data sources (random_tokens, text,
+// adamw; optim's adafactor, adam8bit, sgd, lion, muon), the data sources (random_tokens, text,
 // tokens), the models (gpt, gpt with MoE layers, gpt with LoRA adapters, bert, llama) and the
 // checkpointing interceptor; and each kit catching a plugin that breaks its contract.
 #include "loom/conformance.h"
@@ -26,7 +26,8 @@ TEST(Conformance, EveryInTreeUpdateRuleConforms) {
       {"adafactor", {{"beta1", 0.9}}},
       {"adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{256}}}},
       {"sgd", {{"momentum", 0.9}}},
-      {"lion", {}}};
+      {"lion", {}},
+      {"muon", {}}};
   for (const auto& [name, values] : rules) {
     const auto report = conformance::check_update_rule(*test::make_rule(name, values));
     EXPECT_TRUE(report.ok()) << report.text();

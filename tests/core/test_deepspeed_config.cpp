@@ -149,6 +149,19 @@ TEST(DeepSpeedConfig, Zero3WithCpuOffloadIsTheLoomKeyedJob) {
                                "sub_group_size changes nothing in loom"});
 }
 
+// MiCS's shard groups are [zero] shard_group_size (Note [Hybrid sharding]); one rank here, a
+// group of 1 (tests/distributed/hsdp_test.sh runs the groups on 4 ranks).
+TEST(DeepSpeedConfig, MicsShardSizeIsTheShardGroupSize) {
+  TempDir a, b;
+  write(a / "ds.json",
+        R"({"zero_optimization": {"stage": 3, "mics_shard_size": 1, "reduce_bucket_size": 1e5}})");
+  const std::string own_tables =
+      "[zero]\nstage = 3\nshard_group_size = 1\nreduce_bucket_size = 1e5\n";
+  expect_same_job_and_weights(job((a / "out").string(), "deepspeed = \"ds.json\"\n", ""),
+                              job((b / "out").string(), "", own_tables), a.path(), b.path(),
+                              {"zero_optimization.mics_shard_size = 1 -> [zero] shard_group_size = 1"});
+}
+
 // `loom run --deepspeed FILE` is [train] deepspeed = FILE; --set still has the last word.
 TEST(DeepSpeedConfig, TheFileCanComeFromTheCommandLineAndSetOverridesIt) {
   TempDir dir;

@@ -56,6 +56,32 @@ TEST(Estimate, ModelStatesMatchTheZeroPaper) {
   EXPECT_TRUE(found);
 }
 
+// Note [Hybrid sharding]: [zero] shard_group_size G shards stages 1-3 over G ranks and
+// replicates across the groups, so a rank holds what a G-rank run holds: the paper's 7.5 B
+// model over 64 GPUs in groups of 8 is Psi/8 in the sharded terms, not Psi/64.
+TEST(Estimate, ShardGroupSizeDividesTheShardedTermsByG) {
+  estimate::ModelCounts m;
+  m.params = m.trainable = m.unit_params = 7.5e9;
+  const double psi = 7.5e9;
+  const double want[4] = {16 * psi, 4 * psi + 12 * psi / 8, 2 * psi + 14 * psi / 8, 16 * psi / 8};
+  for (int stage = 0; stage <= 3; ++stage) {
+    m.shard_group_size = 8;
+    const estimate::Row grouped =
+        estimate::row(m, stage, Offload::none, Precision::full_bf16, 64, {}, 0, false);
+    EXPECT_DOUBLE_EQ(grouped.model_states(), want[stage]) << "stage " << stage;
+    // Stage 0 shards nothing: its gradient buckets are the world's, as without groups.
+    m.shard_group_size = 0;
+    const estimate::Row world =
+        estimate::row(m, stage, Offload::none, Precision::full_bf16, 64, {}, 0, false);
+    if (stage == 0) EXPECT_DOUBLE_EQ(grouped.peak, world.peak);
+    // A group of the world's size (or more) is the world.
+    m.shard_group_size = 64;
+    EXPECT_DOUBLE_EQ(
+        estimate::row(m, stage, Offload::none, Precision::full_bf16, 64, {}, 0, false).model_states(),
+        world.model_states());
+  }
+}
+
 TEST(Estimate, OffloadMovesMastersAndStateOffTheDevice) {
   estimate::ModelCounts m;
   m.params = m.trainable = 1e9;

@@ -10,16 +10,9 @@
 # - the mpi backend (when mpirun exists): a stopped rank is reported through the trace files.
 # usage: hang_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-build=$1 src=$2 python=$3
-loom=$build/bin/loom launch=$build/bin/loom-launch
-job=$src/tests/distributed/ddp_job.toml
-work=$(mktemp -d)
-trap cleanup_work EXIT  # testlib.sh
-export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
-source "$src/tests/distributed/testlib.sh"
-
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+source "$2/tests/distributed/testlib.sh"
+ranks_test_setup ddp_job.toml "$@"
 
 # rank_pid OUTPUT_DIR RANK: the pid of the loom process of the run writing OUTPUT_DIR whose
 # environment says it is RANK (loom-launch sets RANK; mpirun OMPI_COMM_WORLD_RANK). Only that

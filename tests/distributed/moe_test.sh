@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Expert parallelism with real processes (mpirun: mpi; loom-launch: gloo): a GPT whose blocks
 # are 4-expert top-2 MoE layers, experts spread over 2 and 4 ranks (and 2 x 2: expert parallel
-# within pairs, data parallel across them), ends after 20 steps (accumulation 2, clipping) with
-# the parameters of 1 process x batch N·b within 1e-6; a run resumed from its step-10
+# within pairs, data parallel across them), ends after 10 steps (accumulation 2, every update
+# clipped, an epoch boundary crossed: moe_job.toml says why 10) with
+# the parameters of 1 process x batch N·b within 1e-6; a run resumed from its step-4
 # checkpoint at the same world size is bitwise the uninterrupted one; the checkpoint holds
 # every rank's experts (`loom consolidate` gives the whole (4, ...) expert tensors); a world
 # size expert_parallel_size does not divide is a clear error. ZeRO stages 1-2 shard the dense
@@ -19,10 +20,12 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
 source "$src/tests/distributed/testlib.sh"
+last=10 mid=4  # moe_job.toml's max_steps, and the step of the checkpoints resumed from
+grep -q "^max_steps = $last$" "$job" || { echo "FAIL: moe_job.toml's max_steps is not $last"; exit 1; }
 
 # The consolidated checkpoints hold every rank's experts: the whole (4, ...) expert tensors.
 whole_experts() {
-  local shape; shape=$("$python" "$src/tests/support/tensors.py" shape "$1.c20.safetensors" h.0.ffn.w_in) &&
+  local shape; shape=$("$python" "$src/tests/support/tensors.py" shape "$1.c$last.safetensors" h.0.ffn.w_in) &&
     { [ "${shape%%,*}" = 4 ] || { echo "h.0.ffn.w_in is ($shape), not 4 experts"; false; }; }
 }
 
@@ -33,30 +36,30 @@ for case in "2 2 mpi" "4 4 mpi" "4 2 gloo" "2 2 gloo"; do
     { fail "reference for $n: $(tail -3 "$ref.log")"; continue; }
   out="$work/ep$ep-n$n-$backend" d=""
   if ranks "$backend" "$n" "$out" --set "moe.expert_parallel_size=$ep" &&
-     d=$(same_params "$ref" "$out" 1e-6) && whole_experts "$out"; then
+     d=$(same_params "$ref" "$out" 1e-6 $last) && whole_experts "$out"; then
     ok "experts over $ep of $n ranks ($backend) == 1 process x batch $((2 * n)) ($d)"
   else fail "ep $ep of $n ($backend): ${d:-} $(grep -v '^\s*$' "$out.log" | tail -4)"; fi
 done
 
 # Note [Partial model files]: with experts over ranks, model.safetensors lacks the experts
 # and says so; the consolidated file has them all (whole_experts above).
-partial=$("$python" "$src/tests/support/tensors.py" metadata "$work/ep2-n2-mpi/checkpoint-20/model.safetensors" loom_partial)
+partial=$("$python" "$src/tests/support/tensors.py" metadata "$work/ep2-n2-mpi/checkpoint-$last/model.safetensors" loom_partial)
 [[ $partial == *"of the model's"*"loom consolidate"* ]] &&
   ok "the expert-parallel model.safetensors is marked partial (${partial:0:60}...)" ||
   fail "expert-parallel partial mark: '$partial'"
 
 # Resume at the same world size: bitwise. Balancing and z-losses on, capacity dropping too.
 full=(--set moe.expert_parallel_size=2 --set moe.dropless=false --set moe.capacity_factor=1.0
-      --set moe.aux_loss_coef=0.01 --set moe.z_loss_coef=0.001 --set train.save_steps=10)
+      --set moe.aux_loss_coef=0.01 --set moe.z_loss_coef=0.001 --set train.save_steps=$mid)
 if ranks mpi 2 "$work/whole" "${full[@]}" && cp -r "$work/whole" "$work/cut" &&
-   rm -rf "$work/cut/checkpoint-20" &&
+   rm -rf "$work/cut/checkpoint-$last" &&
    ranks mpi 2 "$work/cut" "${full[@]}" --set train.resume=latest &&
-   d=$(same_params "$work/whole" "$work/cut" 0) && [[ $d == *bitwise* ]]; then
-  ok "expert-parallel run resumed from step 10 == the uninterrupted run ($d)"
+   d=$(same_params "$work/whole" "$work/cut" 0 $last) && [[ $d == *bitwise* ]]; then
+  ok "expert-parallel run resumed from step $mid == the uninterrupted run ($d)"
 else fail "resume: ${d:-} $(tail -3 "$work/cut.log")"; fi
 # The same checkpoint resumed by one process (every expert on one rank): it trains on.
 if ranks none 1 "$work/one" "${full[@]}" --set moe.expert_parallel_size=1 \
-     --set "train.resume=$work/whole/checkpoint-10" --set train.per_device_train_batch_size=4; then
+     --set "train.resume=$work/whole/checkpoint-$mid" --set train.per_device_train_batch_size=4; then
   ok "a 2-rank expert-parallel checkpoint resumes in one process"
 else fail "resume on 1: $(tail -3 "$work/one.log")"; fi
 
@@ -70,17 +73,17 @@ for case in "1 4 2 mpi" "2 4 2 gloo" "2 2 2 mpi"; do
   read -r stage n ep backend <<<"$case"
   out="$work/zero$stage-ep$ep-n$n-$backend" d=""
   if job="$work/zero.toml" ranks "$backend" "$n" "$out" --set "moe.expert_parallel_size=$ep" \
-       --set "zero.stage=$stage" && d=$(same_params "$work/ref$n" "$out" 1e-6); then
+       --set "zero.stage=$stage" && d=$(same_params "$work/ref$n" "$out" 1e-6 $last); then
     ok "ZeRO stage $stage (dense) + experts over $ep of $n ranks ($backend) == 1 process ($d)"
   else fail "zero $stage ep $ep of $n ($backend): ${d:-} $(grep -v '^\s*$' "$out.log" | tail -4)"; fi
 done
 # Its checkpoint: the sharded dense state and the placed experts, resumed bitwise.
-zfull=(--set moe.expert_parallel_size=2 --set zero.stage=2 --set train.save_steps=10)
+zfull=(--set moe.expert_parallel_size=2 --set zero.stage=2 --set train.save_steps=$mid)
 if job="$work/zero.toml" ranks gloo 4 "$work/zwhole" "${zfull[@]}" && cp -r "$work/zwhole" "$work/zcut" &&
-   rm -rf "$work/zcut/checkpoint-20" &&
+   rm -rf "$work/zcut/checkpoint-$last" &&
    job="$work/zero.toml" ranks gloo 4 "$work/zcut" "${zfull[@]}" --set train.resume=latest &&
-   d=$(same_params "$work/zwhole" "$work/zcut" 0) && [[ $d == *bitwise* ]]; then
-  ok "ZeRO stage 2 + expert parallel run resumed from step 10 == the uninterrupted run ($d)"
+   d=$(same_params "$work/zwhole" "$work/zcut" 0 $last) && [[ $d == *bitwise* ]]; then
+  ok "ZeRO stage 2 + expert parallel run resumed from step $mid == the uninterrupted run ($d)"
 else fail "zero resume: ${d:-} $(tail -3 "$work/zcut.log")"; fi
 expect_error "zero stage 3 with expert parallelism" "use stage 1 or 2 with [moe] expert_parallel_size" \
   timeout 120 mpirun --oversubscribe --bind-to none -np 2 "$loom" run "$work/zero.toml" \

@@ -15,14 +15,9 @@
 # - kill -9 of loom-launch: every rank is gone within 5 s.
 # usage: reliability_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-build=$1 src=$2 python=$3
-loom=$build/bin/loom launch=$build/bin/loom-launch
-job=$src/tests/distributed/ddp_job.toml
-work=$(mktemp -d)
-trap cleanup_work EXIT  # testlib.sh
-export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
-source "$src/tests/distributed/testlib.sh"
+source "$2/tests/distributed/testlib.sh"
+ranks_test_setup ddp_job.toml "$@"
 
 # same_model A B: two checkpoints' model.safetensors are bitwise equal.
 same_model() {

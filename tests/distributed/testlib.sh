@@ -7,6 +7,20 @@ passed=0 failed=0
 port=$((10000 + RANDOM % 20000))
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL: $1"; failed=$((failed + 1)); }
+# ranks_test_setup JOB BUILD_DIR SOURCE_DIR PYTHON: the start of a script whose runs are loom
+# jobs on several ranks (call it with the script's own arguments: `ranks_test_setup ddp_job.toml
+# "$@"`): sets build, src, python, loom, launch, job (tests/distributed/JOB) and work (a fresh
+# temporary folder that cleanup_work removes on exit), puts the test plugins (chaos) on
+# LOOM_PLUGIN_PATH, and lets mpirun run as root with more ranks than cores.
+ranks_test_setup() {
+  build=$2 src=$3 python=$4
+  loom=$build/bin/loom launch=$build/bin/loom-launch
+  job=$src/tests/distributed/$1
+  work=$(mktemp -d)
+  trap cleanup_work EXIT
+  export LOOM_PLUGIN_PATH=$build/tests/plugins
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+}
 # The EXIT trap's cleanup: the temporary folder $work goes, but after a failure its runs' logs
 # are kept first (in $build/Testing/failed-logs/SCRIPT.PID, named in the output), so a failure
 # that does not repeat can still be read.

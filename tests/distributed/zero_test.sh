@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ZeRO stages 1-3 with real processes (mpirun: mpi; loom-launch: gloo; plain processes given
 # Slurm's variables): N ranks with batch b end with the parameters of 1 process with batch N*b
-# (20 steps, accumulation 2, clipping), for adamw, adafactor and adam8bit at N = 1, 2, 4 and sgd
+# (10 steps, accumulation 2, clipping at every step, an epoch boundary crossed at N = 2 and 4),
+# for adamw, adafactor and adam8bit at N = 1, 2, 4 and sgd
 # and lion at N = 2; bf16 weights (fp32 masters sharded), fp16 with the loss scaler, activation
 # checkpointing and LoRA under stage 3 equal plain data parallelism; evaluation under stage 3
 # changes no weight and its eval_loss is one process's; the communication volume
@@ -17,7 +18,6 @@
 set -uo pipefail
 build=$1 src=$2 python=$3
 loom=$build/bin/loom launch=$build/bin/loom-launch
-job=$src/tests/distributed/zero_job.toml
 work=$(mktemp -d)
 trap cleanup_work EXIT  # testlib.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -25,8 +25,48 @@ export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
 source "$src/tests/distributed/testlib.sh"
 
+# The runs are zero_job.toml cut to 10 steps: ~100 runs of up to 4 ranks on a 2-core machine
+# made its 20 steps the bulk of the suite's time, and 10 still show what 20 did. The gradient
+# norm stays above max_grad_norm 0.5 at every step (checked below), so every update is clipped,
+# with accumulation 2. The job's 64 samples make the runs cross an epoch boundary (at step 8 on
+# N = 2, 8 samples a step; at 4 and 8 on N = 4, 16 a step); the resharded runs (12 a step)
+# resume from checkpoint-4, 12 of each rank's 16 samples into the first epoch, and go through
+# that epoch's short last batch and the boundary on their new world size, as the 20-step runs
+# did from checkpoint-10. Checkpoints are saved every $mid steps where a case needs them, and
+# every comparison is of checkpoint-$last.
+last=10 mid=4
+job=$work/zero_job.toml
+sed -e "s/^max_steps = 20$/max_steps = $last/" "$src/tests/distributed/zero_job.toml" >"$job"
+grep -q "^max_steps = $last$" "$job" ||
+  { echo "FAIL: zero_job.toml no longer says max_steps = 20; update zero_test.sh"; exit 1; }
+same_params() {  # A B TOLERANCE [STEP]: testlib.sh's, of checkpoint-$last unless told
+  consolidated "$1" "${4:-$last}" && consolidated "$2" "${4:-$last}" &&
+  "$python" "$src/tests/support/tensors.py" compare "$1.c${4:-$last}.safetensors" "$2.c${4:-$last}.safetensors" "$3"
+}
+# Most runs here keep their whole model in model.safetensors, in fp32, and no fp32 masters
+# beside it (stages 0-2 of fp32 weights): there `loom consolidate` would write exactly that
+# file's tensors (checked bitwise when this was written), so the file is linked in place of
+# the consolidated one, sparing a loom process (~1-2 s of start-up) for each of ~50 runs. A
+# model file marked partial (stage 3: Note [Partial model files]) or holding half weights, or
+# a shard holding masters, is consolidated as before, so `loom consolidate` still builds the
+# model of every stage-3 and bf16 run compared here.
+safetensors_header() {  # FILE: the JSON header (the 8-byte little-endian length, then the text)
+  local n; n=$(od -An -t u8 -N8 "$1") && head -c $((8 + n)) "$1" | tail -c +9
+}
+whole_fp32_model() {  # CHECKPOINT
+  [ -f "$1/model.safetensors" ] &&
+    ! safetensors_header "$1/model.safetensors" | grep -qE 'loom_partial|"(BF16|F16)"' &&
+    ! { for shard in "$1"/optimizer-*.safetensors; do safetensors_header "$shard"; done | grep -q 'master/'; }
+}
+consolidated() {  # RUN STEP: RUN.cSTEP.safetensors, made on first use
+  local file=$1.c$2.safetensors checkpoint=$1/checkpoint-$2
+  [ -e "$file" ] && return 0
+  if whole_fp32_model "$checkpoint"; then ln -s "$checkpoint/model.safetensors" "$file"
+  else "$loom" consolidate "$checkpoint" "$file" >/dev/null; fi
+}
+
 declare -A rule_sets=(
-  [adamw]="--set optimizer.eps=1e-5 --set train.save_steps=10"
+  [adamw]="--set optimizer.eps=1e-5 --set train.save_steps=$mid"
   [adafactor]="--set optimizer.name=adafactor --set optimizer.eps1=1e-10"
   [adam8bit]="--set optimizer.name=adam8bit --set optimizer.eps=1e-5 --set optimizer.block_size=64 --set optimizer.min_8bit_size=256"
   [sgd]="--set optimizer.name=sgd --set optimizer.momentum=0.9"
@@ -73,6 +113,16 @@ for n in 2 4; do  # stage 1 sums like DDP: bitwise, 8-bit state and all
 done
 check_rule sgd 2
 check_rule lion 2
+# What the 8 steps must keep: every update of those references was clipped (grad_norm is the
+# norm before clipping).
+low=$("$python" - "$work"/*-ref*/metrics.jsonl <<'PY'
+import json, sys
+print(f"{min(json.loads(l)['grad_norm'] for f in sys.argv[1:] for l in open(f)):.3f}")
+PY
+)
+"$python" -c "import sys; sys.exit(0 if float(sys.argv[1]) > 0.5 else 1)" "${low:-0}" &&
+  ok "every step of the 11 references clipped (smallest grad_norm $low > max_grad_norm 0.5)" ||
+  fail "a reference step not clipped: smallest grad_norm ${low:-?}"
 # The other backend for each stage once.
 ranks gloo 2 "$work/adamw-s1-gloo" --set optimizer.eps=1e-5 --set zero.stage=1 &&
   d=$(same_params "$work/adamw-ref2" "$work/adamw-s1-gloo" 1e-6) &&
@@ -82,8 +132,8 @@ ranks mpi 2 "$work/adamw-s2-mpi" --set optimizer.eps=1e-5 --set zero.stage=2 &&
   ok "adamw, stage 2, 2 ranks over mpi ($d)" || fail "stage 2 mpi: $(tail -3 "$work/adamw-s2-mpi.log")"
 
 # --- Note [Asynchronous checkpoints] on 2 ranks at stage 3 (each rank writes its optimizer
-# shard on its writer thread; the commit rides on a step's loss all-reduce): checkpoint-10,
-# written in the background, and the final checkpoint-20 are byte-identical (cmp, every file
+# shard on its writer thread; the commit rides on a step's loss all-reduce): checkpoint-4,
+# written in the background, and the final checkpoint-10 are byte-identical (cmp, every file
 # but the manifest, whose job text names another output_dir) to the synchronous run's, and the
 # manifests agree but for that.
 same_checkpoints() {  # A B STEP...: every file byte-identical but manifest.json, compared as JSON
@@ -101,11 +151,11 @@ sys.exit(a != b)
 PY
   done
 }
-if ranks mpi 2 "$work/async-s3" --set optimizer.eps=1e-5 --set train.save_steps=10 --set zero.stage=3 \
+if ranks mpi 2 "$work/async-s3" --set optimizer.eps=1e-5 --set train.save_steps=$mid --set zero.stage=3 \
      --set train.async_save=true --set train.log_level=info &&
-   grep -q "saved checkpoint $work/async-s3/checkpoint-10 (in the background" "$work/async-s3.log" &&
-   same_checkpoints "$work/adamw-s3-n2" "$work/async-s3" 10 20; then
-  ok "async_save, stage 3 on 2 ranks: checkpoints 10 (background) and 20 byte-identical to the synchronous run's"
+   grep -q "saved checkpoint $work/async-s3/checkpoint-$mid (in the background" "$work/async-s3.log" &&
+   same_checkpoints "$work/adamw-s3-n2" "$work/async-s3" $mid $last; then
+  ok "async_save, stage 3 on 2 ranks: checkpoints $mid (background) and $last byte-identical to the synchronous run's"
 else fail "async_save stage 3: $(grep -v '^\s*$' "$work/async-s3.log" | tail -3)"; fi
 
 # --- bf16 weights: sharded fp32 masters train exactly like the replicated ones (stage 0).
@@ -143,13 +193,13 @@ compose lora --set lora.r=4 --set 'lora.target_modules=["qkv","fc_in"]'
 # ranks is one process's (sums, not means of means).
 eval_job=$work/eval_job.toml
 { cat "$job"; printf '\n[eval_data]\nnum_samples = 7\nseq_len = 16\nvocab_low = 0\nvocab_high = 64\ntask = "lm"\n'; } >"$eval_job"
-evaluating=(--set 'train.eval_strategy="steps"' --set train.eval_steps=5 --set train.eval_on_start=true
+evaluating=(--set 'train.eval_strategy="steps"' --set train.eval_steps=2 --set train.eval_on_start=true
             --set train.per_device_eval_batch_size=2)
 first_eval_loss() { "$python" -c "import json,sys; print(next(json.loads(l)['eval_loss'] for l in open(sys.argv[1]) if 'eval_loss' in l))" "$1/metrics.jsonl"; }
 if job=$eval_job ranks mpi 2 "$work/eval-s3" --set optimizer.eps=1e-5 --set zero.stage=3 "${evaluating[@]}" &&
    d=$(same_params "$work/adamw-s3-n2" "$work/eval-s3" 0) &&
-   [ "$(grep -c eval_loss "$work/eval-s3/metrics.jsonl")" -eq 5 ]; then
-  ok "stage 3 on 2 ranks evaluating at steps 0, 5, 10, 15, 20 == the same run without ($d)"
+   [ "$(grep -c eval_loss "$work/eval-s3/metrics.jsonl")" -eq 6 ]; then
+  ok "stage 3 on 2 ranks evaluating at steps 0, 2, 4, 6, 8, 10 == the same run without ($d)"
 else fail "stage 3 with evaluation: ${d:-} $(grep -v '^\s*$' "$work/eval-s3.log" | tail -3)"; fi
 if job=$eval_job ranks none 1 "$work/eval-one" --set train.max_steps=0 "${evaluating[@]}" &&
    "$python" -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1e-6 * abs(a))" \
@@ -169,12 +219,12 @@ PY
 }
 # Stage 3 also gathers each unit's weights for forward and again for backward (2 x the units'
 # share, Psi_u); embeddings and the final norm stay whole and are all-gathered once, as at 2.
-units_share() {  # DIR: the units' share of the trainable parameters
-  "$python" - "$1" <<'PY'
+units_share() {  # DIR STEP: the units' share of the trainable parameters
+  "$python" - "$1" "$2" <<'PY'
 import json, sys
 from safetensors import safe_open
 run = json.load(open(sys.argv[1] + "/run.json"))
-with safe_open(sys.argv[1] + ".c20.safetensors", "np") as f:
+with safe_open(sys.argv[1] + ".c" + sys.argv[2] + ".safetensors", "np") as f:
     units = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape()[1] if len(f.get_slice(k).get_shape()) > 1 else 1) for k in f.keys() if k.startswith("h."))
 print(units / run["model_state"]["trainable_params"])
 PY
@@ -183,7 +233,7 @@ for stage in 1 2 3; do
   want=$((stage + 1))
   # 2 micro-steps at stage 3: 2 reduce-scatters (2 Psi), the whole-kept rest all-gathered once
   # ((1 - u) Psi), each unit gathered for forward and for backward in each (4 u Psi).
-  [ $stage -eq 3 ] && want=$("$python" -c "u = $(units_share "$work/adamw-s3-n4"); print(round(3 + 3 * u, 4))")
+  [ $stage -eq 3 ] && want=$("$python" -c "u = $(units_share "$work/adamw-s3-n4" $last); print(round(3 + 3 * u, 4))")
   v=$(volume "$work/adamw-s$stage-n4")
   if "$python" -c "import sys; sys.exit(0 if abs($v - $want) <= 0.02 * $want else 1)"; then
     ok "stage $stage, 4 ranks, accumulation 2: $v x Psi elements per rank per step (want $want Psi)"
@@ -213,31 +263,31 @@ for n in 2 4; do
   done
 done
 
-# --- a 4-rank stage-3 run checkpointed at step 10 resumes on 2 and on 3 ranks (same global
+# --- a 4-rank stage-3 run checkpointed at step 4 resumes on 2 and on 3 ranks (same global
 # batch of 12)
-base=(--set optimizer.eps=1e-5 --set zero.stage=3 --set train.gradient_accumulation_steps=1 --set train.save_steps=10)
+base=(--set optimizer.eps=1e-5 --set zero.stage=3 --set train.gradient_accumulation_steps=1 --set train.save_steps=$mid)
 ranks gloo 4 "$work/r4" "${base[@]}" --set train.per_device_train_batch_size=3 ||
   fail "4-rank run to reshard: $(tail -3 "$work/r4.log")"
 for n in 2 3; do
-  mkdir -p "$work/r$n" && cp -r "$work/r4/checkpoint-10" "$work/r$n/"
+  mkdir -p "$work/r$n" && cp -r "$work/r4/checkpoint-$mid" "$work/r$n/"
   backend=mpi; [ $n -eq 3 ] && backend=gloo
   if ranks $backend $n "$work/r$n" "${base[@]}" --set train.per_device_train_batch_size=$((12 / n)) \
        --set train.resume=latest --set train.log_level=info &&
      grep -q "resuming a 4-rank checkpoint on $n ranks" "$work/r$n.log" &&
      d=$(same_params "$work/r4" "$work/r$n" 1e-6); then
-    ok "4-rank stage-3 checkpoint-10 resumed on $n ranks ($backend) == the 4-rank run ($d)"
+    ok "4-rank stage-3 checkpoint-$mid resumed on $n ranks ($backend) == the 4-rank run ($d)"
   else fail "reshard 4 -> $n: ${d:-} $(grep -v '^\s*$' "$work/r$n.log" | tail -4)"; fi
 done
 # ...and on one process with plain data parallelism (stage 0 reads the sharded weights).
-mkdir -p "$work/r1" && cp -r "$work/r4/checkpoint-10" "$work/r1/"
+mkdir -p "$work/r1" && cp -r "$work/r4/checkpoint-$mid" "$work/r1/"
 if ranks none 1 "$work/r1" "${base[@]}" --set zero.stage=0 --set train.per_device_train_batch_size=12 \
      --set train.resume=latest && d=$(same_params "$work/r4" "$work/r1" 1e-6); then
-  ok "4-rank stage-3 checkpoint-10 resumed by one stage-0 process == the 4-rank run ($d)"
+  ok "4-rank stage-3 checkpoint-$mid resumed by one stage-0 process == the 4-rank run ($d)"
 else fail "reshard 4 -> 1 (stage 0): ${d:-} $(tail -3 "$work/r1.log")"; fi
 # The consolidated model equals the single process's, in a file Python's safetensors reads.
 ranks none 1 "$work/r-single" "${base[@]}" --set zero.stage=0 --set train.per_device_train_batch_size=12 &&
   d=$(same_params "$work/r-single" "$work/r4" 1e-6) &&
-  n=$("$python" -c "from safetensors.torch import load_file; t = load_file('$work/r4.c20.safetensors'); print(len(t), t['h.1.attn.qkv.weight'].dtype)") &&
+  n=$("$python" -c "from safetensors.torch import load_file; t = load_file('$work/r4.c$last.safetensors'); print(len(t), t['h.1.attn.qkv.weight'].dtype)") &&
   ok "loom consolidate of the 4-rank stage-3 checkpoint == 1 process ($d; Python reads $n)" ||
   fail "consolidate: ${d:-} ${n:-}"
 
@@ -246,13 +296,13 @@ ranks none 1 "$work/r-single" "${base[@]}" --set zero.stage=0 --set train.per_de
 # unmarked; a from_pretrained folder holding the partial file is refused by check and by run,
 # with one message, before output_dir is made.
 tensors=("$python" "$src/tests/support/tensors.py")
-partial=$("${tensors[@]}" metadata "$work/r4/checkpoint-20/model.safetensors" loom_partial)
-whole=$("${tensors[@]}" metadata "$work/r-single/checkpoint-20/model.safetensors" loom_partial)
+partial=$("${tensors[@]}" metadata "$work/r4/checkpoint-$last/model.safetensors" loom_partial)
+whole=$("${tensors[@]}" metadata "$work/r-single/checkpoint-$last/model.safetensors" loom_partial)
 [[ $partial == *"of the model's"*"loom consolidate"* ]] && [ -z "$whole" ] &&
   ok "a stage-3 checkpoint's model.safetensors is marked partial (${partial:0:50}...), stage 0's is not" ||
   fail "partial mark: '$partial' / '$whole'"
-"$loom" export "$work/r4/checkpoint-20" "$work/r4-export" >/dev/null &&
-  cp "$work/r4/checkpoint-20/model.safetensors" "$work/r4-export/model.safetensors"
+"$loom" export "$work/r4/checkpoint-$last" "$work/r4-export" >/dev/null &&
+  cp "$work/r4/checkpoint-$last/model.safetensors" "$work/r4-export/model.safetensors"
 pretrained=(--set "model.from_pretrained=\"$work/r4-export\"" --set "train.output_dir=$work/from-partial")
 check_err=$("$loom" check "$job" "${pretrained[@]}" 2>&1 >/dev/null); check_rc=$?
 run_out=$("$loom" run "$job" "${pretrained[@]}" 2>&1); run_rc=$?
@@ -284,7 +334,7 @@ sed -e 's/^model = "gpt"/model = "plain_lm"/' -e '/^\[model\]/,/^$/d' "$job" >"$
 expect_error "stage 3 without units" "has no loom::nn::UnitList" "$loom" run "$work/plain.toml" \
   --set "train.output_dir=$work/bad" --set zero.stage=3
 expect_error "consolidate: no folder" "does not exist" "$loom" consolidate "$work/nope" "$work/x.safetensors"
-expect_error "consolidate: no output" "needs a checkpoint folder and an output file" "$loom" consolidate "$work/r4/checkpoint-20"
+expect_error "consolidate: no output" "needs a checkpoint folder and an output file" "$loom" consolidate "$work/r4/checkpoint-$last"
 # A diverged rank: rank 1 skips unit 1's forward at step 3, so it sends unit 0's chunk where
 # the others gather unit 1 (the two units are the same size): named, within the timeout.
 start=$SECONDS
@@ -292,31 +342,34 @@ expect_error "diverged rank" "but rank 1 sent those of unit" timeout 120 "$launc
   --master-port $((port += 1)) "$loom" run "$job" --set "train.output_dir=$work/diverged" \
   --set zero.stage=3 --set 'chaos.mode="skip_unit"' --set chaos.step=3 --set distributed.timeout_seconds=20
 [ $((SECONDS - start)) -lt 60 ] || fail "the diverged rank took $((SECONDS - start)) s to be noticed"
+drop_older() {  # RUN: every checkpoint but checkpoint-$last goes
+  find "$1" -maxdepth 1 -name 'checkpoint-*' ! -name "checkpoint-$last" -exec rm -rf {} +
+}
 # A shard gone: the error names it, before any state changed.
-cp -r "$work/r4" "$work/gone" && rm "$work/gone/checkpoint-20/optimizer-00002-of-00004.safetensors"
-rm -rf "$work/gone/checkpoint-10"
+cp -r "$work/r4" "$work/gone" && rm "$work/gone/checkpoint-$last/optimizer-00002-of-00004.safetensors"
+drop_older "$work/gone"
 expect_error "missing shard" "optimizer-00002-of-00004.safetensors' is missing" \
-  "$loom" run "$job" --set "train.output_dir=$work/gone" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+  "$loom" run "$job" --set "train.output_dir=$work/gone" "${base[@]}" --set train.max_steps=$((last + 2)) --set train.resume=latest
 # A shard of another step in its place: named.
-cp -r "$work/r4" "$work/mixed" && cp "$work/r4/checkpoint-10/optimizer-00001-of-00004.safetensors" "$work/mixed/checkpoint-20/"
-rm -rf "$work/mixed/checkpoint-10"
+cp -r "$work/r4" "$work/mixed" && cp "$work/r4/checkpoint-$mid/optimizer-00001-of-00004.safetensors" "$work/mixed/checkpoint-$last/"
+drop_older "$work/mixed"
 expect_error "shard of another step" "optimizer-00001-of-00004.safetensors" \
-  "$loom" run "$job" --set "train.output_dir=$work/mixed" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+  "$loom" run "$job" --set "train.output_dir=$work/mixed" "${base[@]}" --set train.max_steps=$((last + 2)) --set train.resume=latest
 # A truncated shard: named, by its size, before any state changed.
-cp -r "$work/r4" "$work/short" && rm -rf "$work/short/checkpoint-10" &&
-  truncate -s 1000 "$work/short/checkpoint-20/optimizer-00003-of-00004.safetensors"
+cp -r "$work/r4" "$work/short" && drop_older "$work/short" &&
+  truncate -s 1000 "$work/short/checkpoint-$last/optimizer-00003-of-00004.safetensors"
 expect_error "truncated shard" "optimizer-00003-of-00004.safetensors' is truncated" \
-  "$loom" run "$job" --set "train.output_dir=$work/short" "${base[@]}" --set train.max_steps=22 --set train.resume=latest
+  "$loom" run "$job" --set "train.output_dir=$work/short" "${base[@]}" --set train.max_steps=$((last + 2)) --set train.resume=latest
 # Another model shape: the sharded tensor is named with both shapes.
-cp -r "$work/r4" "$work/wider" && rm -rf "$work/wider/checkpoint-10"
+cp -r "$work/r4" "$work/wider" && drop_older "$work/wider"
 expect_error "another model shape" "the checkpoint belongs to another model shape" \
   "$loom" run "$job" --set "train.output_dir=$work/wider" "${base[@]}" --set model.n_embd=48 \
-  --set train.max_steps=22 --set train.resume=latest
+  --set train.max_steps=$((last + 2)) --set train.resume=latest
 # Another update rule's state.
-cp -r "$work/r4" "$work/other" && rm -rf "$work/other/checkpoint-10"
+cp -r "$work/r4" "$work/other" && drop_older "$work/other"
 expect_error "another rule" "holds optimizer state of 'adamw' but the job uses 'lion'" \
   "$loom" run "$job" --set "train.output_dir=$work/other" --set zero.stage=2 --set optimizer.name=lion \
-  --set train.max_steps=22 --set train.resume=latest
+  --set train.max_steps=$((last + 2)) --set train.resume=latest
 
 # NVMe offload of the optimizer state (Note [Offloaded ZeRO]): stage 0 over 2 ranks (each rank
 # its own swap file holding all), and stages 1-3 (each rank its pieces) for adamw, adafactor and
@@ -366,7 +419,7 @@ unset LOOM_OFFLOAD_CPU_STORE
 auto=(--set train.auto_find_batch_size=true --set 'train.memory_budget="4GiB"' --set train.log_level='"info"')
 if ranks mpi 2 "$work/auto" --set optimizer.eps=1e-5 --set train.gradient_accumulation_steps=4 "${auto[@]}" &&
    [ "$(grep -c "auto_find_batch_size: per_device_train_batch_size = 8, gradient_accumulation_steps = 1" "$work/auto.log")" -eq 2 ] &&
-   [ -d "$work/auto/checkpoint-20" ]; then ok "auto_find_batch_size on 2 ranks: 8 x 1 on both"
+   [ -d "$work/auto/checkpoint-$last" ]; then ok "auto_find_batch_size on 2 ranks: 8 x 1 on both"
 else fail "auto_find_batch_size on 2 ranks: $(tail -3 "$work/auto.log")"; fi
 port=$((port + 1))
 for r in 0 1; do

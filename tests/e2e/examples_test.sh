@@ -7,9 +7,12 @@
 # metrics.jsonl; the chat SFT's evaluation and LoRA adapter files; the DDP job's losses equal
 # under loom-launch, mpirun and torchrun; ZeRO-3's model-state report from every rank and a
 # checkpoint of shards; NVMe offload's swap files made in nvme_path and removed; the MoE
-# metrics. The stories run by other tests (demo, finetune_lm, classify) are checked to still
-# be run there; finetune_lm and classify are `loom check`ed on examples/tiny_models.py's
-# folders, which the chat SFT trains from.
+# metrics; activation checkpointing's weights bitwise those without it; the long fp16 run's
+# background saves, its fallback (forced) in metrics.jsonl and the manifest, and its resume in
+# the fallen-back mode; the hang-debugging job naming both ranks' calls when the test's chaos
+# plugin skips a collective on one. The stories run by other tests (demo, finetune_lm,
+# classify) are checked to still be run there; finetune_lm and classify are `loom check`ed on
+# examples/tiny_models.py's folders, which the chat SFT trains from.
 # usage: examples_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 build=$1 src=$2 python=$3
@@ -211,6 +214,132 @@ if story deepspeed3 "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run
    [ -f "$work/deepspeed3/checkpoint-3/optimizer-00001-of-00002.safetensors" ]; then
   ok "DeepSpeed file, ZeRO-3 on 2 ranks: losses $losses, a shard per rank"
 else fail "DeepSpeed ZeRO-3: $(grep -v '^\s*$' "$work/deepspeed3.log" | tail -3)"; fi
+
+# --- 10: activation checkpointing with the attention policy, as written (dropout 0.1 and all):
+# the log names the policy and the units; the weights after 3 steps are bitwise those of the
+# same run without checkpointing, at a lower peak of the tracked allocator.
+if story recompute "build/bin/loom run examples/memory/recompute.toml" "${tiny[@]}" &&
+   losses=$(steps_ok recompute 3) &&
+   grep -q "checkpointing: attention of 2 of 2 units of each of 1 unit list(s) recomputed in backward" \
+     "$work/recompute.log" &&
+   story recompute-off "build/bin/loom run examples/memory/recompute.toml" "${tiny[@]}" \
+     --set checkpointing.enabled=false &&
+   d=$("$python" "$src/tests/support/tensors.py" compare "$work/recompute/checkpoint-3/model.safetensors" \
+       "$work/recompute-off/checkpoint-3/model.safetensors" 0) && [[ $d == *bitwise* ]] &&
+   "$python" - "$work/recompute/metrics.jsonl" "$work/recompute-off/metrics.jsonl" <<'PY'; then
+import json, sys
+peak = [max(json.loads(l)["mem_peak_bytes"] for l in open(f)) for f in sys.argv[1:]]
+assert peak[0] < peak[1], peak
+PY
+  ok "activation checkpointing (attention): losses $losses, weights bitwise those without it, a lower peak"
+else fail "activation checkpointing: ${d:-} $(grep -v '^\s*$' "$work/recompute.log" "$work/recompute-off.log" 2>/dev/null | tail -3)"; fi
+
+# --- 11: the long fp16 run, saving every step in the background (save_total_limit 3), with an
+# overflow storm forced by a first loss scale no gradient survives: 2 overflowing steps in a row
+# (fallback_after = 2) switch it to this machine's fallback mode; the job's own command again,
+# for 2 more steps, goes on in that mode from its newest checkpoint.
+storm=(--set precision.init_scale=3e38 --set precision.fallback_after=2 --set train.save_steps=1)
+if story long-run "build/bin/loom run examples/reliability/long_run.toml" "${tiny[@]}" "${storm[@]}" \
+     --set train.max_steps=4 &&
+   losses=$(steps_ok long-run 4) &&
+   [ "$(grep -c "saved checkpoint $work/long-run/checkpoint-[123] (in the background" "$work/long-run.log")" -eq 3 ] &&
+   fallen=$("$python" - "$work/long-run" <<'PY'
+import json, sys
+run = sys.argv[1]
+rows = [json.loads(l) for l in open(run + "/metrics.jsonl")]
+switch = [[k for k in r if k.startswith("precision_fallback_to_")] for r in rows]
+assert switch[0] == [] and len(switch[1]) == 1 and switch[2:] == [[], []], switch
+mode = switch[1][0].rsplit("_", 1)[1]
+values = json.load(open(run + "/checkpoint-4/manifest.json"))["values"]
+assert values["precision.mode"] == mode and values["precision.fallback_from"] == "fp16" and \
+    values["precision.fallback_step"] == "2", values
+print(mode)
+PY
+   ) &&
+   [ "$(ls -d "$work"/long-run/checkpoint-* | xargs -n1 basename | tr '\n' ' ')" = "checkpoint-2 checkpoint-3 checkpoint-4 " ] &&
+   timeout 300 "${cmd[@]}" "${tiny[@]}" "${storm[@]}" --set train.max_steps=6 \
+     --set "train.output_dir=$work/long-run" >"$work/long-run-again.log" 2>&1 &&
+   steps_ok long-run 6 >/dev/null &&
+   grep -q "resumed from $work/long-run/checkpoint-4 at step 4" "$work/long-run-again.log" &&
+   grep -qF "the checkpoint's run fell back from fp16 to $fallen at step 2" "$work/long-run-again.log" &&
+   ! grep -q "precision_fallback_to_" <(tail -2 "$work/long-run/metrics.jsonl"); then
+  ok "long fp16 run: losses $losses, saves in the background, fell back to $fallen at step 2 (metrics, manifest); run again, it goes on in $fallen"
+else fail "long fp16 run: $(grep -v '^\s*$' "$work/long-run.log" "$work/long-run-again.log" 2>/dev/null | tail -3)"; fi
+
+# --- 12: the hang-debugging job on 2 ranks: as written, a healthy run; with the test's chaos
+# plugin skipping one collective on rank 1 at step 2, both ranks name both calls at once,
+# well before its 30 s timeout, and the job exits non-zero.
+hang="build/bin/loom-launch --nproc-per-node 2 build/bin/loom run examples/distributed/debug_hang.toml"
+if story debug-hang "$hang" "${tiny[@]}" && losses=$(steps_ok debug-hang 3); then
+  ok "hang debugging on 2 ranks, check_collectives on: losses $losses"
+else fail "hang debugging: $(grep -v '^\s*$' "$work/debug-hang.log" | tail -3)"; fi
+began=$SECONDS
+export LOOM_PLUGIN_PATH=$build/tests/plugins  # the chaos plugin, for this run only
+if ! story debug-hang-skip "$hang" "${tiny[@]}" --set 'chaos.mode="skip_collective"' \
+       --set chaos.step=2 &&
+   [ $((SECONDS - began)) -lt 30 ] &&
+   grep -qE "rank 0: \[distributed\] check_collectives: collective #[0-9]+ of group world differs between ranks: rank 0 calls all_gather #[0-9]+ \(3 int64\), rank 1 calls all_reduce" "$work/debug-hang-skip.log" &&
+   grep -qE "rank 1: \[distributed\] check_collectives: .* rank 1 calls all_reduce #[0-9]+ .*, rank 0 calls all_gather" "$work/debug-hang-skip.log"; then
+  ok "a collective skipped on rank 1: both ranks name both calls in $((SECONDS - began)) s"
+else fail "hang debugging, a skipped collective ($((SECONDS - began)) s): $(grep -m2 'error' "$work/debug-hang-skip.log")"; fi
+unset LOOM_PLUGIN_PATH
+
+# --- 13: optimizer in backward, as written (dropout 0.1 and all): the weights after 3 steps are
+# bitwise those of the same run with it off, at a lower peak of the tracked allocator.
+if story in-backward "build/bin/loom run examples/memory/optimizer_in_backward.toml" "${tiny[@]}" &&
+   losses=$(steps_ok in-backward 3) &&
+   story in-backward-off "build/bin/loom run examples/memory/optimizer_in_backward.toml" "${tiny[@]}" \
+     --set train.optimizer_in_backward=false &&
+   d=$("$python" "$src/tests/support/tensors.py" compare "$work/in-backward/checkpoint-3/model.safetensors" \
+       "$work/in-backward-off/checkpoint-3/model.safetensors" 0) && [[ $d == *bitwise* ]] &&
+   "$python" - "$work/in-backward/metrics.jsonl" "$work/in-backward-off/metrics.jsonl" <<'PY'; then
+import json, sys
+peak = [max(json.loads(l)["mem_peak_bytes"] for l in open(f)) for f in sys.argv[1:]]
+assert peak[0] < peak[1], peak
+PY
+  ok "optimizer in backward: losses $losses, weights bitwise those without it, a lower peak"
+else fail "optimizer in backward: ${d:-} $(grep -v '^\s*$' "$work/in-backward.log" "$work/in-backward-off.log" 2>/dev/null | tail -3)"; fi
+
+# --- 14: hybrid sharding, the 4-rank 2 x 2 story on 2 ranks as 2 groups of 1 (the same code
+# path: a shard group, the all-reduce across groups; tests/distributed/hsdp_test.sh runs 2 x 2):
+# every step reports its cross-group elements, the log names the groups, the checkpoint
+# consolidates.
+if story hsdp "build/bin/loom-launch --nproc-per-node 4 build/bin/loom run examples/distributed/hsdp.toml" \
+     --ranks 2 "${tiny[@]}" "${shard_all[@]}" --set zero.shard_group_size=1 --set train.log_level=info &&
+   losses=$(steps_ok hsdp 3 zero_cross_group_elements) &&
+   grep -q "shard group 0 of 2 replicas" "$work/hsdp.log" &&
+   "$build/bin/loom" consolidate "$work/hsdp/checkpoint-3" "$work/hsdp.safetensors" >/dev/null 2>&1; then
+  ok "hybrid sharding on 2 ranks as 2 x 1: losses $losses, cross-group elements every step, a checkpoint that consolidates"
+else fail "hybrid sharding: $(grep -v '^\s*$' "$work/hsdp.log" | tail -3)"; fi
+
+# --- 15: bf16 optimizer state, as written (full_bf16 weights): finite losses, the moments saved
+# as bf16 in the optimizer file, 4 B/param of state in the log's model line.
+if story bf16-state "build/bin/loom run examples/memory/bf16_state.toml" "${tiny[@]}" \
+     --set train.log_level=info &&
+   losses=$(steps_ok bf16-state 3) &&
+   grep -q "optimizer state .* (4.00 B/param)" "$work/bf16-state.log" &&
+   "$python" - "$work/bf16-state/checkpoint-3/optimizer-00000-of-00001.safetensors" <<'PY'; then
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], "pt") as f:
+    moments = [k for k in f.keys() if k.startswith("state/")]
+    assert moments and all(f.get_slice(k).get_dtype() == "BF16" for k in moments), moments
+PY
+  ok "bf16 optimizer state: losses $losses, bf16 moments in the checkpoint, 4 B/param of state"
+else fail "bf16 optimizer state: $(grep -v '^\s*$' "$work/bf16-state.log" | tail -3)"; fi
+
+# --- 17: the delayed update, on NVMe so that this CPU runs its code path (the job's host store is
+# a GPU run's): finite losses with the offload metrics, the log saying the updates run late, the
+# swap file gone after.
+delayed_swap=$work/delayed-swap
+mkdir -p "$delayed_swap"
+if story delayed "build/bin/loom run examples/offload/delayed_update.toml" "${tiny[@]}" \
+     --set train.log_level=info --set precision.mode=fp32 \
+     --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$delayed_swap\", delayed_update=true}" &&
+   losses=$(steps_ok delayed 3 offload_update_s) &&
+   grep -q "one step late" "$work/delayed.log" && [ -z "$(ls -A "$delayed_swap")" ]; then
+  ok "delayed update: losses $losses, the updates one step late, no swap file after"
+else fail "delayed update: $(grep -v '^\s*$' "$work/delayed.log" | tail -3)"; fi
 
 echo "$passed passed, $failed failed in $((SECONDS - start)) s"
 [ "$failed" -eq 0 ]

@@ -15,14 +15,20 @@ base=(--set train.max_steps=4 --set train.log_level=warn)
 timeout 120 "$loom" run "$job" --set "train.output_dir=$work/good" "${base[@]}" >"$work/good.log" 2>&1 ||
   { echo "FAIL: the reference run: $(tail -3 "$work/good.log")"; exit 1; }
 
-# damage NAME PYTHON_CODE: a copy of the good run whose checkpoint-4 the code changes (`ck`:
-# its folder; `fix_manifest()` re-records every file's size and crc32, so only the damage
-# itself is left to catch).
+# damage NAME PYTHON_CODE [NAME PYTHON_CODE]...: for each NAME a copy of the good run whose
+# checkpoint-4 the code changes (`ck`: its folder; `fix_manifest()` re-records every file's size
+# and crc32, so only the damage itself is left to catch). One Python process makes them all:
+# the damages written with the reference safetensors writer import torch, ~4 s of CPU each time.
 damage() {
-  rm -rf "$work/$1"; cp -r "$work/good" "$work/$1"
-  "$python" - "$work/$1/checkpoint-4" <<PY
+  local args=()
+  while [ $# -ge 2 ]; do
+    rm -rf "$work/$1"; cp -r "$work/good" "$work/$1"
+    args+=("$work/$1/checkpoint-4" "$2"); shift 2
+  done
+  "$python" - "${args[@]}" <<'PY'
+import sys
+HELPERS = r"""
 import json, os, sys, zlib
-ck = sys.argv[1]
 def manifest():
     return json.load(open(ck + "/manifest.json"))
 def seal(m):  # Note [Manifest checksum]: crc32 of the rest, compact, keys sorted
@@ -40,7 +46,9 @@ def fix_manifest():
         data = open(os.path.join(ck, name), "rb").read()
         m["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     write(m)
-$2
+"""
+for ck, code in zip(sys.argv[1::2], sys.argv[2::2]):
+    exec(HELPERS + code, {"ck": ck, "__name__": "damage"})
 PY
 }
 # resume NAME: the damaged copy resumed with more steps.
@@ -100,8 +108,9 @@ expect_error "one tensor name twice in model.safetensors' header" "twice in one 
 damage dir 'os.remove(ck + "/trainer.safetensors"); os.mkdir(ck + "/trainer.safetensors")'
 expect_error "a directory in place of trainer.safetensors" \
   "trainer.safetensors' is not a regular file (a directory)" resume dir
-for to in I32 BF16 F16; do
-  damage "dtype$to" "
+# The damages that need the reference writer (and so torch), made in one Python process.
+retype() {  # DTYPE: a damage's code
+  echo "
 import safetensors.torch as st, torch
 p = ck + '/model.safetensors'
 with open(p, 'rb') as f:
@@ -111,16 +120,12 @@ name = next(k for k in header if k != '__metadata__')
 # the bytes, the half types the values.
 tensors = st.load_file(p)
 tensors[name] = {'I32': lambda t: t.view(torch.int32), 'BF16': lambda t: t.to(torch.bfloat16),
-                 'F16': lambda t: t.to(torch.float16)}['$to'](tensors[name])
+                 'F16': lambda t: t.to(torch.float16)}['$1'](tensors[name])
 st.save_file(tensors, p, metadata=header.get('__metadata__'))
 fix_manifest()"
-  expect_error "a tensor's dtype changed to $to in model.safetensors" "but the model holds Float" \
-    resume "dtype$to"
-done
-damage bigstep 'm = manifest(); m["step"] = 9223372036854775807; write(m)'
-expect_error "manifest step 2^63-1: refused (its shards are of step 4)" \
-  "is from step 4 but the checkpoint is of step 9223372036854775807" resume bigstep
-damage bigstep1 'm = manifest(); m["step"] = 9223372036854775807; write(m)
+}
+damage dtypeI32 "$(retype I32)" dtypeBF16 "$(retype BF16)" dtypeF16 "$(retype F16)" \
+  bigstep1 'm = manifest(); m["step"] = 9223372036854775807; write(m)
 import safetensors.torch as st
 p = ck + "/optimizer-00000-of-00001.safetensors"
 with open(p, "rb") as f:
@@ -129,6 +134,13 @@ meta["step"] = str(9223372036854775807)
 st.save_file(st.load_file(p), p, metadata=meta)
 m = manifest(); m["optimizer_shards"][0]["bytes"] = os.path.getsize(p)
 m["optimizer_shards"][0]["crc32"] = zlib.crc32(open(p, "rb").read()); write(m)'
+for to in I32 BF16 F16; do
+  expect_error "a tensor's dtype changed to $to in model.safetensors" "but the model holds Float" \
+    resume "dtype$to"
+done
+damage bigstep 'm = manifest(); m["step"] = 9223372036854775807; write(m)'
+expect_error "manifest step 2^63-1: refused (its shards are of step 4)" \
+  "is from step 4 but the checkpoint is of step 9223372036854775807" resume bigstep
 expect_error "manifest and shards at step 2^63-1: refused, names max_steps" \
   "is at step 9223372036854775807, past this job's [train] max_steps 8" resume bigstep1
 damage nocrc 'm = manifest(); del m["files"]["model.safetensors"]["crc32"]; write(m)'

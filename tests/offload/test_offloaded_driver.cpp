@@ -16,7 +16,9 @@
 #include "loom/engine.h"
 #include "loom/memory.h"
 #include "loom/model.h"
+#include "loom/offload/offloaded_driver.h"
 #include "loom/step_driver.h"
+#include "loom/update_rule.h"
 #include "loom/trainer.h"
 #include "test_util.h"
 
@@ -277,6 +279,121 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
           "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n") + bf16,
       resumed_dir.path());
   expect_bitwise(whole, resumed);
+}
+
+// Note [Delayed update]: the driver equals a reference written out here that applies each
+// update one step late — step k's gradients taken at the weights of update k-2 and applied to
+// masters that already hold update k-1 — bit for bit, for fp32 and bf16 weights, in the host
+// store (the GPU path's, on the CPU) and on NVMe; synchronize() leaves every update applied.
+TEST(Offload, DelayedUpdateAppliesEachUpdateOneStepLate) {
+  Schema schema("optimizer", "adamw");
+  schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "")
+      .key_float("weight_decay", 0.0, "").key_string("state_dtype", "fp32", "");
+  const auto rule = make_adamw(ConfigSection("optimizer", {}, schema, "job.toml"));
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (const std::string device : {"cpu", "nvme"}) {
+      SCOPED_TRACE(std::string(dtype == at::kFloat ? "fp32 " : "bf16 ") + device);
+      at::manual_seed(3);
+      const at::Tensor w0 = at::randn({16, 8}).to(dtype), b0 = at::randn({8}).to(dtype);
+      std::vector<at::Tensor> xs, ys;
+      for (int k = 0; k < 6; ++k) {
+        xs.push_back(at::randn({4, 16}).to(dtype));
+        ys.push_back(at::randn({4, 8}).to(dtype));
+      }
+      // The loss of step k at the given weights; backward fills their gradients.
+      auto backward = [&](const at::Tensor& w, const at::Tensor& b, int k) {
+        (at::matmul(xs[k], w) + b - ys[k]).to(at::kFloat).pow(2).mean().backward();
+      };
+      // The driver under test.
+      TempDir swap;
+      at::Tensor w = w0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+      StepDriverOptions options;
+      options.params = {Param{"w", w, 0}, Param{"b", b, 1}};
+      options.rule = rule.get();
+      options.weight_decay = 0.01;
+      offload::OffloadOptions offload;
+      offload.device = device;
+      offload.nvme.path = swap.str();
+      offload.nvme.block_size = 4096;
+      offload.buffer_count = 3;
+      offload.delayed_update = true;
+      auto driver = offload::make_offloaded_step_driver(options, offload);
+      // The reference: fp32 masters updated by the same rule, the weights set from them one
+      // update late.
+      at::Tensor rw = w0.clone().requires_grad_(true), rb = b0.clone().requires_grad_(true);
+      std::vector<Segment> masters(2);
+      const std::vector<at::Tensor*> weights = {&rw, &rb};
+      for (int i = 0; i < 2; ++i) {
+        Segment& m = masters[i];
+        m.name = i == 0 ? "w" : "b";
+        m.param = weights[i]->detach().to(at::kFloat).reshape(-1).clone();
+        m.shape = weights[i]->sizes().vec();
+        m.group = i;
+        m.state = rule->init_state(m);
+      }
+      for (int k = 0; k < 6; ++k) {
+        const int64_t step = k + 1;
+        const double lr = 1e-2 * (1.0 - 0.1 * k);  // a schedule: each update keeps its own lr
+        driver->zero_grad();
+        backward(w, b, k);
+        driver->update(step, lr);
+        // Reference: update k-1 reaches the weights, then update k is made on the masters.
+        backward(rw, rb, k);
+        for (int i = 0; i < 2; ++i) {
+          at::NoGradGuard no_grad;
+          weights[i]->detach().copy_(masters[i].param.view(weights[i]->sizes()));
+          masters[i].grad = weights[i]->grad().to(at::kFloat).reshape(-1).clone();
+          weights[i]->grad().zero_();
+          update_tensor(*rule, {&masters[i]},
+                        update_context(options.params[i], step, lr, options.weight_decay));
+        }
+        EXPECT_TRUE(at::equal(w.detach(), rw.detach())) << "step " << step;
+        EXPECT_TRUE(at::equal(b.detach(), rb.detach())) << "step " << step;
+        if (k == 0) EXPECT_TRUE(at::equal(w.detach(), w0)) << "the first update ran at once";
+      }
+      driver->synchronize();
+      for (int i = 0; i < 2; ++i) {
+        const at::Tensor expected =
+            masters[i].param.view(weights[i]->sizes()).to(dtype);
+        EXPECT_TRUE(at::equal((i == 0 ? w : b).detach(), expected)) << "after synchronize";
+      }
+    }
+}
+
+// A delayed-update run resumed from its checkpoint (saved with no update in flight) is bitwise
+// the run that went on, whose final weights hold its last update; bad delayed_update settings
+// are named.
+TEST(Offload, DelayedUpdateResumesBitwiseAndBadSettingsAreNamed) {
+  TempDir whole_dir, resumed_dir, swap, plain_dir;
+  const std::string delayed = "stage = 0\noffload_optimizer = { device = \"nvme\", nvme_path = \"" +
+                              swap.str() + "\", block_size = 8192, delayed_update = true }\n";
+  const auto whole =
+      trained(job(whole_dir.str(), "adamw", delayed, "save_steps = 3\n"), whole_dir.path());
+  const auto resumed = trained(
+      job(resumed_dir.str(), "adamw", delayed,
+          "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n"),
+      resumed_dir.path());
+  expect_bitwise(whole, resumed);
+  // Not the plain run: the updates did land late.
+  const auto plain = trained(job(plain_dir.str(), "adamw", "stage = 0\n"), plain_dir.path());
+  EXPECT_FALSE(at::equal(whole.begin()->second, plain.at(whole.begin()->first)));
+  EXPECT_TRUE(fs::is_empty(swap.path())) << "the swap file outlived the run";
+
+  TempDir dir;
+  auto setup = [&](const std::string& zero, const std::string& train = "") {
+    Trainer::from_text(job(dir.str(), "adamw", zero, train), dir.path())->setup();
+  };
+  EXPECT_THROW_WITH(setup("stage = 2\noffload_optimizer = { device = \"cpu\", "
+                          "delayed_update = true }"),
+                    ConfigError, "delayed_update", "stage 0", "not stage 2");
+  EXPECT_THROW_WITH(setup("stage = 0\noffload_optimizer = { delayed_update = true }"),
+                    ConfigError, "delayed_update", "device is \"none\"");
+  EXPECT_THROW_WITH(setup("stage = 0\noffload_optimizer = { device = \"cpu\", "
+                          "delayed_update = 1 }"),
+                    ConfigError, "offload_optimizer.delayed_update must be true or false");
+  EXPECT_THROW_WITH(setup("stage = 3\noffload_param = { device = \"cpu\", "
+                          "delayed_update = true }"),
+                    ConfigError, "offload_param.delayed_update", "set it in offload_optimizer");
 }
 
 }  // namespace

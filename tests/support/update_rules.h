@@ -51,6 +51,8 @@ inline std::unique_ptr<UpdateRule> make_rule(
     for (const auto& s : optim_plugin().schemas())
       if (s.provider() == name) schema = s;
   }
+  // The core's common [optimizer] key every rule's table carries (resolve.cpp).
+  schema.key_string("state_dtype", "fp32", "");
   ConfigTable table;
   for (const auto& [key, v] : values) table.emplace_back(key, value_of(v));
   ConfigSection section("optimizer", table, schema, "job.toml");

@@ -17,7 +17,8 @@ namespace loom::estimate {
 // per trainable parameter: fp32 and bf16 (autocast) keep fp32 weights and gradients (4 + 4) and
 // no masters; full_bf16 keeps bf16 weights and gradients (2 + 2) and fp32 masters (4); the update
 // rule adds its state (AdamW 8; the job's own rule is measured from the state it makes). Stage 1
-// divides masters and optimizer state by the world size, stage 2 the gradients too, stage 3 the
+// divides masters and optimizer state by the world size (by [zero] shard_group_size where the
+// job shards within groups of ranks), stage 2 the gradients too, stage 3 the
 // weights too (the units' trainable tensors above stage3_param_persistence_threshold; the rest,
 // frozen tensors included, stays whole on every rank), plus the units it
 // gathers (one and the one prefetched); stage 0 over several ranks adds the gradient buckets
@@ -55,6 +56,10 @@ struct ModelCounts {
   // [zero] reduce_bucket_size: stages 1-3 pack each bucket's gradients into an fp32 send buffer
   // during backward (Note [Gradient buckets in the peak] in estimate.cpp).
   double reduce_bucket_bytes = 25.0 * (1 << 20);
+  // [zero] shard_group_size: stages 1-3 shard over groups of this many ranks and replicate
+  // across them (Note [Hybrid sharding] in loom/sharding/zero_driver.h), so the sharded terms
+  // are divided by it; 0 (or the world size or more): by the world size.
+  double shard_group_size = 0;
 };
 
 // Activations of one precision, measured by the probe.

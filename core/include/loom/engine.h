@@ -167,6 +167,17 @@ class Engine {
   // What turns gradients into updates (from params_ready on): its grads() are the gradients
   // the update will read, wherever the driver keeps them (a loss scaler unscales those).
   virtual StepDriver& step_driver() = 0;
+  // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): with [train]
+  // optimizer_in_backward, the grad_sync plugin hands each parameter's synchronised gradient
+  // here on the last micro-step (`param`: the model's tensor; `grad`: its final gradient, the
+  // parameter's shape and dtype, read at once and not kept), and the step driver updates the
+  // parameter now. Such a plugin says so once, before the first backward (from
+  // create_step_driver or params_ready), with will_hand_final_grads(); on several ranks a job
+  // whose grad_sync plugin does not is refused, and a plugin that cannot should refuse the key
+  // in validate(). Without one (a single process) the engine updates each parameter from its
+  // .grad after every grad_ready handler has seen it.
+  virtual void grad_final(const at::Tensor& param, const at::Tensor& grad) = 0;
+  virtual void will_hand_final_grads() = 0;
 };
 
 }  // namespace loom

@@ -116,6 +116,15 @@ class StepDriver {
   // Runs the update rule; step is the 1-based update count, lr the schedule's value (times each
   // parameter's lr_scale). Afterwards the compute parameters hold the updated values.
   virtual void update(int64_t step, double lr) = 0;
+  // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): whether this driver can
+  // update one parameter at a time, as its final gradient arrives during backward. A driver that
+  // cannot (the default) makes the engine refuse [train] optimizer_in_backward, naming it.
+  virtual bool updates_in_backward() const { return false; }
+  // Runs the rule on `param` alone from its final gradient `grad` (the parameter's shape and
+  // dtype; read, never kept), exactly as update(step, lr) would have for it, and writes the
+  // updated values back to the parameter. Called only when updates_in_backward().
+  virtual void update_param(const Param& param, const at::Tensor& grad, int64_t step,
+                            double lr);
 
   // This rank's checkpoint state as pieces of global tensors ("state/<param>/<key>",
   // "master/<param>"): see StatePiece. Every rank writes its pieces when state_is_sharded(),

@@ -68,6 +68,17 @@ class UpdateRule {
   virtual NamedTensors init_state(const Segment& segment) const = 0;
   virtual void update(Segment& segment, const UpdateContext& context) const = 0;
 
+  // The [optimizer] state_dtype values this rule can keep its state in (Note [Stochastic
+  // rounding of the state] in core/src/adamw.cpp is the core's adamw). The core refuses any
+  // other value by name before the run starts; a rule offering more than "fp32" reads the key
+  // from its table (it is one of the core's common [optimizer] keys) in its constructor.
+  virtual std::vector<std::string> state_dtypes() const { return {"fp32"}; }
+  // The run's [train] seed, the same on every rank, given once before the first update: the
+  // stream of a rule that rounds stochastically. Its random bits must depend only on the seed,
+  // the step, the parameter and the element's index in the whole tensor, so a resume, a thread
+  // count, a ZeRO cut or an offload chunk cannot change them.
+  virtual void set_seed(uint64_t seed) { (void)seed; }
+
   // Whole-tensor statistics. A rule whose update of one segment needs statistics of its whole
   // tensor (Adafactor: column means of g², RMS of the parameter and of the update) declares
   // rounds. In round r every segment of the tensor adds its share into one fp64 accumulator

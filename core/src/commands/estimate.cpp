@@ -142,6 +142,7 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   // Probes measure the unsharded, in-memory layout; stages and offload are arithmetic.
   if (has_zero) {
     overrides.push_back("zero.stage=0");
+    overrides.push_back("zero.shard_group_size=0");  // stage 0 refuses groups; they are arithmetic
     overrides.push_back("zero.offload_optimizer={device = \"none\"}");
     overrides.push_back("zero.offload_param={device = \"none\"}");
   }
@@ -179,6 +180,8 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
     if (auto* f = std::get_if<double>(&v->value)) r.counts.reduce_bucket_bytes = *f;
     if (auto* i = std::get_if<int64_t>(&v->value)) r.counts.reduce_bucket_bytes = static_cast<double>(*i);
   }
+  if (const auto v = setting(job, "zero", "shard_group_size"))
+    if (auto* i = std::get_if<int64_t>(&v->value)) r.counts.shard_group_size = static_cast<double>(*i);
   double first_unit = -1;
   for (nn::UnitList* list : engine.unit_lists())
     for (const auto& unit : list->children()) {
@@ -219,7 +222,11 @@ Report estimate_loaded(const Job& job, const Options& options);
 
 Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, int world_size,
         const Activations& activations, int64_t batch, bool cpu_device, int buffer_count) {
-  const double N = std::max(world_size, 1);
+  // Stages 1-3 shard over N ranks: the world, or the job's shard group (Note [Hybrid sharding]
+  // in loom/sharding/zero_driver.h: replicated across the groups, so nothing more is saved).
+  const double N = m.shard_group_size >= 1
+                       ? std::min<double>(m.shard_group_size, std::max(world_size, 1))
+                       : std::max(world_size, 1);
   const PerParam b = bytes_of(precision);
   Row r;
   r.stage = stage;
@@ -258,7 +265,7 @@ Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, i
   }
   // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
   // gradients (one rank has none; the probes run on one).
-  if (stage == 0 && N > 1) r.buffers += m.trainable * 4;
+  if (stage == 0 && world_size > 1) r.buffers += m.trainable * 4;
   // Note [Gradient buckets in the peak]: at stages 1-3 the driver packs each bucket's gradients
   // into an fp32 send buffer as backward makes them, on one rank too; the first bucket fills
   // while the activations are near their peak (the probes, at stage 0 on one rank, have none).
@@ -651,8 +658,11 @@ std::string format(const Report& r) {
       << " trainable), " << r.model.rule << " state ";
   char per[32];
   std::snprintf(per, sizeof per, "%.3g", r.model.optimizer_per_trainable);
-  out << per << " B per trainable parameter; " << r.options.world_size << " rank(s), device "
-      << r.device;
+  out << per << " B per trainable parameter; " << r.options.world_size << " rank(s)";
+  if (r.model.shard_group_size >= 1 && r.model.shard_group_size < r.options.world_size)
+    out << " (stages 1-3 sharded over groups of " << r.model.shard_group_size
+        << ", [zero] shard_group_size)";
+  out << ", device " << r.device;
   if (!r.job.empty()) out << ", per-device batch " << r.batch;
   out << "\n";
   if (r.job.empty()) {

@@ -2,8 +2,8 @@
 // medians): update throughput of one loom update rule on ~100M fp32 parameters in 100
 // tensors with random grads, or the STREAM triad bandwidth of this machine. Not a test.
 //
-// usage: loom_bench_optim RULE THREADS STEPS PARAMS_MILLIONS   (RULE: adamw adafactor adam8bit
-//        sgd lion, or "triad")   prints one JSON line
+// usage: loom_bench_optim RULE THREADS STEPS PARAMS_MILLIONS   (RULE: adamw adamw_bf16 (adamw
+//        with state_dtype = "bf16") adafactor adam8bit sgd lion, or "triad")   prints one JSON line
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -35,8 +35,10 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
 std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
   loom::Schema schema("optimizer", name);
   loom::Plugin* plugin = nullptr;
-  if (name == "adamw") {
+  const bool adamw = name == "adamw" || name == "adamw_bf16";
+  if (adamw) {
     schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "");
+    schema.key_string("state_dtype", "fp32", "");
   } else {
     void* handle = dlopen(LOOM_OPTIM_PLUGIN, RTLD_NOW);
     if (!handle) throw std::runtime_error(dlerror());
@@ -47,19 +49,21 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
       if (s.provider() == name) schema = s;
   }
   loom::ConfigTable values;
+  if (name == "adamw_bf16")
+    values.emplace_back("state_dtype", loom::ConfigValue{std::string("bf16"), "bench"});
   if (name == "sgd") values.emplace_back("momentum", loom::ConfigValue{0.9, "bench"});
   if (name == "adafactor") {  // the Trainer's optim="adafactor"
     values.emplace_back("relative_step", loom::ConfigValue{false, "bench"});
     values.emplace_back("scale_parameter", loom::ConfigValue{false, "bench"});
   }
   loom::ConfigSection section("optimizer", values, schema, "bench");
-  return name == "adamw" ? loom::make_adamw(section) : plugin->create_update_rule(name, section);
+  return adamw ? loom::make_adamw(section) : plugin->create_update_rule(name, section);
 }
 
 // The path the rule's kernels took: adam8bit's and adafactor's follow LOOM_KERNEL_ISA (Note
 // [Kernel ISA cap]); adamw's clones and sgd's and lion's loops take what the CPU has.
 std::string used_isa(const std::string& rule) {
-  if (rule == "adam8bit" || rule == "adafactor")
+  if (rule == "adam8bit" || rule == "adafactor" || rule == "adamw_bf16")
     return loom::cpu::kernel_isa_name(loom::cpu::kernel_isa());
   return std::string(loom::cpu::kernel_isa_name(loom::cpu::cpu_kernel_isa())) + " (not capped)";
 }

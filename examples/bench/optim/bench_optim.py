@@ -5,11 +5,11 @@ in its own process (memory freed between), and prints a Markdown table of median
 usage: bench_optim.py BUILD_DIR [--rounds 3] [--millions 100] [--steps 3]
                       [--rules adamw,adam8bit,...] [--torch foreach,fused] [--kernel-isa avx512,avx2]
 
---kernel-isa runs adam8bit and adafactor once per value with LOOM_KERNEL_ISA set to it (Note
-[Kernel ISA cap] in core/include/loom/kernel_isa.h); adamw's clones and sgd's and lion's loops
-take what the CPU has whatever it says, so they run once. The table's ISA column is what each
-run reports it used. Torch runs whatever ATen picks (ATEN_CPU_CAPABILITY from the environment,
-if set, reaches it).
+--kernel-isa runs adam8bit, adafactor and adamw_bf16 (adamw with state_dtype = "bf16") once per
+value with LOOM_KERNEL_ISA set to it (Note [Kernel ISA cap] in core/include/loom/kernel_isa.h);
+adamw's clones and sgd's and lion's loops take what the CPU has whatever it says, so they run
+once. The table's ISA column is what each run reports it used. Torch runs whatever ATen picks
+(ATEN_CPU_CAPABILITY from the environment, if set, reaches it).
 """
 import argparse
 import json
@@ -37,11 +37,11 @@ print(json.dumps({"rule": "torch-" + variant, "threads": threads, "params": sum(
 '''
 
 # The rules whose kernels follow LOOM_KERNEL_ISA.
-CAPPED = {"adam8bit", "adafactor"}
+CAPPED = {"adam8bit", "adafactor", "adamw_bf16"}
 
 # Bytes each rule must move per parameter per step (read + write of param, grad, state).
 BYTES = {"adamw": 28, "torch-foreach": 28, "torch-fused": 28, "adam8bit": 16, "lion": 20,
-         "sgd": 20, "adafactor": 12}
+         "sgd": 20, "adafactor": 12, "adamw_bf16": 20}
 
 
 def main():

@@ -851,6 +851,46 @@ TEST(Precision, AnatomyReportShowsHalfCopiesOfTheWeights) {
       << log;
 }
 
+// The run's header names every scaler key and on_overflow with the values the run uses, the
+// defaults of the keys a job leaves out included.
+TEST(Precision, HeaderNamesEveryScalerKeyAndWhatAnOverflowDoes) {
+  auto header = [](const std::string& precision) {
+    TempDir dir;
+    std::string job = test::tiny_gpt_job(dir.str());
+    job.replace(job.find("log_level = \"warn\""), 18, "log_level = \"info\"");
+    auto trainer = Trainer::from_text(with_precision(job, precision), dir.path());
+    testing::internal::CaptureStderr();
+    trainer->setup();
+    return testing::internal::GetCapturedStderr();
+  };
+  const std::string defaults = header("mode = \"fp16\"");
+  EXPECT_NE(defaults.find("; dynamic loss scale 65536 (x2 every 2000 clean steps, x0.5 on "
+                          "overflow; hysteresis 1; min_scale 0 (none: the floor is 2^-24)); "
+                          "on_overflow error: an overflow at the floor ends the run\n"),
+            std::string::npos)
+      << defaults;
+  const std::string set = header(
+      "mode = \"fp16\"\ninit_scale = 1024.0\nhysteresis = 3\nconsecutive_hysteresis = true\n"
+      "min_scale = 0.25\non_overflow = \"fallback\"\nfallback_after = 5\nfallback_mode = \"fp32\"");
+  EXPECT_NE(set.find("; dynamic loss scale 1024 (x2 every 2000 clean steps, x0.5 on overflow; "
+                     "hysteresis 3 overflows at one scale before it backs off, restored after "
+                     "every clean step; min_scale 0.25); on_overflow fallback: an overflow at "
+                     "the floor or 5 overflowing steps in a row switch the run to fp32 "
+                     "(fallback_mode fp32)\n"),
+            std::string::npos)
+      << set;
+  // fallback_mode auto says what it resolved to on this device, and why.
+  const std::string automatic = header("mode = \"fp16\"\non_overflow = \"fallback\"");
+  const bool bf16 = loom::precision::cpu_half_gap(at::kBFloat16,
+                                                  at::cpu::get_cpu_capabilities()).empty();
+  EXPECT_NE(automatic.find(bf16 ? "switch the run to bf16 autocast (fallback_mode auto: this "
+                                  "CPU computes bf16 natively)"
+                                : "switch the run to fp32 (fallback_mode auto: this CPU has no "
+                                  "bf16 instructions"),
+            std::string::npos)
+      << automatic;
+}
+
 // ---- bad input and warnings ----
 
 TEST(Precision, UnknownModeIsAnErrorWithAHint) {

@@ -40,6 +40,7 @@ struct OffloadOptions {
   int buffer_count = 4;         // staging buffers (DeepSpeed's buffer_count), at least 3
   bool pin_memory = true;       // page-locked host arena (Note [Host store]); the drivers pass
                                 // true only when the weights are on a GPU
+  bool delayed_update = false;  // Note [Delayed update] (offloaded_driver.h); stage 0 only
 };
 
 // What the last walk did: its wall time, the part spent in the visitor (compute) and the part

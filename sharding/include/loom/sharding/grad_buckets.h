@@ -36,6 +36,15 @@ class GradBuckets {
   void grad_ready(const Param& param);
   // Launches what is left, waits for every bucket, writes the rank-averaged gradients back.
   void finish();
+  // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): from now on grad_ready
+  // releases each .grad once copied into its bucket, and finish() hands each parameter's
+  // averaged gradient (its dtype) to Engine::grad_final as soon as its bucket has been waited
+  // for, instead of writing .grad, so the update of one bucket overlaps the later buckets'
+  // all-reduces.
+  void hand_final_grads_to(Engine& engine) {
+    final_grads_to_ = &engine;
+    engine.will_hand_final_grads();
+  }
   const BucketStats& last_stats() const { return stats_; }
   size_t bucket_count() const { return buckets_.size(); }
   // The buckets' own bytes (kept between steps: a second fp32 copy of the gradients).
@@ -59,6 +68,7 @@ class GradBuckets {
 
   Comm& comm_;
   bool overlap_;
+  Engine* final_grads_to_ = nullptr;  // hand_final_grads_to's
   std::vector<Bucket> buckets_;
   std::unordered_map<const void*, std::pair<size_t, size_t>> where_;  // impl -> (bucket, slot)
   BucketStats stats_;

@@ -20,6 +20,27 @@
 // partial sums over ranks), and every whole-kept group's updated values are all-gathered into
 // the parameters, at most allgather_bucket_size bytes in flight.
 //
+// Note [Hybrid sharding]: with shard_group_size G < N (HSDP: FSDP's HYBRID_SHARD, DeepSpeed's
+// MiCS) the N ranks form N/G shard groups of G consecutive ranks (ranks g*G .. g*G+G-1: with
+// one group per node, the node's ranks, so the heavy traffic stays on the node's links).
+// Everything above runs inside the group: the flat groups are cut over G ranks, gradients are
+// reduce-scattered, updated values and stage 3's unit weights all-gathered, the gradient norm
+// and the rules' partial sums added, all over the group's Comm (the chunks divided by N, not
+// G). The groups are replicas of one another: on the window's last micro-step, as each chunk's
+// reduce-scatter lands, the fp32 sum of the chunk accumulated so far and the landed one is
+// all-reduced with the ranks holding the same chunk in the other groups (the replica Comm:
+// ranks r, r+G, r+2G, ...), overlapping the rest of backward (at most kBucketsInFlight reduce
+// buckets of them in flight); finish_backward lands them all in the gradient chunks. Each rank
+// then holds its chunk of the gradient averaged over all N ranks, rounded to half precision
+// once, after the sum over every rank, as stage 0 rounds its fp32 buckets, and every replica
+// updates alike. That all-reduce is the only traffic between groups: Psi/G fp32 elements
+// (padding included) per rank and step, whatever the accumulation; a ring all-reduce over
+// R = N/G replicas sends 2 (R-1)/R of its 4 Psi/G bytes. The model state per rank is the
+// formula's with G in place of N. Checkpoints: group 0's ranks write the pieces, one copy of
+// the state as a G-rank run would; the ranks of the other groups write empty optimizer files
+// (the manifest lists a file per rank), so a resume at any world size or G reads the pieces as
+// it reads any other cut (Note [Resharding a run]).
+//
 // Note [Offloaded ZeRO]: with offload_optimizer on NVMe the rank's pieces are the segments of a
 // SegmentSwap (loom/offload/segment_swap.h): their fp32 masters and state live in the rank's
 // swap file and the update walks them through a few buffers (Note [Pipelined update]), the rule
@@ -75,12 +96,16 @@ struct ZeroOptions {
   offload::OffloadOptions offload;
   // Stage 3, device = "nvme": the weights' shards in a swap file (Note [Offloaded parameters]).
   offload::OffloadOptions offload_param;
+  // Ranks per shard group (Note [Hybrid sharding]); 0 or the world size: one group of every rank.
+  int shard_group_size = 0;
 };
 
 struct ZeroStats {
   double comm_seconds = 0.0;     // launch to observed completion of the reduce-scatters
   double exposed_seconds = 0.0;  // waiting for them after backward: not hidden behind compute
   int64_t elements = 0;          // elements this rank put into collectives this step
+  // Of those, the ones put into the all-reduce across shard groups (Note [Hybrid sharding]).
+  int64_t cross_group_elements = 0;
   // offload_param (Note [Offloaded parameters]), this step: shard reads issued a unit ahead,
   // and the time gathers waited for a shard's read (what the read-ahead did not hide).
   int64_t shard_reads_ahead = 0;
@@ -94,9 +119,13 @@ class ZeroDriver final : public StepDriver {
   std::string name() const override;
 
   // The grad-sync side, called by the zero plugin: a parameter's gradient is complete for this
-  // backward; and backward is over (launch what is left, wait, land the chunks).
+  // backward; and backward is over (launch what is left, wait, land the chunks; at the window's
+  // last micro-step, also reduce the chunks across shard groups: Note [Hybrid sharding]).
   void grad_ready(const Param& param);
-  void finish_backward();
+  void finish_backward(bool window_end = true);
+  // Before each backward: whether it is the window's last (Note [Hybrid sharding]: its chunks
+  // go across the groups as they land).
+  void begin_backward(bool window_end) { window_end_ = window_end; }
   const ZeroStats& stats() const { return stats_; }
   bool offloads_params() const { return param_file_ != nullptr; }
   // The last update's walk over the swap file; null without offload.
@@ -105,6 +134,9 @@ class ZeroDriver final : public StepDriver {
   }
   // "2 ranks, 3 groups, chunk padding 0.1 %" for the log.
   std::string describe() const;
+  // Ranks per shard group, and how many groups replicate one another (Note [Hybrid sharding]).
+  int shard_group_size() const { return world_; }
+  int replicas() const { return replicas_; }
 
   // Stage 3, called by the zero plugin's unit interceptor: the unit's weights whole (waiting
   // for a prefetch if one is in flight, and prefetching the next unit in `forward` or
@@ -123,7 +155,7 @@ class ZeroDriver final : public StepDriver {
   void update(int64_t step, double lr) override;
   StatePieces state_pieces() const override;
   void load_state(StateReader& reader) override;
-  bool state_is_sharded() const override { return world_ > 1; }
+  bool state_is_sharded() const override { return world_ > 1; }  // group 0 writes the pieces
   int64_t state_bytes() const override;
   int64_t master_bytes() const override;
   int64_t grad_bytes() const override;
@@ -156,6 +188,8 @@ class ZeroDriver final : public StepDriver {
     int64_t shard_region = -1;               // offload_param: the shard's region in the file
     int64_t shard_ticket = -1;               // offload_param: the shard's read or write in flight
     bool shard_writing = false;              // ... a write (the shard is freed when it lands)
+    at::Tensor across;                       // (chunk) fp32, its all-reduce across groups
+    std::shared_ptr<Work> across_work;       // ... in flight (Note [Hybrid sharding])
     at::Tensor gathering;                    // (world * chunk), while an all-gather runs
     std::shared_ptr<Work> gather_work;
     bool live = false;                       // the parameters hold their whole weights
@@ -165,6 +199,11 @@ class ZeroDriver final : public StepDriver {
   void launch(size_t g);
   void land(Group& group);
   void land_finished();  // Note [Bucket memory]
+  // Note [Hybrid sharding]: a landed chunk's all-reduce across the groups started, and all of
+  // them landed in the gradient chunks.
+  void launch_across_replicas(size_t g, at::Tensor sum);
+  void land_across(size_t g);
+  void reduce_across_replicas();
   static int64_t bucket_bytes(const Group& group);  // a launched group's send + received
   // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
   at::Tensor chunk_values(const Group& group) const;
@@ -196,9 +235,14 @@ class ZeroDriver final : public StepDriver {
   std::vector<TensorInfo> tensors_;
   const UpdateRule& rule_;
   double weight_decay_;
+  // Note [Hybrid sharding]: comm_ is the shard group's (the world's itself without hybrid
+  // sharding); replica_comm_ joins the ranks holding the same chunks, one in each group.
+  Comm& world_comm_;
+  std::unique_ptr<Comm> shard_comm_, replica_comm_;
   Comm& comm_;
   ZeroOptions options_;
-  int rank_, world_;
+  int rank_, world_;  // in the shard group
+  int replicas_;      // shard groups (1 without hybrid sharding)
   at::ScalarType weight_dtype_;
   c10::Device device_{c10::kCPU};
   bool separate_master_ = false;
@@ -220,6 +264,9 @@ class ZeroDriver final : public StepDriver {
   bool backward_open_ = false;  // a gradient arrived since the last finish_backward
   std::deque<size_t> flying_;   // launched groups not yet landed, oldest first
   int64_t flying_bytes_ = 0;  // a unit's backward began this micro-step
+  std::deque<size_t> across_flying_;  // Note [Hybrid sharding]: all-reduces across groups
+  int64_t across_bytes_ = 0;
+  bool window_end_ = true;            // this backward is the window's last
 };
 
 }  // namespace loom::sharding

@@ -1,0 +1,83 @@
+"""Optimizer-in-backward benchmark (Note [Optimizer in backward]): one gpt job run three ways,
+interleaved over several rounds (who goes first rotates): the normal step (backward, then the
+update of every parameter), [train] optimizer_in_backward = true (each parameter updated as its
+gradient is final, the gradient freed at once), and forward + backward alone (the test plugin
+`skip_updates` skips every update). Reports the median step time (the first step of each run
+left out) and the tracked allocator's peak.
+usage: .venv/bin/python examples/bench/optimizer_in_backward/run.py [--rounds 5] [--steps 6]
+       [--accumulation 1] [--threads 0] [--build build] [--write]   (needs the loom_test_skip_updates target built)"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import benchlib  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# name: (--set values, a table appended to the job)
+VARIANTS = {
+    "normal step": ([], ""),
+    "optimizer_in_backward": (["train.optimizer_in_backward=true"], ""),
+    "forward + backward alone": ([], "\n[skip_updates]\n"),
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0,
+                   help="[train] num_threads (0: the job's, every core)")
+    p.add_argument("--build", default="build", help="the build folder (relative to the root)")
+    p.add_argument("--write", action="store_true", help="replace docs/BENCHMARKS.md's table")
+    args = p.parse_args()
+    build = os.path.join(benchlib.ROOT, args.build)
+    benchlib.LOOM = os.path.join(build, "bin/loom")
+    os.environ["LOOM_PLUGIN_PATH"] = os.path.join(build, "tests/plugins")
+    with open(os.path.join(HERE, "gpt.toml")) as f:
+        job_text = f.read()
+    jobs = {}
+    for name, (_, table) in VARIANTS.items():
+        fd, jobs[name] = tempfile.mkstemp(prefix="loom-bench-oib-", suffix=".toml")
+        with os.fdopen(fd, "w") as f:
+            f.write(job_text + table)
+    results = {name: [] for name in VARIANTS}
+    for r in range(args.rounds):
+        names = list(VARIANTS)
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            rows = benchlib.run_loom(jobs[name], [
+                f"train.max_steps={args.steps}",
+                f"train.gradient_accumulation_steps={args.accumulation}",
+                f"train.num_threads={args.threads}"] + VARIANTS[name][0])
+            results[name].append((statistics.median(x["step_time_s"] for x in rows[1:]),
+                                  rows[-1]["mem_peak_bytes"]))
+            print(f"round {r}: {name}: {results[name][-1]}", file=sys.stderr, flush=True)
+    for path in jobs.values():
+        os.remove(path)
+    mib = 1 << 20
+    base = statistics.median(x[0] for x in results["normal step"])
+    fwd_bwd = statistics.median(x[0] for x in results["forward + backward alone"])
+    base_peak = statistics.median(x[1] for x in results["normal step"])
+    lines = [f"{benchlib.cpu_name()}, {os.cpu_count()} cores (loaded machine: other builds and "
+             f"tests ran beside it); gpt 4 x 256, vocab 8192, batch 4 x 128 tokens, "
+             f"accumulation {args.accumulation}, {args.threads or 'all'} thread(s); median of {args.rounds} interleaved rounds x "
+             f"{args.steps - 1} steps", "",
+             "| variant | step time (s) | vs normal | vs forward + backward | peak (MiB) | "
+             "peak vs normal (MiB) |", "|---|---|---|---|---|---|"]
+    for name, rows in results.items():
+        t = statistics.median(x[0] for x in rows)
+        peak = statistics.median(x[1] for x in rows)
+        lines.append(f"| {name} | {t:.3f} | {t / base:.3f}x | {t / fwd_bwd:.3f}x | "
+                     f"{peak / mib:.1f} | {(peak - base_peak) / mib:+.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        benchlib.write_section("optimizer_in_backward", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# [train] optimizer_in_backward on 2 ranks (Note [Optimizer in backward]): ddp and zero stage 0
+# free each .grad into its bucket and hand the bucket's averaged gradients to the update as it
+# lands; after 6 steps the parameters are bitwise those of the normal step (clipping off in
+# both), under mpirun (mpi) and loom-launch (gloo). ZeRO stage 2 with it is refused by name.
+# usage: optimizer_in_backward_test.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+# shellcheck source=testlib.sh
+source "$(dirname "$0")/testlib.sh"
+ranks_test_setup ddp_job.toml "$@"
+mpirun=(mpirun --oversubscribe --bind-to none)
+# The same job with [zero] stage = 0 in place of [ddp].
+{ sed '/^\[ddp\]/,$d' "$job"; printf '[zero]\nstage = 0\nreduce_bucket_size = 20000\n'; } >"$work/zero0_job.toml"
+sets=(--set train.max_grad_norm=0 --set train.max_steps=6)
+
+# run2 BACKEND JOB OUT ARGS...: the job on 2 ranks.
+run2() {
+  local backend=$1 job_file=$2 out=$3; shift 3
+  if [ "$backend" = mpi ]; then
+    timeout 300 "${mpirun[@]}" -np 2 "$loom" run "$job_file" --set "train.output_dir=$out" \
+      --set 'distributed.backend="mpi"' "$@" >"$out.log" 2>&1
+  else
+    port=$((port + 1))
+    timeout 300 "$launch" --nproc-per-node 2 --master-port $port "$loom" run "$job_file" \
+      --set "train.output_dir=$out" "$@" >"$out.log" 2>&1
+  fi
+}
+for backend in mpi gloo; do
+  for sync in ddp zero0; do
+    sync_job=$job
+    [ $sync = zero0 ] && sync_job=$work/zero0_job.toml
+    name=$backend-$sync
+    d=""
+    if run2 $backend "$sync_job" "$work/$name-off" "${sets[@]}" &&
+       run2 $backend "$sync_job" "$work/$name" "${sets[@]}" --set train.optimizer_in_backward=true &&
+       d=$("$python" "$src/tests/support/tensors.py" compare "$work/$name-off/checkpoint-6/model.safetensors" \
+           "$work/$name/checkpoint-6/model.safetensors" 0) && [[ $d == *bitwise* ]]; then
+      ok "$backend, 2 ranks, $sync: optimizer_in_backward bitwise the normal step ($d)"
+    else fail "$backend, 2 ranks, $sync: ${d:-} $(tail -n 3 "$work/$name.log" "$work/$name-off.log")"; fi
+  done
+done
+
+{ sed '/^\[ddp\]/,$d' "$job"; printf '[zero]\nstage = 2\n'; } >"$work/zero2_job.toml"
+expect_error "zero stage 2 with optimizer_in_backward is refused by name" \
+  "[zero] stage 2 with [train] optimizer_in_backward is not built" \
+  "$loom" check "$work/zero2_job.toml" "${sets[@]}" --set train.optimizer_in_backward=true
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
