@@ -233,13 +233,7 @@ class AdamW final : public UpdateRule {
     if (bf16_state_) return update_bf16_state(s, ctx, bc2_sqrt, step_size);
     if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
         s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
-      const AdamWCoefficients c{static_cast<float>(1.0 - ctx.lr * ctx.weight_decay),
-                                static_cast<float>(1.0 - beta1_),
-                                static_cast<float>(beta2_),
-                                static_cast<float>(1.0 - beta2_),
-                                static_cast<float>(bc2_sqrt),
-                                static_cast<float>(eps_),
-                                static_cast<float>(step_size)};
+      const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* mp = m.data_ptr<float>();

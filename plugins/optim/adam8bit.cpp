@@ -113,6 +113,23 @@ struct BlockBuffers {
 };
 
 // m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
+// 16 moments of each kind scaled by their blocks' inverse absmax and written as codes: by
+// arithmetic, or by the one-step table where a lane lies too close to a threshold (Note
+// [Quantize by arithmetic] in quantize.h). Shared by the fused loop and the lone requantizer.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void requantize16(
+    const QuantMap& ms, const QuantMap& vs, const float* m, const float* v, __m512 scale_m,
+    __m512 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
+  const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(m), scale_m);
+  const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(v), scale_v);
+  __mmask16 unsure_m, unsure_v;
+  __m512i qm = ms.quantize16_arith(ym, unsure_m);
+  __m512i qv = vs.quantize16_arith(yv, unsure_v);
+  if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
+  if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qm_out), _mm512_cvtepi32_epi8(qm));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qv_out), _mm512_cvtepi32_epi8(qv));
+}
+
 __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominator(
     __m256 m, __m256 v, __m256 bc2, __m256 eps) {
   return _mm256_div_ps(m, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
@@ -154,15 +171,7 @@ update_and_requantize(const Block& b, const Coefficients& c, BlockBuffers buffer
     most_m = _mm512_mask_mov_ps(most_m, _mm512_cmp_ps_mask(most_m, abs_m, _CMP_LT_OQ), abs_m);
     most_v = _mm512_mask_mov_ps(most_v, _mm512_cmp_ps_mask(most_v, v, _CMP_LT_OQ), v);
     if (!kWithPrevious) continue;
-    const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(pbuf.m + i), scale_m);
-    const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(pbuf.v + i), scale_v);
-    __mmask16 unsure_m, unsure_v;
-    __m512i qm = ms.quantize16_arith(ym, unsure_m);
-    __m512i qv = vs.quantize16_arith(yv, unsure_v);
-    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
-    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(prev.qm + i), _mm512_cvtepi32_epi8(qm));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(prev.qv + i), _mm512_cvtepi32_epi8(qv));
+    requantize16(ms, vs, pbuf.m + i, pbuf.v + i, scale_m, scale_v, prev.qm + i, prev.qv + i);
   }
 }
 
@@ -176,15 +185,7 @@ __attribute__((target("avx512f,avx512bw"))) void requantize_avx512(const Block& 
   const int64_t whole = b.len / 16 * 16;
   const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
   for (int64_t i = 0; i < whole; i += 16) {
-    const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(buffers.m + i), scale_m);
-    const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(buffers.v + i), scale_v);
-    __mmask16 unsure_m, unsure_v;
-    __m512i qm = ms.quantize16_arith(ym, unsure_m);
-    __m512i qv = vs.quantize16_arith(yv, unsure_v);
-    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
-    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qm + i), _mm512_cvtepi32_epi8(qm));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qv + i), _mm512_cvtepi32_epi8(qv));
+    requantize16(ms, vs, buffers.m + i, buffers.v + i, scale_m, scale_v, b.qm + i, b.qv + i);
   }
   requantize_range(b, buffers.m, buffers.v, whole, b.len, inv_m, inv_v);
 }

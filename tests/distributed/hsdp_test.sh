@@ -13,15 +13,9 @@
 # negative, or is set at stage 0 is refused by name.
 # usage: hsdp_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-build=$1 src=$2 python=$3
-loom=$build/bin/loom launch=$build/bin/loom-launch
-job=$src/tests/distributed/zero_job.toml
-work=$(mktemp -d)
-trap cleanup_work EXIT  # testlib.sh
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
-source "$src/tests/distributed/testlib.sh"
+source "$2/tests/distributed/testlib.sh"
+ranks_test_setup zero_job.toml "$@"
 
 # --- 4 ranks x batch 2 == 1 process x batch 8 (zero_test.sh's check_rule tolerance for adamw:
 # the sums differ from one process's in the last bits only).

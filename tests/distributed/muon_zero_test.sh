@@ -9,15 +9,9 @@
 # scale: finite losses and the log's line on which tensors went to which rule.
 # usage: muon_zero_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-build=$1 src=$2 python=$3
-loom=$build/bin/loom launch=$build/bin/loom-launch
-job=$src/tests/distributed/zero_job.toml
-work=$(mktemp -d)
-trap cleanup_work EXIT  # testlib.sh
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export LOOM_PLUGIN_PATH=$build/tests/plugins
 # shellcheck source=testlib.sh
-source "$src/tests/distributed/testlib.sh"
+source "$2/tests/distributed/testlib.sh"
+ranks_test_setup zero_job.toml "$@"
 
 # adamw_eps 1e-5 for the vectors' AdamW, as zero_test.sh's adamw cases (ddp_job.toml says why);
 # the matrices' Newton-Schulz iteration divides by nothing that small. lr 0.02: Muon's steps
