@@ -2,6 +2,7 @@
 #include "device.h"
 
 #include <malloc.h>
+#include <sched.h>
 
 #include <cstdlib>
 #include <limits>
@@ -10,8 +11,14 @@
 #include <ATen/core/Generator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <mutex>
+#include <thread>
 
+#include <ATen/Parallel.h>
+
+#include "loom/config.h"
+#include "loom/cpu.h"
 #include "loom/error.h"
 
 namespace loom {
@@ -95,6 +102,21 @@ std::string keep_freed_cpu_memory() {
   return ok ? "malloc keeps freed blocks for reuse (mmap threshold 32 MiB, no trim; "
               "GLIBC_TUNABLES to choose)"
             : "";
+}
+
+void set_job_threads(const ConfigSection& train, int local_world_size) {
+  int threads = static_cast<int>(train.get_int("num_threads"));
+  LOOM_CHECK_AS(ConfigError, threads >= 0, train.where("num_threads"),
+                ": [train] num_threads must be >= 0 (0 = all cores)");
+  if (threads == 0) {
+    cpu_set_t set;
+    const int cores = sched_getaffinity(0, sizeof set, &set) == 0
+                          ? CPU_COUNT(&set)
+                          : static_cast<int>(std::thread::hardware_concurrency());
+    threads = std::max(1, cores / std::max(1, local_world_size));
+  }
+  cpu::apply_job_isa(train.get_string("cpu_isa"), train.where("cpu_isa"));
+  at::set_num_threads(threads);
 }
 
 }  // namespace loom

@@ -10,6 +10,8 @@
 
 namespace loom {
 
+class ConfigSection;
+
 // CUDA devices this process can see (0 when there is no driver or no GPU).
 int cuda_device_count();
 
@@ -26,6 +28,12 @@ void activate_device(c10::Device device);
 // The default generator's state of an accelerator device (undefined for the CPU), and back.
 at::Tensor device_rng_state(c10::Device device);
 void set_device_rng_state(c10::Device device, const at::Tensor& state);
+
+// The process's CPU threads and kernels for a job: [train] cpu_isa applied (before any kernel
+// runs, so oneDNN still reads it) and ATen's intra-op threads set to [train] num_threads, or
+// (0) the cores this process may use shared among the node's `local_world_size` ranks. A
+// negative num_threads is a ConfigError naming the key, said before anything changes.
+void set_job_threads(const ConfigSection& train, int local_world_size);
 
 // Note [Freed memory kept]: glibc's malloc gives freed blocks back to the system (trimming the
 // heap, and unmapping blocks above its dynamic mmap threshold), so each step's large

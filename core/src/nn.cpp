@@ -220,8 +220,69 @@ at::Tensor UnitInterceptor::intercept_region(int64_t, const RegionCall& call,
   return next(call.inputs);
 }
 
+namespace {
+
+UnitBuildObserver* build_observer = nullptr;
+
+// The tensors init_normal_ writes whole, whatever they held: under sharded initialization a
+// unit's constructor values of these are never read (Note [Sharded initialization]).
+std::vector<at::Tensor> rewritten_by_init(torch::nn::Module& unit) {
+  std::vector<at::Tensor> out;
+  auto add = [&out](const at::Tensor& t) {
+    if (t.defined()) out.push_back(t);
+  };
+  std::vector<torch::nn::Module*> all{&unit};
+  for (const auto& child : unit.modules(/*include_self=*/false)) all.push_back(child.get());
+  for (torch::nn::Module* module : all) {
+    if (auto* linear = dynamic_cast<Linear*>(module)) {
+      add(linear->weight);
+      add(linear->bias);
+    } else if (auto* embedding = dynamic_cast<Embedding*>(module)) {
+      add(embedding->weight);
+    } else if (auto* norm = dynamic_cast<LayerNorm*>(module)) {
+      add(norm->weight);
+      add(norm->bias);
+    } else if (auto* rms = dynamic_cast<RMSNorm*>(module)) {
+      add(rms->weight);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+UnitBuildObserver::~UnitBuildObserver() = default;
+
+void set_unit_build_observer(UnitBuildObserver* observer) { build_observer = observer; }
+UnitBuildObserver* unit_build_observer() { return build_observer; }
+
+void release_storage(const at::Tensor& tensor) {
+  c10::StorageImpl& storage = *tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(0));
+  storage.set_nbytes(0);
+}
+
+void restore_storage(const at::Tensor& tensor) {
+  c10::StorageImpl& storage = *tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  if (storage.nbytes() == bytes) return;
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
+  storage.set_nbytes(bytes);
+}
+
+bool storage_released(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.numel() > 0 && tensor.has_storage() &&
+         tensor.storage().nbytes() == 0;
+}
+
 void UnitList::push_back(std::shared_ptr<Unit> unit) {
+  Unit& added = *unit;
   units_.push_back(register_module(std::to_string(units_.size()), std::move(unit)));
+  if (!build_observer) return;
+  // Note [Sharded initialization], step 1: what init_normal_ will overwrite holds no bytes
+  // until then, so the model's units are never whole at once.
+  for (const at::Tensor& t : rewritten_by_init(added)) release_storage(t);
+  build_observer->unit_constructed(added);
 }
 
 void UnitList::set_interceptors(std::vector<std::shared_ptr<UnitInterceptor>> interceptors) {
@@ -273,24 +334,51 @@ at::Tensor UnitList::forward(const at::Tensor& x, const UnitArgs& args) {
   return h;
 }
 
-void init_normal_(torch::nn::Module& module, double std) {
-  at::NoGradGuard no_grad;
-  // modules(include_self) needs the module in a shared_ptr; this runs in constructors too.
-  std::vector<torch::nn::Module*> all{&module};
-  for (const auto& child : module.modules(/*include_self=*/false)) all.push_back(child.get());
-  for (torch::nn::Module* child : all) {
-    if (auto* linear = dynamic_cast<Linear*>(child)) {
-      linear->weight.normal_(0.0, std);
-      if (linear->bias.defined()) linear->bias.zero_();
-    } else if (auto* embedding = dynamic_cast<Embedding*>(child)) {
-      embedding->weight.normal_(0.0, std);
-    } else if (auto* norm = dynamic_cast<LayerNorm*>(child)) {
-      norm->weight.fill_(1.0);
-      if (norm->bias.defined()) norm->bias.zero_();
-    } else if (auto* rms = dynamic_cast<RMSNorm*>(child)) {
-      rms->weight.fill_(1.0);
-    }
+namespace {
+
+void init_module(torch::nn::Module* module, double std) {
+  // Note [Sharded initialization], step 2: what was released at construction gets bytes again
+  // (the tensors written below, all of them whole).
+  if (dynamic_cast<Linear*>(module) || dynamic_cast<Embedding*>(module) ||
+      dynamic_cast<LayerNorm*>(module) || dynamic_cast<RMSNorm*>(module))
+    for (const at::Tensor& t : module->parameters(/*recurse=*/false))
+      if (storage_released(t)) restore_storage(t);
+  if (auto* linear = dynamic_cast<Linear*>(module)) {
+    linear->weight.normal_(0.0, std);
+    if (linear->bias.defined()) linear->bias.zero_();
+  } else if (auto* embedding = dynamic_cast<Embedding*>(module)) {
+    embedding->weight.normal_(0.0, std);
+  } else if (auto* norm = dynamic_cast<LayerNorm*>(module)) {
+    norm->weight.fill_(1.0);
+    if (norm->bias.defined()) norm->bias.zero_();
+  } else if (auto* rms = dynamic_cast<RMSNorm*>(module)) {
+    rms->weight.fill_(1.0);
   }
+}
+
+// Pre-order, children in registration order: the order of modules(include_self), so the
+// generator's draws land where they always did. A UnitList's units are finished one by one.
+void init_tree(torch::nn::Module* module, double std,
+               const std::function<void(Unit&)>& finish_unit) {
+  init_module(module, std);
+  const bool list = dynamic_cast<UnitList*>(module) != nullptr;
+  for (const auto& child : module->children()) {
+    auto* unit = list ? dynamic_cast<Unit*>(child.get()) : nullptr;
+    init_tree(child.get(), std, finish_unit);
+    if (!unit) continue;
+    if (finish_unit) finish_unit(*unit);
+    if (build_observer) build_observer->unit_initialised(*unit);
+  }
+}
+
+}  // namespace
+
+void init_normal_(torch::nn::Module& module, double std) { init_normal_(module, std, {}); }
+
+void init_normal_(torch::nn::Module& module, double std,
+                  const std::function<void(Unit&)>& finish_unit) {
+  at::NoGradGuard no_grad;
+  init_tree(&module, std, finish_unit);
 }
 
 }  // namespace loom::nn

@@ -3,7 +3,12 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,6 +17,7 @@
 
 #include "fsutil.h"
 #include "loom/error.h"
+#include "loom/nn.h"
 #include "loom/safetensors.h"
 
 namespace loom::pretrained {
@@ -120,6 +126,36 @@ at::Tensor Folder::read(const std::string& name) const {
   throw CheckpointError(detail::cat("'", it->second.string(), "' lacks the tensor '", name, "'"));
 }
 
+at::Tensor Folder::map(const std::string& name) const {
+  auto it = where_.find(name);
+  LOOM_CHECK_AS(CheckpointError, it != where_.end(), "pretrained model '", dir_.string(),
+                "' lacks the tensor '", name, "'");
+  const auto header = safetensors::read_header(it->second);
+  for (const auto& entry : header.entries) {
+    if (entry.name != name) continue;
+    // read_header checked the byte range against the file's size.
+    const uint64_t start = header.data_start + entry.begin, bytes = entry.end - entry.begin;
+    const uint64_t element = c10::elementSize(entry.dtype);
+    if (bytes == 0 || start % element != 0)
+      return safetensors::read_tensor(it->second, header, entry);
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t first = start / page * page, length = start + bytes - first;
+    const int fd = ::open(it->second.c_str(), O_RDONLY | O_CLOEXEC);
+    LOOM_CHECK_AS(CheckpointError, fd >= 0, "cannot open '", it->second.string(), "': ",
+                  std::strerror(errno));
+    void* base = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd, static_cast<off_t>(first));
+    const int mmap_errno = errno;
+    ::close(fd);  // the mapping stays valid
+    LOOM_CHECK_AS(CheckpointError, base != MAP_FAILED, "cannot map tensor '", name, "' of '",
+                  it->second.string(), "': ", std::strerror(mmap_errno));
+    return at::from_blob(
+        static_cast<char*>(base) + (start - first), entry.shape,
+        [base, length](void*) { ::munmap(base, length); },
+        at::TensorOptions().dtype(entry.dtype));
+  }
+  throw CheckpointError(detail::cat("'", it->second.string(), "' lacks the tensor '", name, "'"));
+}
+
 void assign(torch::nn::Module& module, const NamedTensors& tensors, const std::string& source) {
   std::map<std::string, at::Tensor> given(tensors.begin(), tensors.end());
   std::vector<std::pair<std::string, at::Tensor>> targets;
@@ -137,7 +173,14 @@ void assign(torch::nn::Module& module, const NamedTensors& tensors, const std::s
                   name, "' has shape ", shape_text(it->second.sizes()),
                   " but the model's is ", shape_text(target.sizes()),
                   "; the weights belong to another model configuration");
-    target.copy_(it->second);
+    // Note [Sharded initialization]: a unit weight the observer released takes its part only.
+    if (nn::storage_released(target)) {
+      nn::UnitBuildObserver* observer = nn::unit_build_observer();
+      LOOM_INTERNAL_ASSERT(observer && observer->assign(target, it->second), "tensor '", name,
+                           "' holds no bytes, and no unit build observer keeps its part");
+    } else {
+      target.copy_(it->second);
+    }
     given.erase(it);
   }
   if (!missing.empty()) {

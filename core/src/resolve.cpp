@@ -389,6 +389,13 @@ const ConfigSection& ResolvedJob::section(const std::string& name) const {
   return it->second;
 }
 
+LoadedPlugin* ResolvedJob::table_plugin_in(Slot slot) const {
+  for (auto* plugin : table_plugins)
+    for (Slot claimed : plugin->plugin->slots())
+      if (claimed == slot) return plugin;
+  return nullptr;
+}
+
 ConfigSection validate(const std::string& table_name, const ConfigValue* table,
                        const Schema& schema, const std::string& file) {
   ConfigTable values;

@@ -30,6 +30,9 @@ struct ResolvedJob {
                                              // their constraints give (Note [Plugin order])
 
   const ConfigSection& section(const std::string& name) const;
+  // The table plugin that fills `slot` (grad_sync, step_driver, ...), or null; resolve() refused
+  // two.
+  LoadedPlugin* table_plugin_in(Slot slot) const;
 };
 
 ResolvedJob resolve(const Job& job, PluginHost& host);

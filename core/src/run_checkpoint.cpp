@@ -160,4 +160,13 @@ CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std:
   return contents.plugin;
 }
 
+CheckpointData resume_run(const RunParts& run, const std::string& folder, DataPosition& data_at) {
+  ReadCheckpoint read = read_checkpoint(folder);
+  if (read.contents.config_hash != run.config_hash)
+    log::warn("checkpoint ", folder, " was written by a job with another configuration (hash ",
+              read.contents.config_hash, ", now ", run.config_hash, "); continuing with the new one");
+  data_at = read.contents.data;
+  return restore_run(run, read, folder);
+}
+
 }  // namespace loom

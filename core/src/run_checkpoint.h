@@ -45,4 +45,9 @@ CheckpointContents checkpoint_contents(const RunParts& run, CheckpointData plugi
 // the load event.
 CheckpointData restore_run(const RunParts& run, ReadCheckpoint& read, const std::string& folder);
 
+// The run resumed from the checkpoint in `folder`: read, then restore_run. A checkpoint of a job
+// with another configuration hash is said in a warning (the run goes on with its own job).
+// `data_at` is set to where the data stands in it, for the engine's log line.
+CheckpointData resume_run(const RunParts& run, const std::string& folder, DataPosition& data_at);
+
 }  // namespace loom

@@ -64,6 +64,9 @@ std::shared_ptr<const Dataset> Plugin::create_dataset(const std::string& name,
 }
 void Plugin::validate(const std::string&, const ConfigSection&, const JobTables&) const {}
 std::string Plugin::unit_count_key(const std::string&) const { return {}; }
+void Plugin::declare_memory(const ConfigSection&, const memory::MemoryContext&,
+                            memory::MemoryTerms&) const {}
+std::vector<memory::MemoryVariant> Plugin::memory_variants() const { return {}; }
 
 std::unique_ptr<UpdateRule> Plugin::create_update_rule(const std::string& name,
                                                        const ConfigSection&) {

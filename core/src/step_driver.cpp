@@ -10,6 +10,8 @@
 
 #include "loom/comm.h"
 #include "loom/error.h"
+#include "loom/log.h"
+#include "resolve.h"
 
 namespace loom {
 
@@ -316,6 +318,57 @@ std::unique_ptr<StepDriver> make_default_step_driver(const StepDriverOptions& op
   LOOM_INTERNAL_ASSERT(options.rule, "make_default_step_driver needs the update rule");
   return std::make_unique<DefaultStepDriver>(options.params, *options.rule,
                                              options.weight_decay, options.comm);
+}
+
+std::unique_ptr<StepDriver> make_step_driver(const ResolvedJob& job, std::vector<Param> params,
+                                             const UpdateRule& rule, Comm* comm, Engine& engine) {
+  const auto& opt = job.section("optimizer");
+  const double weight_decay =
+      opt.schema().find("weight_decay") ? opt.get_float("weight_decay") : 0.0;
+  LOOM_CHECK_AS(ConfigError, weight_decay >= 0, opt.where("weight_decay"),
+                ": [optimizer] weight_decay must be >= 0");
+  StepDriverOptions options;
+  options.params = std::move(params);
+  options.rule = &rule;
+  options.weight_decay = weight_decay;
+  options.comm = comm;
+  LoadedPlugin* plugin = job.table_plugin_in(Slot::step_driver);
+  if (!plugin) return make_default_step_driver(options);
+  auto driver = plugin->plugin->create_step_driver(options, engine);
+  LOOM_INTERNAL_ASSERT(driver, "plugin ", plugin->name, " made no step driver");
+  log::info("step driver ", driver->name(), " (plugin ", plugin->name, ")");
+  return driver;
+}
+
+void update_step(StepDriver& driver, TrainState& state, const at::Tensor& in_backward_norm,
+                 double max_grad_norm) {
+  const bool in_backward = in_backward_norm.defined();
+  if (state.skip_update) {
+    LOOM_CHECK(!in_backward, "step ", state.step + 1, ": a plugin asked to skip this update "
+               "in before_update, but [train] optimizer_in_backward applied it during "
+               "backward; turn optimizer_in_backward off for this job");
+    ++state.skipped_updates;
+    log::warn("step ", state.step + 1, ": update skipped (", state.skipped_updates, " so far)");
+    return;
+  }
+  // After the loss scaler had its say: an fp16 overflow it skips is not divergence.
+  LOOM_CHECK(std::isfinite(state.loss), "step ", state.step + 1, ": the loss is ", state.loss,
+             ": training diverged (or the model produced non-finite values); lower [train] "
+             "learning_rate, check the data, or use [precision] with loss scaling for fp16; no "
+             "checkpoint of this step is written");
+  LOOM_INTERNAL_ASSERT(!state.grads_scaled,
+                       "gradients are still scaled by the loss scale at update time; the "
+                       "precision plugin must unscale them in before_update");
+  state.grad_norm =
+      std::sqrt((in_backward ? in_backward_norm : driver.grad_norm_squared()).item<double>());
+  LOOM_CHECK(std::isfinite(state.grad_norm), "step ", state.step + 1, ": the gradient norm is ",
+             state.grad_norm, " (loss ", state.loss, "): training diverged; lower [train] "
+             "learning_rate, or use [precision] with loss scaling for fp16");
+  if (max_grad_norm > 0) {
+    const double coefficient = max_grad_norm / (state.grad_norm + 1e-6);
+    if (coefficient < 1.0) driver.scale_grads(coefficient);
+  }
+  if (!in_backward) driver.update(state.step + 1, state.lr);
 }
 
 }  // namespace loom

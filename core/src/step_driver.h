@@ -1,7 +1,8 @@
 // step_driver.h (core-internal) — the default step driver (ZeRO stage 0; loom/step_driver.h is
 // the contract): one segment per trainable tensor, fp32 master copies for parameters stored in
 // another dtype, gradient norm and clipping, and the update rule over whole tensors. Sharded
-// drivers (ZeRO 1-3) cut the same segments at the rule's granularity.
+// drivers (ZeRO 1-3) cut the same segments at the rule's granularity. Also which driver a job
+// gets (make_step_driver), and the step's update around any driver (update_step).
 #pragma once
 
 #include <memory>
@@ -13,6 +14,23 @@
 #include "loom/update_rule.h"
 
 namespace loom {
+
+struct ResolvedJob;
+
+// The job's step driver over `params` with `rule` and [optimizer] weight_decay (>= 0, else a
+// ConfigError naming the key): the one the plugin filling Slot::step_driver makes (said in the
+// log), else the default one below.
+std::unique_ptr<StepDriver> make_step_driver(const ResolvedJob& job, std::vector<Param> params,
+                                             const UpdateRule& rule, Comm* comm, Engine& engine);
+
+// The update of a step, which the engine runs between before_update and after_update: skipped
+// when a plugin set state.skip_update (counted and said), else the loss and the gradient norm
+// checked for divergence (an Error saying what to do), the gradients clipped to
+// `max_grad_norm` (0: never) and the driver's update run with state.lr. `in_backward_norm`:
+// defined when Note [Optimizer in backward] updated the parameters during backward already, the
+// squared gradient norm it kept (a skip is then an error).
+void update_step(StepDriver& driver, TrainState& state, const at::Tensor& in_backward_norm,
+                 double max_grad_norm);
 
 class DefaultStepDriver final : public StepDriver {
  public:

@@ -6,11 +6,14 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 #include <thread>
+#include <unordered_map>
 
 #include "loom/error.h"
 #include "loom/log.h"
+#include "loom/offload/copy_stream.h"
 
 namespace loom::offload {
 namespace {
@@ -54,16 +57,40 @@ class OffloadedDriver final : public OffloadedStepDriver {
       }
       updated_.assign(params_.size(), 0);
     }
+    // Note [Overlapped update]: the host store, updated where it lives as gradients land.
+    overlap_ = offload.overlap_update && swap_->in_host_memory() && !delayed_ && !params_.empty();
+    if (overlap_) {
+      const bool pin = store.pin_memory;
+      copies_ = std::make_unique<CopyStream>(params_.front().tensor.device());
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const at::Tensor& w = params_[i].tensor;
+        landed_.push_back(at::empty({w.numel()}, w.options().device(at::kCPU).pinned_memory(pin)));
+        host_bytes_ += landed_.back().nbytes();
+        if (copies_->on_device()) {  // the weights' way back: staged, then host to device
+          staged_.push_back(at::empty({w.numel()}, w.options().device(at::kCPU).pinned_memory(pin)));
+          host_bytes_ += staged_.back().nbytes();
+        }
+        index_[w.unsafeGetTensorImpl()] = i;
+      }
+      norms_.resize(params_.size());
+      landing_.assign(params_.size(), 0);
+      updated_early_.assign(params_.size(), 0);
+      io_ = std::make_unique<WorkerThread>();
+    }
     log::info("offload: optimizer state", masters ? " and fp32 masters" : "", " of ",
               params_.size(), " tensors ", swap_->in_host_memory() ? "in host memory" : "on NVMe",
               ": ", swap_->describe(),
               delayed_ ? "; each update runs one step late, overlapping the next step's forward "
                          "and backward (delayed_update)"
-                       : "");
+              : overlap_ ? "; each tensor's gradient copied to host memory as it is final, its "
+                           "update overlapping the rest of backward when nothing clips or scales"
+                           " it"
+                         : "");
   }
 
   ~OffloadedDriver() override {
     if (worker_.joinable()) worker_.join();  // its error, if any, has nowhere to go now
+    io_.reset();  // runs what is posted: no task outlives the tensors it reads
   }
 
   std::string name() const override {
@@ -71,26 +98,69 @@ class OffloadedDriver final : public OffloadedStepDriver {
   }
 
   void zero_grad() override {
-    auto all = grads();
+    if (overlap_) end_overlapped_step();
+    auto all = model_grads();
     if (!all.empty()) at::_foreach_zero_(all);
   }
-  at::Tensor grad_norm_squared() override { return squared_norm(grads()); }
+  at::Tensor grad_norm_squared() override {
+    if (!overlap_) return squared_norm(model_grads());
+    // Note [Overlapped update]: squared_norm's per-tensor sums, taken as each gradient landed,
+    // stacked in parameter order and summed as squared_norm sums them: the same bits.
+    finish_landing();
+    std::vector<at::Tensor> squares;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (landing_[i]) squares.push_back(norms_[i]);
+    if (squares.empty()) return squared_norm({});
+    return at::stack(squares).sum();
+  }
+  // Note [Overlapped update]: the host copies the update reads, once landed.
   std::vector<at::Tensor> grads() override {
+    if (!overlap_) return model_grads();
+    finish_landing();
+    io_->wait();
     std::vector<at::Tensor> out;
-    for (const auto& p : params_)
-      if (p.tensor.grad().defined()) out.push_back(p.tensor.grad());
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (landing_[i]) out.push_back(landed_[i]);
     return out;
   }
   void scale_grads(double factor) override {
     at::NoGradGuard no_grad;
+    LOOM_INTERNAL_ASSERT(!overlap_ || !early_, "scale_grads after the overlapped update started "
+                         "during backward (the zero plugin starts it only without clipping)");
     auto all = grads();
     if (!all.empty()) at::_foreach_mul_(all, factor);
+  }
+
+  bool overlaps_backward() const override { return overlap_; }
+
+  // Note [Overlapped update].
+  void grad_final(const at::Tensor& param, bool update_now, int64_t step, double lr) override {
+    LOOM_INTERNAL_ASSERT(overlap_, "grad_final on an offloaded driver that does not overlap");
+    auto found = index_.find(param.unsafeGetTensorImpl());
+    LOOM_INTERNAL_ASSERT(found != index_.end(), "grad_final for a tensor that is not a "
+                         "trainable parameter of this job");
+    const size_t i = found->second;
+    LOOM_INTERNAL_ASSERT(!landing_[i], "the gradient of ", params_[i].name, " became final "
+                         "twice in one step");
+    land(i);
+    if (!update_now) return;
+    if (!early_) {
+      early_ = true;
+      early_step_ = step;
+      early_lr_ = lr;
+    }
+    LOOM_INTERNAL_ASSERT(step == early_step_ && lr == early_lr_, "one step's overlapped "
+                         "updates were started with different steps or learning rates");
+    updated_early_[i] = 1;
+    const UpdateContext context = update_context(params_[i], step, lr, weight_decay_);
+    io_->post([this, i, context] { update_segment(i, context); });
   }
 
   // Note [Pipelined update]; Note [Delayed update].
   void update(int64_t step, double lr) override {
     at::NoGradGuard no_grad;
     if (delayed_) return start_delayed_update(step, lr);
+    if (overlap_) return finish_overlapped_update(step, lr);
     swap_->walk([&](size_t i, Segment& segment) {
       const Param& p = params_[i];
       const at::Tensor& grad = p.tensor.grad();
@@ -103,7 +173,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
   }
   // With delayed_update, the last finished update's (the one in flight is still counting).
   const OffloadStats& last_stats() const override {
-    return delayed_ ? finished_stats_ : swap_->last_stats();
+    return delayed_ ? finished_stats_ : overlap_ ? overlap_stats_ : swap_->last_stats();
   }
 
   void synchronize() override {
@@ -119,6 +189,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
   // Streamed: each piece is read from the file when the checkpoint writer reaches it.
   StatePieces state_pieces() const override {
     wait();  // no walk in flight while the writer reads the store
+    if (io_) io_->wait();
     StatePieces out;
     const SegmentSwap* swap = swap_.get();
     for (size_t i = 0; i < swap->size(); ++i) {
@@ -136,6 +207,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
   void load_state(StateReader& reader) override {
     at::NoGradGuard no_grad;
     wait();  // the loaded masters are the weights: nothing of the run before stays in flight
+    if (io_) io_->wait();
     std::fill(updated_.begin(), updated_.end(), 0);
     swap_->each([&](size_t i, Segment& segment) {
       for (auto& [key, tensor] : segment.state)
@@ -150,11 +222,94 @@ class OffloadedDriver final : public OffloadedStepDriver {
     check_nothing_unread(reader);
   }
   // What stays in memory: the staging buffers (the state itself is on NVMe), and with
-  // delayed_update the host copies of one step's gradients and weights.
+  // delayed_update the host copies of one step's gradients and weights (with the overlapped
+  // update, of the gradients, and on a GPU of the weights staged for their way back).
   int64_t state_bytes() const override { return swap_->buffer_bytes() + host_bytes_; }
   int64_t master_bytes() const override { return 0; }
 
  private:
+  std::vector<at::Tensor> model_grads() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : params_)
+      if (p.tensor.grad().defined()) out.push_back(p.tensor.grad());
+    return out;
+  }
+
+  // Note [Overlapped update]: parameter i's gradient is final: its squared norm taken (on its
+  // device, no sync) and its copy to the host started; the worker thread waits for it.
+  void land(size_t i) {
+    at::NoGradGuard no_grad;
+    const at::Tensor grad = params_[i].tensor.grad().detach();
+    LOOM_INTERNAL_ASSERT(grad.defined(), "grad_final for ", params_[i].name, " without a gradient");
+    norms_[i] = squared_norm({grad});
+    landing_[i] = 1;
+    io_->post(copies_->start(landed_[i], grad));
+  }
+  // Gradients no grad_final handed over (one that only an earlier micro-step made): landed now.
+  void finish_landing() {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!landing_[i] && params_[i].tensor.grad().defined()) land(i);
+  }
+
+  // On the worker thread, after segment i's gradient landed: the rule over it where it lives
+  // in the host store, exactly the unoverlapped walk's call, and the new weights on their way
+  // back (the twin: copied into the model here; a GPU run: staged in page-locked memory, then
+  // host to device on the side stream, which update() joins into the compute stream).
+  void update_segment(size_t i, const UpdateContext& context) {
+    Segment segment = swap_->host_segment(i);
+    segment.grad = landed_[i].to(at::kFloat);
+    rule_.update_many({&segment}, context);
+    if (!swap_->separate_master(i)) return;  // fp32 CPU weights: updated in place
+    const at::Tensor weight = params_[i].tensor.detach();
+    if (copies_->on_device()) {
+      staged_[i].copy_(segment.param);
+      copies_->start(weight, staged_[i]);
+    } else {
+      copies_->start(weight, segment.param)();
+    }
+  }
+
+  void finish_overlapped_update(int64_t step, double lr) {
+    using Clock = std::chrono::steady_clock;
+    const auto started = Clock::now();
+    finish_landing();
+    LOOM_INTERNAL_ASSERT(!early_ || (step == early_step_ && lr == early_lr_), "the overlapped "
+                         "update started during backward with step ", early_step_, ", lr ",
+                         early_lr_, ", but update() came with step ", step, ", lr ", lr);
+    int64_t early = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!landing_[i]) continue;  // unused this step: its state stays as it is
+      if (updated_early_[i]) {
+        ++early;
+        continue;
+      }
+      const UpdateContext context = update_context(params_[i], step, lr, weight_decay_);
+      io_->post([this, i, context] { update_segment(i, context); });
+    }
+    io_->wait();
+    copies_->join_current_stream();
+    overlap_stats_ = {};
+    overlap_stats_.update_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    overlap_stats_.updated_in_backward = early;
+    early_ = false;
+    std::fill(landing_.begin(), landing_.end(), 0);
+    std::fill(updated_early_.begin(), updated_early_.end(), 0);
+    for (auto& norm : norms_) norm = at::Tensor();
+  }
+
+  // Before a step's backward: nothing of the last step in flight, and an update applied during
+  // backward was not followed by a skip.
+  void end_overlapped_step() {
+    io_->wait();
+    LOOM_CHECK(!early_, "step ", early_step_, ": the update was skipped (a plugin set "
+               "skip_update in before_update), but offload_optimizer's overlapped update had "
+               "applied it during backward; set [train] max_grad_norm > 0 to make it wait for "
+               "the whole gradient, or report this plugin");
+    std::fill(landing_.begin(), landing_.end(), 0);
+    std::fill(updated_early_.begin(), updated_early_.end(), 0);
+    for (auto& norm : norms_) norm = at::Tensor();
+  }
+
   // Note [Delayed update]: step k's gradients copied, update k started on its own thread.
   void start_delayed_update(int64_t step, double lr) {
     synchronize();  // update k-1 into the weights
@@ -207,6 +362,19 @@ class OffloadedDriver final : public OffloadedStepDriver {
   mutable std::exception_ptr worker_error_;
   mutable OffloadStats finished_stats_;
   int64_t host_bytes_ = 0;
+  // Note [Overlapped update]
+  bool overlap_ = false;
+  std::unique_ptr<CopyStream> copies_;
+  std::vector<at::Tensor> landed_, staged_;  // host, per parameter, flat, its dtype
+  std::vector<at::Tensor> norms_;            // this step's per-tensor squared norms
+  std::vector<char> landing_, updated_early_;
+  std::unordered_map<const void*, size_t> index_;
+  bool early_ = false;  // some update of this step already started during backward
+  int64_t early_step_ = 0;
+  double early_lr_ = 0;
+  OffloadStats overlap_stats_;
+  // Last: destroyed first, so its tasks finish while everything they read is alive.
+  std::unique_ptr<WorkerThread> io_;
 };
 
 }  // namespace

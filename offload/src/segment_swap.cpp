@@ -69,9 +69,11 @@ SegmentSwap::SegmentSwap(const UpdateRule& rule, std::vector<SwapSegment> segmen
     } catch (const std::exception& error) {
       throw ConfigError(detail::cat(
           "offload_optimizer.device = \"cpu\": cannot allocate ", memory::format_bytes(total_),
-          options.pin_memory ? " of page-locked" : "", " host memory for the optimizer state (",
-          error.what(), "); use device = \"nvme\", shard it over more ranks, or set "
-          "pin_memory = false"));
+          options.pin_memory ? " of page-locked" : " of", " host memory for the optimizer state (",
+          error.what(), "); use device = \"nvme\"",
+          options.pin_memory ? ", shard it over more ranks, or set pin_memory = false (pageable "
+                               "memory, slower copies to and from the GPU)"
+                             : " or shard it over more ranks"));
     }
     return;
   }
@@ -170,6 +172,11 @@ void SegmentSwap::walk(const std::function<bool(size_t, Segment&)>& visit) {
   for (auto ticket : writing)
     if (ticket) wait(ticket);
   stats_.update_seconds = since(started);
+}
+
+Segment SegmentSwap::host_segment(size_t i) const {
+  LOOM_INTERNAL_ASSERT(host_base_, "host_segment() of a store in a swap file");
+  return segment_over(segments_.at(i), host_base_ + segments_[i].region);
 }
 
 void SegmentSwap::each(const std::function<bool(size_t, Segment&)>& visit) const {

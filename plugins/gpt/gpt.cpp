@@ -148,16 +148,15 @@ class Gpt final : public loom::Model, public loom::CausalLM {
     if (!c.tie_word_embeddings)
       lm_head = register_module("lm_head",
                                 std::make_shared<loom::nn::Linear>(c.n_embd, c.vocab_size, false));
-    loom::nn::init_normal_(*this, c.initializer_range);
-    // GPT-2: residual projections scaled by 1/sqrt(2 * n_layer).
-    at::NoGradGuard no_grad;
+    // GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), each unit as init_normal_
+    // finishes it (Note [Sharded initialization]: the last moment it is whole).
     const double scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.n_layer));
-    for (size_t i = 0; i < units->size(); ++i) {
-      auto& unit = static_cast<loom::nn::TransformerBlock&>((*units)[i]);
+    loom::nn::init_normal_(*this, c.initializer_range, [scale](loom::nn::Unit& u) {
+      auto& unit = static_cast<loom::nn::TransformerBlock&>(u);
       unit.attn->proj->weight.mul_(scale);
       if (auto* ffn = dynamic_cast<loom::nn::FeedForward*>(unit.ffn.get()))
         ffn->fc_out->weight.mul_(scale);
-    }
+    });
   }
 
   loom::Output forward(const loom::Batch& batch) override {
@@ -353,7 +352,7 @@ class GptPlugin final : public loom::Plugin {
     for (const auto& [hf, loom_name, transpose] : gpt2_names(c.n_layer, c.tie_word_embeddings)) {
       std::string name = hf;
       if (!prefixed && name.rfind("transformer.", 0) == 0) name = name.substr(12);
-      at::Tensor t = folder.read(name);
+      at::Tensor t = folder.map(name);
       tensors.emplace_back(loom_name, transpose ? t.t() : t);
       used.insert(name);
     }

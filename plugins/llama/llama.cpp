@@ -560,7 +560,7 @@ class LlamaPlugin final : public loom::Plugin {
     for (const auto& p : model.named_parameters()) {
       std::string name = p.key();
       if (!prefixed && name.rfind("model.", 0) == 0) name = name.substr(6);
-      tensors.emplace_back(p.key(), folder.read(name));
+      tensors.emplace_back(p.key(), folder.map(name));
       used.insert(name);
     }
     for (const auto& name : folder.names()) {

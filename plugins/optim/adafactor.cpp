@@ -43,6 +43,9 @@ struct Geometry {
 // lane order: the result depends on the row alone, never on threads or on where a shard cuts the
 // tensor.
 
+// Rows folded together (adafactor_kernels.inc's fold_rows).
+constexpr int64_t kFoldRows = 4;
+
 // Rows k in [begin, end) of the segment, all in one matrix (Note [Adafactor's column sums in
 // row groups]).
 struct RowGroup {
@@ -82,10 +85,13 @@ struct Coefficients {
 };
 
 // Element j of the step from its unclipped update u: x = u / clip_div · lr, then momentum,
-// weight decay and the step, in transformers' order. Inlined into each clone below.
+// weight decay and the step, in transformers' order. Inlined into each clone below. With
+// clip_div = 1 (the update's RMS within clip_threshold) the loops leave the division out
+// (kClipped false): u / 1 is u exactly, NaN and infinities too, so the bits are the same.
+template <bool kClipped>
 __attribute__((always_inline)) inline void step_element(float u, int64_t j, float* __restrict p,
                                                         float* __restrict m, const Coefficients& c) {
-  float x = u / c.clip_div * c.lr;
+  float x = (kClipped ? u / c.clip_div : u) * c.lr;
   if (m) {
     m[j] = m[j] * c.b1 + c.w1 * x;
     x = m[j];
@@ -121,7 +127,7 @@ namespace isa_baseline {
 struct Kernels {
   decltype(&isa_baseline::sum_of_squares_plus) sum_of_squares_plus;
   decltype(&isa_baseline::sum_of_squares) sum_of_squares;
-  decltype(&isa_baseline::fold_columns) fold_columns;
+  decltype(&isa_baseline::fold_rows) fold_rows;
   decltype(&isa_baseline::add_columns) add_columns;
   decltype(&isa_baseline::update_row) update_row;
   decltype(&isa_baseline::sum_of_g2_over_v) sum_of_g2_over_v;
@@ -129,7 +135,7 @@ struct Kernels {
 };
 #define LOOM_ADAFACTOR_KERNELS(ns)                                                        \
   Kernels {                                                                               \
-    ns::sum_of_squares_plus, ns::sum_of_squares, ns::fold_columns, ns::add_columns,       \
+    ns::sum_of_squares_plus, ns::sum_of_squares, ns::fold_rows, ns::add_columns,          \
         ns::update_row, ns::sum_of_g2_over_v, ns::update_vector                           \
   }
 // The copy this call runs (reads LOOM_KERNEL_ISA: once per update, not per row).
@@ -201,12 +207,18 @@ class Adafactor final : public UpdateRule {
   // u_kj² = (row_mean/r_k)(1/c_j) g_kj² (r, c the new factors), so sum u² = sum over matrices m
   // and columns j of row_mean_m / c_mj · w_mj with w_mj = sum over m's rows k of g_kj² / r_k. w
   // is folded with the column sums, so the gradient is read once to reduce and once to update.
-  // Factored: [column sums of g²+eps1 (M*C) | w (M*C) | sums of the new row factor (M) | sum p²].
+  // Each row's new factor r_k is also carried to the update in the accumulator, at its global
+  // row, so the update does not sum the row's g² again (the two sums were 46 % of the loops'
+  // time on AVX2, docs/BENCHMARKS.md). A driver sums accumulators over ranks; each row belongs
+  // to one rank's segment and the others add 0.0, so the factor arrives exactly (a positive
+  // double plus zeros); 8 bytes per row, 2/C of the fp32 gradient's bytes.
+  // Factored: [column sums of g²+eps1 (M*C) | w (M*C) | sums of the new row factor (M) |
+  //            the new row factors (M*R) | sum p²].
   // Vectors: [sum g²/v (v the new second moment) | sum p²].
   int reduction_rounds() const override { return 1; }
   at::Tensor make_accumulator(const Segment& s, int) const override {
     const Geometry geo(s);
-    const int64_t size = geo.factored ? 2 * geo.M * geo.C + geo.M + 1 : 2;
+    const int64_t size = geo.factored ? 2 * geo.M * geo.C + geo.M + geo.M * geo.R + 1 : 2;
     // The tensor-op path folds into it on the parameter's device, without a host sync.
     return at::zeros({size}, at::TensorOptions().dtype(at::kDouble).device(
                                  use_loops(s) ? c10::Device(c10::kCPU) : s.param.device()));
@@ -284,8 +296,12 @@ class Adafactor final : public UpdateRule {
           // over the parameter here.
           if (scale_parameter_) p2[k] = kern.sum_of_squares(s.p + k * geo.C, geo.C);
         }
-        for (int64_t k = grp.begin; k < grp.end; ++k)
-          kern.fold_columns(s.g + k * geo.C, 0, geo.C, eps1f(), 1.0 / new_row[k], part_col, part_w);
+        for (int64_t k = grp.begin; k < grp.end; k += kFoldRows) {
+          const int64_t count = std::min(kFoldRows, grp.end - k);
+          double inv_row[kFoldRows];
+          for (int64_t r = 0; r < count; ++r) inv_row[r] = 1.0 / new_row[k + r];
+          kern.fold_rows(s.g + k * geo.C, count, geo.C, eps1f(), inv_row, part_col, part_w);
+        }
         if (first == 0) {
           kern.add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
           kern.add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
@@ -301,7 +317,11 @@ class Adafactor final : public UpdateRule {
           kern.add_columns(kept + gi * 2 * geo.C + geo.C, j0, j1, w + offset);
         }
       });
-    for (int64_t k = 0; k < geo.rows; ++k) a[2 * geo.M * geo.C + geo.matrix(k)] += new_row[k];
+    double* const carried_rows = a + row_factors_at(geo);
+    for (int64_t k = 0; k < geo.rows; ++k) {
+      a[2 * geo.M * geo.C + geo.matrix(k)] += new_row[k];
+      carried_rows[k] = new_row[k];  // Note [Adafactor in two passes]
+    }
     double& total = a[acc.numel() - 1];
     for (double x : p2) total += x;
   }
@@ -336,15 +356,15 @@ class Adafactor final : public UpdateRule {
     }
     const ColumnFactors f = column_factors(s, geo, t0, b2t);
     c.clip_div = clip_divisor(std::sqrt(f.sum_u2 / n));
-    const float* row = s.state("exp_avg_sq_row");
+    // Round 0's row factors (Note [Adafactor in two passes]), exact: floats carried in doubles.
+    const double* carried_rows = t0 + row_factors_at(geo);
     std::vector<float> new_row(geo.rows);
+    for (int64_t k = 0; k < geo.rows; ++k) new_row[k] = static_cast<float>(carried_rows[k]);
     at::parallel_for(0, geo.rows, 16, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k) {
-        const float* g = s.g + k * geo.C;
-        new_row[k] = new_row_factor(kern, g, geo.C, row[k], b2t);  // the same value round 0 folded
         const float rf = 1.0f / std::sqrt(new_row[k] / f.row_mean[geo.matrix(k)]);
-        kern.update_row(g, f.rsqrt_col.data() + geo.matrix(k) * geo.C, rf, s.p + k * geo.C,
-                   m ? m + k * geo.C : nullptr, geo.C, c);
+        kern.update_row(s.g + k * geo.C, f.rsqrt_col.data() + geo.matrix(k) * geo.C, rf,
+                        s.p + k * geo.C, m ? m + k * geo.C : nullptr, geo.C, c);
       }
     });
     // Store the new second moments (the column factor is whole-tensor, the same everywhere).
@@ -396,6 +416,10 @@ class Adafactor final : public UpdateRule {
   };
 
   float eps1f() const { return static_cast<float>(eps1_); }
+  // Where the segment's first row factor sits in the accumulator (Note [Adafactor in two passes]).
+  static int64_t row_factors_at(const Geometry& geo) {
+    return 2 * geo.M * geo.C + geo.M + geo.first_row;
+  }
   // 1 - t^decay_rate; the weights b2t and 1 - b2t are rounded to fp32 from double, as torch
   // does with Python-float scalars.
   struct Beta2 {
@@ -481,7 +505,8 @@ class Adafactor final : public UpdateRule {
     const at::Tensor& t0 = ctx.totals[0];
     if (geo.factored) {
       const Rows r = rows_of(s, geo);
-      f.new_row = new_row_factor(s, geo, r, b2t);
+      // Round 0's row factors, carried (Note [Adafactor in two passes]).
+      f.new_row = t0.narrow(0, row_factors_at(geo), geo.rows).to(at::kFloat);
       const double R = static_cast<double>(geo.R);
       f.new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
                   t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
@@ -518,6 +543,7 @@ class Adafactor final : public UpdateRule {
     acc.narrow(0, MC, MC).view({geo.M, geo.C}).index_add_(
         0, r.matrix, g * g / new_row.to(at::kDouble).unsqueeze(1));
     acc.narrow(0, 2 * MC, geo.M).index_add_(0, r.matrix, new_row.to(at::kDouble));
+    acc.narrow(0, row_factors_at(geo), geo.rows).copy_(new_row);
   }
 
   // The unclipped update's sum of squares from the totals (Note [Adafactor in two passes]).

@@ -166,6 +166,39 @@ class Precision final : public loom::Plugin {
                             "no cast per forward, half the bytes, the same results) | fp32")};
   }
 
+  // See Note [Memory declarations] (loom/memory_declarations.h): the bytes per weight, gradient
+  // and master every plugin after this one reads. fp32 (and tf32) and autocast keep fp32 weights and gradients, no masters;
+  // full_bf16/full_fp16 half weights and gradients and fp32 masters. Under autocast frozen
+  // Linear weights are half (Note [Frozen weights in half]), and where the probes did not
+  // measure the activations the half copies of the other weights are counted (2 B each), as
+  // they live from forward to backward. "auto" is estimated as fp32, its start.
+  void declare_memory(const loom::ConfigSection& table, const loom::memory::MemoryContext& c,
+                      loom::memory::MemoryTerms& r) const override {
+    const std::string mode = table.get_string("mode");
+    const bool half = mode == "full_bf16" || mode == "full_fp16";
+    const bool autocast = mode == "bf16" || mode == "fp16";
+    r.labels["precision"] = half ? "full_bf16" : autocast ? "bf16" : "fp32";
+    const double w = half ? 2 : 4;
+    r.weight_bytes = r.grad_bytes = w;
+    r.master_bytes = half ? 4 : 0;
+    const double frozen_half =
+        autocast && table.get_string("frozen_weights") == "half" ? c.frozen_linear_params : 0;
+    r.half_frozen_params = frozen_half;
+    r.weights = c.params * w - frozen_half * (w - 2);
+    r.grads = c.trainable * r.grad_bytes;
+    r.masters = c.trainable * r.master_bytes;
+    if (autocast && !c.activations_measured) r.buffers += 2 * (c.params - frozen_half);
+  }
+  std::vector<loom::memory::MemoryVariant> memory_variants() const override {
+    std::vector<loom::memory::MemoryVariant> out;
+    for (const char* mode : {"fp32", "bf16", "full_bf16"}) {
+      loom::ConfigValue value;
+      value.value = std::string(mode);
+      out.push_back({.labels = {{"precision", mode}}, .overrides = {{"mode", value}}});
+    }
+    return out;
+  }
+
   void configure(const loom::ConfigSection& table) override {
     const std::string name = table.get_string("mode");
     auto_ = name == "auto";  // fp32 until attach() has timed both (Note [Auto precision])
@@ -486,8 +519,17 @@ class Precision final : public loom::Plugin {
   void cast_model(loom::Engine& engine) {
     at::NoGradGuard no_grad;
     auto& model = engine.model();
-    for (auto& param : model.parameters(/*recurse=*/true))
-      if (param.is_floating_point()) param.set_data(param.detach().to(dtype_));
+    for (auto& param : model.parameters(/*recurse=*/true)) {
+      if (!param.is_floating_point()) continue;
+      if (loom::nn::storage_released(param)) {
+        // A unit weight cut as it was built (Note [Sharded initialization]): no values here to
+        // cast (the ZeRO driver casts its chunk), only its dtype changes.
+        param.set_data(at::empty(param.sizes(), param.options().dtype(dtype_)));
+        loom::nn::release_storage(param);
+      } else {
+        param.set_data(param.detach().to(dtype_));
+      }
+    }
     for (auto& buffer : model.buffers(/*recurse=*/true))
       if (buffer.is_floating_point()) buffer.set_data(buffer.detach().to(dtype_));
   }

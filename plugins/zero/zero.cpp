@@ -20,8 +20,10 @@
 #include "loom/offload/offloaded_driver.h"
 #include "loom/plugin.h"
 #include "loom/sharding/grad_buckets.h"
+#include "loom/sharding/sharded_init.h"
 #include "loom/sharding/zero_driver.h"
 #include "loom/step_driver.h"
+#include "zero_memory.h"
 
 namespace {
 
@@ -139,6 +141,8 @@ class SplitDriver final : public loom::StepDriver {
 
 class Zero final : public loom::Plugin {
  public:
+  // A build that threw before teardown ran leaves no observer of a dead plugin behind.
+  ~Zero() override { remove_sharded_init(); }
   std::string name() const override { return "zero"; }
   std::string description() const override {
     return "ZeRO data parallelism: stage 0 (replicated), 1 (optimizer state and fp32 masters "
@@ -173,7 +177,8 @@ class Zero final : public loom::Plugin {
                       "where fp32 masters and optimizer state live (DeepSpeed's keys): { device "
                       "= \"nvme\", nvme_path = \"/local_nvme\", buffer_count = 4, "
                       "pin_memory = true, block_size = 1048576, queue_depth = 8, "
-                      "delayed_update = false }; device = \"cpu\" on a CPU run changes nothing")
+                      "delayed_update = false, overlap_update = true }; device = \"cpu\" on a "
+                      "CPU run changes nothing")
         .key_optional("offload_param", loom::ValueType::Table,
                       "stage 3: where the weights' shards live between uses (DeepSpeed's key): "
                       "{ device = \"nvme\", nvme_path = \"/local_nvme\" } needs half-precision "
@@ -183,10 +188,23 @@ class Zero final : public loom::Plugin {
                  "stages 1-3: shard over groups of this many consecutive ranks (a node's, "
                  "typically) and replicate across the groups, HSDP (Note [Hybrid sharding] in "
                  "loom/sharding/zero_driver.h); must divide the world size; 0: every rank")
+        .key_bool("sharded_init", true,
+                  "stage 3 on the CPU: build the model a unit at a time, each cut to this "
+                  "rank's part as soon as it is initialised or read from from_pretrained, so no "
+                  "rank ever holds the whole model (Note [Sharded initialization] in loom/nn.h); "
+                  "false: build it whole on every rank, then shard it")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
     return {s};
+  }
+  // The stages' and offloads' bytes (zero_memory.cpp; see Note [Memory declarations]).
+  void declare_memory(const loom::ConfigSection& table, const loom::memory::MemoryContext& context,
+                      loom::memory::MemoryTerms& terms) const override {
+    loom::zero::declare_memory(table, context, terms);
+  }
+  std::vector<loom::memory::MemoryVariant> memory_variants() const override {
+    return loom::zero::memory_variants();
   }
   void configure(const loom::ConfigSection& t) override {
     stage_ = static_cast<int>(t.get_int("stage"));
@@ -223,6 +241,13 @@ class Zero final : public loom::Plugin {
     parse_offload(t);
     broadcast_buffers_ = t.get_bool("broadcast_buffers");
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
+    sharded_init_ = t.get_bool("sharded_init");
+    sharded_init_set_ = t.has("sharded_init");
+    where_sharded_init_ = t.where("sharded_init");
+    LOOM_CHECK_AS(ConfigError, !(sharded_init_set_ && sharded_init_) || stage_ == 3,
+                  where_sharded_init_, ": [zero] sharded_init = true cuts the units' weights "
+                  "as the model is built, which stage 3 alone shards; set stage = 3 or remove "
+                  "sharded_init");
   }
 
   // Note [One resolved job]: what the driver would refuse once built, refused from the job.
@@ -267,6 +292,23 @@ class Zero final : public loom::Plugin {
                     ": [zero] offload_param keeps half-precision weight shards on NVMe and "
                     "rebuilds them from the fp32 masters, but [precision] mode is ", mode,
                     "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
+    }
+    // Note [Sharded initialization]: plugins that change the units once the model is built
+    // need it whole.
+    if (stage_ == 3 && sharded_init_) {
+      const std::pair<const char*, const char*> whole_model[] = {
+          {"lora", "freezes the units' weights and adds adapters to them"},
+          {"moe", "replaces the units' feed-forward layers"}};
+      for (const auto& [table, what] : whole_model)
+        LOOM_CHECK_AS(ConfigError, !job(table), where_sharded_init_, ": [zero] sharded_init "
+                      "(on by default at stage 3) cuts each unit to this rank's part as it is "
+                      "built, but [", table, "] ", what, " after the model is built, which needs "
+                      "the whole model; set [zero] sharded_init = false");
+      const std::string device = job("train")->get_string("device");
+      LOOM_CHECK_AS(ConfigError, !sharded_init_set_ || device.rfind("cuda", 0) != 0,
+                    where_sharded_init_, ": [zero] sharded_init = true is built for CPU runs "
+                    "(the model moves to the GPU whole once it is built); set [zero] "
+                    "sharded_init = false, or train on the CPU");
     }
     const std::string device = job("train")->get_string("device");
     LOOM_CHECK_AS(ConfigError, offload_param_.device != "cpu" || device.rfind("cuda", 0) != 0,
@@ -338,6 +380,13 @@ class Zero final : public loom::Plugin {
               options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
         auto offloaded = loom::offload::make_offloaded_step_driver(options, offload_);
         offloaded_ = offloaded.get();
+        // Note [Overlapped update] (loom/offload/offloaded_driver.h): on several ranks each
+        // averaged gradient goes to the host store as its bucket is waited for.
+        clips_ = engine.section("train").get_float("max_grad_norm") > 0;
+        if (buckets_ && offloaded_->overlaps_backward())
+          buckets_->on_final_grad([this, &engine](const at::Tensor& param) {
+            hand_to_offloaded(engine, param);
+          });
         return offloaded;
       }
       // Stages 1-3: the ZeRO driver with its rank's pieces in a swap file (Note [Offloaded
@@ -377,9 +426,12 @@ class Zero final : public loom::Plugin {
     }
     if (stage_ == 3) {
       find_units(engine, options);
-      return_freed_memory(engine);
+      if (sharded_init_observer_) take_built_chunks(engine, options);
     }
-    auto driver = std::make_unique<loom::sharding::ZeroDriver>(dense, options_);
+    // The driver frees each built chunk once its shard is made: it holds the only reference.
+    loom::sharding::ZeroOptions zero = options_;
+    options_.built_chunks.clear();
+    auto driver = std::make_unique<loom::sharding::ZeroDriver>(dense, std::move(zero));
     driver_ = driver.get();
     if (!placed.params.empty()) {
       buckets_ = std::make_unique<loom::sharding::GradBuckets>(
@@ -400,10 +452,18 @@ class Zero final : public loom::Plugin {
   }
 
   void attach(loom::Engine& engine) override {
+    // Note [Sharded initialization]: the observer is there while the model is built only.
+    engine.on(loom::Event::setup, [this](loom::Engine& e) { install_sharded_init(e); });
+    engine.on(loom::Event::model_built, [this](loom::Engine& e) { finish_sharded_init(e); });
+    engine.on(loom::Event::teardown, [this](loom::Engine&) { remove_sharded_init(); });
+    engine.on(loom::Event::params_ready, [this](loom::Engine& e) { report_start_peak(e); });
     engine.on_grad_ready([this](loom::Engine& e, const loom::Param& p) {
       // Stages 2 and 3 land every micro-step's gradient in the shard; 0 and 1 sync once.
       if (buckets_ && e.state().sync_grads && (!driver_ || p.placed())) buckets_->grad_ready(p);
       if (driver_ && !p.placed() && (stage_ >= 2 || e.state().sync_grads)) driver_->grad_ready(p);
+      // Note [Overlapped update]: one rank's gradients are final as backward accumulates them.
+      if (offloaded_ && !buckets_ && e.state().sync_grads && offloaded_->overlaps_backward())
+        hand_to_offloaded(e, p.tensor);
     });
     // Note [Hybrid sharding]: the last micro-step's chunks go across the groups as they land.
     engine.on(loom::Event::before_backward, [this](loom::Engine& e) {
@@ -482,6 +542,9 @@ class Zero final : public loom::Plugin {
         e.state().metrics.emplace_back("offload_bytes_read", static_cast<double>(s.bytes_read));
         e.state().metrics.emplace_back("offload_bytes_written",
                                        static_cast<double>(s.bytes_written));
+        if (offloaded_ && offloaded_->overlaps_backward())  // Note [Overlapped update]
+          e.state().metrics.emplace_back("offload_updated_in_backward",
+                                         static_cast<double>(s.updated_in_backward));
       }
       if (driver_)
         e.state().metrics.emplace_back("zero_comm_elements",
@@ -514,6 +577,89 @@ class Zero final : public loom::Plugin {
                       "system when freed (malloc mmap threshold; set GLIBC_TUNABLES to choose)");
   }
 
+  // Note [Sharded initialization] (loom/nn.h): installed at setup, right before the engine
+  // builds the model, on CPU runs at stage 3 (a GPU run moves the model whole to the device).
+  void install_sharded_init(loom::Engine& engine) {
+    if (stage_ != 3) return;
+    loom::memory::reset_device_peak(engine.device());  // report_start_peak's
+    return_freed_memory(engine);  // from the build on: it frees every unit's weights
+    if (!sharded_init_) return;
+    if (!engine.device().is_cpu()) {
+      LOOM_CHECK_AS(ConfigError, !sharded_init_set_, where_sharded_init_, ": [zero] "
+                    "sharded_init = true is built for CPU runs (the model moves to ",
+                    engine.device().str(), " whole once it is built); set [zero] sharded_init "
+                    "= false, or train on the CPU");
+      loom::log::info("zero: stage 3 on ", engine.device().str(), ": the model is built whole, "
+                      "then sharded (sharded_init is built for CPU runs)");
+      return;
+    }
+    const int world = engine.comm().world_size();
+    const int group = options_.shard_group_size > 0 ? options_.shard_group_size : world;
+    if (group > world || world % group != 0) return;  // create_step_driver says why
+    loom::sharding::ShardedInitOptions init;
+    init.partitioning = engine.update_rule().partitioning();
+    init.persistence_threshold = persistence_threshold_;
+    init.comm = &engine.comm();
+    init.shard_group_size = group;
+    sharded_init_observer_ = std::make_unique<loom::sharding::ShardedInit>(init);
+    loom::nn::set_unit_build_observer(sharded_init_observer_.get());
+  }
+
+  void remove_sharded_init() {
+    if (loom::nn::unit_build_observer() == sharded_init_observer_.get())
+      loom::nn::set_unit_build_observer(nullptr);
+  }
+
+  void finish_sharded_init(loom::Engine& engine) {
+    if (!sharded_init_observer_) return;
+    remove_sharded_init();
+    const int64_t missing = sharded_init_observer_->uninitialised_units();
+    LOOM_CHECK_AS(ConfigError, missing == 0, where_sharded_init_, ": [zero] sharded_init: "
+                  "model '", engine.section("train").get_string("model"), "' built ", missing,
+                  " unit(s) that loom::nn::init_normal_ never initialised, so their weights "
+                  "were released unset (Note [Sharded initialization] in loom/nn.h); set [zero] "
+                  "sharded_init = false for this model");
+  }
+
+  // The chunks cut while the model was built, for the driver; each unit's group must be the
+  // tensors the observer cut (a plugin that changed a unit's trainable weights since would
+  // leave them mismatched).
+  void take_built_chunks(loom::Engine& engine, const loom::StepDriverOptions& options) {
+    for (const auto& [unit, indices] : options_.units) {
+      const auto* kept = sharded_init_observer_->kept_tensors(unit);
+      if (!kept && indices.empty()) continue;
+      bool same = kept && kept->size() == indices.size();
+      for (size_t i = 0; same && i < indices.size(); ++i)
+        same = (*kept)[i].unsafeGetTensorImpl() ==
+               options.params[indices[i]].tensor.unsafeGetTensorImpl();
+      LOOM_CHECK_AS(ConfigError, same, where_sharded_init_, ": [zero] sharded_init cut a "
+                    "unit's weights as the model was built, but its trainable weights changed "
+                    "afterwards (a plugin replaced, froze or added some in model_built); set "
+                    "[zero] sharded_init = false");
+    }
+    largest_unit_elements_ = sharded_init_observer_->largest_unit_elements();
+    options_.built_chunks = sharded_init_observer_->take_chunks();
+    sharded_init_observer_.reset();
+  }
+
+  // What the start cost at stage 3: the memory tracker's peak from setup (reset then) to
+  // params_ready, against what the rank holds at params_ready (its shard: weight chunks and
+  // whole-kept weights, gradient chunks, optimizer state) and the largest unit as built (fp32):
+  // Note [Sharded initialization] keeps the peak within the shard plus two units.
+  void report_start_peak(loom::Engine& engine) {
+    if (stage_ != 3 || !driver_) return;
+    const auto stats = loom::memory::device_stats(engine.device());
+    std::string units;
+    if (largest_unit_elements_ > 0)
+      units = loom::detail::cat("; built a unit at a time (sharded initialization), the largest "
+                                "unit ", largest_unit_elements_ * 4, " B");
+    loom::log::info("zero: stage 3 start-up peak ", stats.peak_bytes, " B (",
+                    loom::memory::format_bytes(stats.peak_bytes), ", memory tracker, setup to "
+                    "params_ready), this rank's shard ", stats.current_bytes, " B (",
+                    loom::memory::format_bytes(stats.current_bytes), "), peak RSS so far ",
+                    loom::memory::peak_rss_bytes(), " B", units);
+  }
+
   // Stage 3's units: each unit of every UnitList, with its trainable parameters of at least
   // the persistence threshold.
   void find_units(loom::Engine& engine, const loom::StepDriverOptions& options) {
@@ -537,6 +683,20 @@ class Zero final : public loom::Plugin {
         }
         options_.units.emplace_back(&(*list)[u], std::move(indices));
       }
+    // Note [Offloaded parameters]: offload_param moves the units' shards; with none, the job
+    // would run with every weight in memory while saying it offloads them.
+    if (offload_param_.device == "nvme") {
+      size_t sharded = 0;
+      for (const auto& unit : options_.units) sharded += unit.second.size();
+      LOOM_CHECK_AS(ConfigError, sharded > 0, where_offload_param_, ": [zero] offload_param "
+                    "offloads the weight shards of model '",
+                    engine.section("train").get_string("model"), "''s units, but none of its ",
+                    options_.units.size(), " units has a trainable weight of at least "
+                    "stage3_param_persistence_threshold = ", persistence_threshold_,
+                    " elements (smaller ones stay whole in memory): nothing would be offloaded; "
+                    "lower stage3_param_persistence_threshold (0 shards every weight of a unit) "
+                    "or leave offload_param out");
+    }
   }
 
   // The ZeRO paper's per-rank model state (Rajbhandari et al. 2020, section 3: weights 2Psi,
@@ -616,6 +776,17 @@ class Zero final : public loom::Plugin {
                       " must be an integer, not ", value.to_text());
         return *i;
       };
+      // A true/false key; `optimizer_only`: the offloaded optimizer's (`what`), refused in
+      // offload_param.
+      auto flag = [&, &key = key, &value = value](bool optimizer_only, const char* what) {
+        const auto* b = std::get_if<bool>(&value.value);
+        LOOM_CHECK_AS(ConfigError, b, value.where, ": [zero] ", name, ".", key,
+                      " must be true or false");
+        LOOM_CHECK_AS(ConfigError, !optimizer_only || name == "offload_optimizer", value.where,
+                      ": [zero] ", name, ".", key, ": ", what,
+                      " is the offloaded optimizer's; set it in offload_optimizer");
+        return *b;
+      };
       if (key == "device") {
         const auto* text = std::get_if<std::string>(&value.value);
         LOOM_CHECK_AS(ConfigError, text && (*text == "none" || *text == "cpu" || *text == "nvme"),
@@ -633,18 +804,11 @@ class Zero final : public loom::Plugin {
                       value.where, ": [zero] ", name, ".buffer_count must be 3 to 64 "
                       "(one segment read, one updated, one written), got ", into.buffer_count);
       } else if (key == "pin_memory") {
-        const auto* flag = std::get_if<bool>(&value.value);
-        LOOM_CHECK_AS(ConfigError, flag, value.where, ": [zero] ", name,
-                      ".pin_memory must be true or false");
-        into.pin_memory = *flag;
+        into.pin_memory = flag(false, "");
       } else if (key == "delayed_update") {
-        const auto* flag = std::get_if<bool>(&value.value);
-        LOOM_CHECK_AS(ConfigError, flag, value.where, ": [zero] ", name,
-                      ".delayed_update must be true or false");
-        LOOM_CHECK_AS(ConfigError, name == "offload_optimizer", value.where, ": [zero] ", name,
-                      ".delayed_update: the delayed update is the offloaded optimizer's; set it "
-                      "in offload_optimizer");
-        into.delayed_update = *flag;
+        into.delayed_update = flag(true, "the delayed update");
+      } else if (key == "overlap_update") {  // Note [Overlapped update]
+        into.overlap_update = flag(true, "the overlapped update");
       } else if (key == "block_size") {
         into.nvme.block_size = integer();
       } else if (key == "queue_depth") {
@@ -653,7 +817,7 @@ class Zero final : public loom::Plugin {
         throw loom::ConfigError(loom::detail::cat(
             value.where, ": [zero] ", name, " has no key '", key, "'; it takes device, "
             "nvme_path, buffer_count, pin_memory, block_size, queue_depth",
-            name == "offload_optimizer" ? ", delayed_update" : ""));
+            name == "offload_optimizer" ? ", delayed_update, overlap_update" : ""));
       }
     }
     LOOM_CHECK_AS(ConfigError, into.device != "nvme" || !into.nvme.path.empty(), t.where(name),
@@ -663,6 +827,15 @@ class Zero final : public loom::Plugin {
 
   loom::offload::OffloadOptions offload_, offload_param_;
   loom::offload::OffloadedStepDriver* offloaded_ = nullptr;  // owned by the engine
+  bool clips_ = false;  // [train] max_grad_norm > 0
+
+  // Note [Overlapped update] (loom/offload/offloaded_driver.h): a final gradient to the host
+  // store, its update started at once unless clipping or a loss scale must see every gradient
+  // first.
+  void hand_to_offloaded(loom::Engine& engine, const at::Tensor& param) {
+    const loom::TrainState& state = engine.state();
+    offloaded_->grad_final(param, !clips_ && !state.grads_scaled, state.step + 1, state.lr);
+  }
   std::string where_offload_, where_offload_param_;
   bool offload_active_ = false;  // the optimizer state is in a SegmentSwap (nvme, or cpu on a GPU)
   int64_t baseline_bytes_ = 0;
@@ -672,6 +845,10 @@ class Zero final : public loom::Plugin {
   std::string where_stage_, where_group_;
   loom::sharding::ZeroOptions options_;
   bool broadcast_buffers_ = true, gather_at_end_ = true;
+  bool sharded_init_ = true, sharded_init_set_ = false;
+  std::string where_sharded_init_;
+  std::unique_ptr<loom::sharding::ShardedInit> sharded_init_observer_;
+  int64_t largest_unit_elements_ = 0;
   std::unique_ptr<loom::sharding::GradBuckets> buckets_;
   loom::sharding::ZeroDriver* driver_ = nullptr;  // owned by the engine
 };

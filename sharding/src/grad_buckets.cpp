@@ -6,6 +6,7 @@
 
 #include "loom/error.h"
 #include "loom/model.h"
+#include "loom/nn.h"
 
 namespace loom::sharding {
 
@@ -106,6 +107,8 @@ void GradBuckets::finish() {
       } else {
         grad = averaged.to(slot.param.scalar_type()).clone();
       }
+      if (on_final_grad_ && !final_grads_to_ && slot.param.grad().defined())
+        on_final_grad_(slot.param);
       slot.ready = false;
     }
     bucket.pending = bucket.slots.size();
@@ -122,6 +125,8 @@ void start_from_rank0(Engine& engine, bool buffers) {
     if (param.replicas) replicas[param.tensor.unsafeGetTensorImpl()] = param.replicas.get();
   for (const auto& item : engine.model().named_parameters(true)) {
     at::Tensor t = item.value().detach();
+    // A unit weight cut as it was built was broadcast then (Note [Sharded initialization]).
+    if (nn::storage_released(t)) continue;
     // A placed parameter starts as its replica group's first rank's (each group's rows differ).
     auto placed = replicas.find(item.value().unsafeGetTensorImpl());
     Comm& within = placed != replicas.end() ? *placed->second : comm;

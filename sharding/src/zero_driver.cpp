@@ -12,6 +12,7 @@
 
 #include "loom/error.h"
 #include "loom/memory.h"
+#include "loom/nn.h"
 
 namespace loom::sharding {
 
@@ -63,7 +64,7 @@ std::unique_ptr<Comm> split_replicas(Comm& world, int requested) {
 
 }  // namespace
 
-ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero)
+ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
     : params_(options.params),
       rule_(*options.rule),
       weight_decay_(options.weight_decay),
@@ -71,12 +72,12 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       shard_comm_(split_shards(world_comm_, zero.shard_group_size)),
       replica_comm_(split_replicas(world_comm_, zero.shard_group_size)),
       comm_(shard_comm_ ? *shard_comm_ : world_comm_),
-      options_(zero),
+      options_(std::move(zero)),
       rank_(comm_.rank()),
       world_(comm_.world_size()),
       replicas_(world_comm_.world_size() / world_) {
-  LOOM_CHECK_AS(ConfigError, zero.stage >= 1 && zero.stage <= 3,
-                "the ZeRO driver runs stages 1 to 3, not ", zero.stage);
+  LOOM_CHECK_AS(ConfigError, options_.stage >= 1 && options_.stage <= 3,
+                "the ZeRO driver runs stages 1 to 3, not ", options_.stage);
   LOOM_INTERNAL_ASSERT(!params_.empty(), "ZeRO needs trainable parameters");
   weight_dtype_ = params_.front().tensor.scalar_type();
   device_ = params_.front().tensor.device();
@@ -153,6 +154,19 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       for (const Piece& piece : group.plan.ranks[r]) placements_[piece.tensor].push_back({g, r, piece});
     for (size_t index : list) group_of_[index] = g;
     group.pending = list.size();
+    // Note [Sharded initialization]: the unit was cut as it was built; its chunk, in the
+    // weights' dtype now (the same rounding a cast of the whole weights gives), is the source.
+    at::Tensor built;
+    if (group.sharded) {
+      auto found = options_.built_chunks.find(member_unit[m]);
+      if (found != options_.built_chunks.end()) {
+        LOOM_INTERNAL_ASSERT(found->second.numel() == group.plan.chunk, "sharded init cut ",
+                             found->second.numel(), " elements for unit ", unit_order_.size() - 1,
+                             ", the driver's plan ", group.plan.chunk);
+        built = found->second.to(device_, weight_dtype_);
+        options_.built_chunks.erase(found);
+      }
+    }
     if (separate_master_ && offloaded) {
       if (!group.sharded) group.values = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
     } else if (separate_master_) {
@@ -169,7 +183,9 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
     }
     for (const Piece& piece : group.plan.ranks[rank_]) {
       const Param& p = params_[piece.tensor];
-      at::Tensor flat = p.tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+      at::Tensor flat = built.defined()
+                            ? built.narrow(0, piece.chunk_offset, piece.numel)
+                            : p.tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
       Segment segment;
       segment.name = p.name;
       segment.shape = tensors_[piece.tensor].shape;
@@ -205,7 +221,7 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero
       group.segments.push_back(std::move(segment));
     }
     groups_.push_back(std::move(group));
-    if (groups_.back().sharded) {
+    if (groups_.back().sharded && !built.defined()) {
       for (size_t index : groups_.back().plan.tensors) {
         const at::Tensor& t = params_[index].tensor;
         LOOM_CHECK_AS(ConfigError,
@@ -531,23 +547,8 @@ void ZeroDriver::scale_grads(double factor) {
 // parameter's shape, never see a shape of 0. A read of a released weight finds no bytes.
 namespace {
 
-c10::StorageImpl& storage_of(const at::Tensor& tensor) {
-  return *tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
-}
-
-void free_storage(const at::Tensor& tensor) {
-  c10::StorageImpl& storage = storage_of(tensor);
-  storage.set_data_ptr_noswap(storage.allocator()->allocate(0));
-  storage.set_nbytes(0);
-}
-
-void restore_storage(const at::Tensor& tensor) {
-  c10::StorageImpl& storage = storage_of(tensor);
-  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-  if (storage.nbytes() == bytes) return;
-  storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
-  storage.set_nbytes(bytes);
-}
+void free_storage(const at::Tensor& tensor) { nn::release_storage(tensor); }
+void restore_storage(const at::Tensor& tensor) { nn::restore_storage(tensor); }
 
 }  // namespace
 

@@ -201,6 +201,41 @@ TEST(Estimate, SettingsTheJobLeavesOutAreThePluginsDefaults) {
   EXPECT_EQ(set.frozen_linear_params, 0);
 }
 
+// See Note [Memory declarations]: a job's plugin that declares a term (tests/core/plugins/
+// memory_declarer.cpp: two copies of the trainable weights in the weights' dtype, declared
+// after the precision) adds exactly that to every row: 2 x 4 B per trainable parameter in fp32
+// and bf16, 2 x 2 B in full_bf16; in host RAM it lands in the RAM column too on a CPU run.
+TEST(Estimate, APluginsDeclaredTermIsInEveryRow) {
+  TempDir dir;
+  auto report = [&](const std::string& extra) {
+    const std::filesystem::path job = dir.path() / "job.toml";
+    std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string()) << extra;
+    return estimate::estimate_job(job, {}, {.world_size = 2, .probe = false});
+  };
+  const std::string plugins = "\n[plugins]\npath = \"" LOOM_TEST_PLUGIN_DIR "\"\n";
+  const estimate::Report plain = report(plugins);
+  const estimate::Report device = report(plugins + "\n[memory_declarer]\ncopies = 2\n");
+  const estimate::Report host =
+      report(plugins + "\n[memory_declarer]\ncopies = 2\nplace = \"host\"\n");
+  ASSERT_EQ(device.rows.size(), plain.rows.size());
+  ASSERT_EQ(host.rows.size(), plain.rows.size());
+  ASSERT_EQ(plain.rows.size(), 37u);  // stages 0-3 x none, cpu, nvme x 3 precisions, + nvme+p
+  const double trainable = plain.model.trainable;
+  ASSERT_GT(trainable, 0);
+  for (size_t i = 0; i < plain.rows.size(); ++i) {
+    const estimate::Row& p = plain.rows[i];
+    SCOPED_TRACE("stage " + std::to_string(p.stage) + " " + estimate::to_string(p.offload) +
+                 " " + estimate::to_string(p.precision));
+    const double bytes = 2 * trainable * (p.precision == Precision::full_bf16 ? 2 : 4);
+    EXPECT_DOUBLE_EQ(device.rows[i].buffers - p.buffers, bytes);
+    EXPECT_DOUBLE_EQ(device.rows[i].device - p.device, bytes);
+    EXPECT_DOUBLE_EQ(device.rows[i].peak - p.peak, bytes);
+    EXPECT_EQ(device.rows[i].model_states(), p.model_states());
+    EXPECT_EQ(host.rows[i].buffers, p.buffers);
+    EXPECT_DOUBLE_EQ(host.rows[i].device - p.device, bytes);  // one memory on a CPU run
+  }
+}
+
 // test::tiny_gpt_job widened, so activations are most of the peak.
 const std::vector<std::string> kShape = {
     "train.per_device_train_batch_size=12", "train.max_steps=3", "train.save_final=false",

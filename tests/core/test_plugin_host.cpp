@@ -60,7 +60,7 @@ TEST(PluginHost, ListsLoadFailuresWithoutThrowing) {
 
 TEST(PluginHost, LoadsAPluginByItsTable) {
   TempDir dir;
-  auto trainer = with_tables(dir, "[recorder]\nfile = \"events.txt\"\n");
+  auto trainer = with_tables(dir, "[recorder]\nfile = \"" + dir.str() + "/events.txt\"\n");
   EXPECT_NE(trainer->describe().find("recorder"), std::string::npos);
 }
 
@@ -237,7 +237,7 @@ TEST(JobPluginPaths, InstalledPluginsAndLoomPluginPathNeedNoPermission) {
 std::unique_ptr<Trainer> recorder_from(const TempDir& dir, const std::filesystem::path& folder,
                                        const std::vector<std::string>& overrides = {}) {
   const std::string job = tiny_gpt_job(dir.str()) + "\n[plugins]\npath = \"" + folder.string() +
-                          "\"\n[recorder]\nfile = \"events.txt\"\n";
+                          "\"\n[recorder]\nfile = \"" + dir.str() + "/events.txt\"\n";
   return Trainer::from_text(job, dir.path(), overrides);
 }
 

@@ -376,6 +376,38 @@ TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
   }
 }
 
+// Note [Overlapped update] on a GPU (written with the CPU twin; not yet run on a GPU): the host
+// store's update overlapping backward — gradients device to host on a side stream, each
+// tensor's CPU update as its copy's event completes, the weights host to device on the side
+// stream, the compute stream joined once — is bitwise the same host store updating after
+// backward (overlap_update = false: the same CPU kernels on the same bits, so any missing wait
+// on a stream or event shows as a difference), with every tensor updated during backward, on
+// one GPU and with gradient accumulation.
+TEST(Gpu, OverlappedHostStoreUpdateIsBitwiseTheUpdateAfterBackward) {
+  LOOM_REQUIRE_GPU();
+  for (const std::string accumulation : {"1", "2"}) {
+    SCOPED_TRACE("gradient_accumulation_steps = " + accumulation);
+    const std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\"",
+                                          "train.max_grad_norm=0",
+                                          "train.gradient_accumulation_steps=" + accumulation};
+    TempDir after_dir, overlap_dir;
+    const std::string zero = "\n[zero]\nstage = 0\n";
+    const TrainRun after = train(tiny_gpt_job(after_dir.str()) + zero +
+                                     "offload_optimizer = { device = \"cpu\", "
+                                     "overlap_update = false }\n",
+                                 after_dir, set);
+    const TrainRun overlap = train(
+        tiny_gpt_job(overlap_dir.str()) + zero + "offload_optimizer = { device = \"cpu\" }\n",
+        overlap_dir, set);
+    ASSERT_EQ(overlap.params.size(), after.params.size());
+    for (size_t i = 0; i < after.params.size(); ++i)
+      EXPECT_TRUE(at::equal(after.params[i], overlap.params[i])) << after.names[i];
+    EXPECT_EQ(overlap.last_metrics["offload_updated_in_backward"].get<double>(),
+              static_cast<double>(overlap.params.size()));
+    EXPECT_FALSE(after.last_metrics.contains("offload_updated_in_backward"));
+  }
+}
+
 TEST(Gpu, ADeviceIndexPastTheLastGpuIsAnErrorNamingTheKey) {
   LOOM_REQUIRE_GPU();
   TempDir dir;

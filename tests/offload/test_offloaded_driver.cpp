@@ -4,7 +4,10 @@
 // swap file); a resumed offloaded run is bitwise the uninterrupted one, from its own checkpoint
 // and from an in-memory run's; the swap file is gone after the run; bad offload keys are errors
 // naming them. Stage 3's weight shards offloaded too (offload_param): bitwise, each unit's shard
-// read a unit ahead, none in memory between steps.
+// read a unit ahead, none in memory between steps. The host store's update overlapping backward
+// (Note [Overlapped update]) is bitwise the in-memory run's, its updates started before
+// update() is called; host memory that cannot be allocated, and offload_param with nothing to
+// offload, are errors naming the size or the threshold.
 #include <ATen/ATen.h>
 
 #include <cstdlib>
@@ -12,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <thread>
 
 #include "loom/engine.h"
 #include "loom/memory.h"
@@ -232,6 +236,48 @@ TEST(Offload, BadOffloadKeysAreErrorsNamingThem) {
   setup("stage = 3\noffload_param = { device = \"cpu\" }");
 }
 
+// Note [Host store]: a host arena that cannot be allocated is an error naming its size and
+// what to do — page-locked (this CPU-only process cannot pin: the same path as a GPU host out of
+// page-locked memory) suggests pin_memory = false, pageable suggests NVMe — before any state is
+// written. And offload_param with units that have no weight to shard is named.
+TEST(Offload, HostMemoryThatCannotBeAllocatedIsNamed) {
+  Schema schema("optimizer", "adamw");
+  schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "")
+      .key_float("weight_decay", 0.0, "").key_string("state_dtype", "fp32", "");
+  const auto rule = make_adamw(ConfigSection("optimizer", {}, schema, "job.toml"));
+  offload::SwapSegment huge;
+  huge.name = "huge";
+  huge.numel = int64_t{1} << 46;  // 256 TiB of fp32 master, 768 TiB with Adam's m and v
+  huge.shape = {huge.numel};
+  offload::OffloadOptions host;
+  host.device = "cpu";
+  host.pin_memory = true;
+  EXPECT_THROW_WITH(offload::SegmentSwap(*rule, {huge}, host), ConfigError,
+                    "offload_optimizer.device = \"cpu\": cannot allocate 768.00 TiB of "
+                    "page-locked host memory", "set pin_memory = false");
+  host.pin_memory = false;
+  try {
+    offload::SegmentSwap(*rule, {huge}, host);
+    ADD_FAILURE() << "768 TiB of host memory were allocated";
+  } catch (const ConfigError& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("cannot allocate 768.00 TiB of host memory"), std::string::npos) << message;
+    EXPECT_NE(message.find("use device = \"nvme\""), std::string::npos) << message;
+    EXPECT_EQ(message.find("pin_memory"), std::string::npos) << message;
+  }
+  TempDir dir, swap;
+  EXPECT_THROW_WITH(
+      Trainer::from_text(job(dir.str(), "adamw",
+                             "stage = 3\noffload_param = { device = \"nvme\", nvme_path = \"" +
+                                 swap.str() + "\" }\n") +
+                             "\n[precision]\nmode = \"full_bf16\"\n",
+                         dir.path())
+          ->setup(),
+      ConfigError, "offload_param", "model 'gpt''s units", "none of its 2 units",
+      "stage3_param_persistence_threshold = 100000", "lower stage3_param_persistence_threshold");
+  EXPECT_TRUE(fs::is_empty(swap.path())) << "a refused job left a swap file";
+}
+
 // Note [Offloaded parameters]: stage 3 with the weights' shards on NVMe (and the optimizer state
 // too, or not) trains bitwise like stage 3 in memory, for adamw and adafactor (its reduction
 // walks); the resident shards are only those being gathered (none between steps); a resumed run
@@ -358,6 +404,161 @@ TEST(Offload, DelayedUpdateAppliesEachUpdateOneStepLate) {
         EXPECT_TRUE(at::equal((i == 0 ? w : b).detach(), expected)) << "after synchronize";
       }
     }
+}
+
+// Note [Overlapped update]: the driver alone. Each gradient handed over as final starts its
+// update at once, on the worker thread: the weights change before update() is called (it only
+// waits), and equal the in-memory driver's bit for bit, fp32 (updated in place) and bf16 (fp32
+// masters in the host store) alike; a step whose update ran during backward and then was not
+// finished by update() (a plugin skipped it) is refused by the next zero_grad, by name.
+TEST(Offload, OverlappedUpdateRunsAsEachGradientIsFinal) {
+  struct TwinScope {
+    TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
+    ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
+  } twin;
+  Schema schema("optimizer", "adamw");
+  schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "")
+      .key_float("weight_decay", 0.0, "").key_string("state_dtype", "fp32", "");
+  const auto rule = make_adamw(ConfigSection("optimizer", {}, schema, "job.toml"));
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dtype == at::kFloat ? "fp32" : "bf16");
+    at::manual_seed(5);
+    const at::Tensor w0 = at::randn({16, 8}).to(dtype), b0 = at::randn({8}).to(dtype);
+    const at::Tensor x = at::randn({4, 16}).to(dtype), y = at::randn({4, 8}).to(dtype);
+    auto make = [&](at::Tensor& w, at::Tensor& b, bool offloaded) {
+      w = w0.clone().requires_grad_(true);
+      b = b0.clone().requires_grad_(true);
+      StepDriverOptions options;
+      options.params = {Param{"w", w, 0}, Param{"b", b, 1}};
+      options.rule = rule.get();
+      options.weight_decay = 0.01;
+      offload::OffloadOptions host;
+      host.device = "cpu";
+      return offloaded ? std::unique_ptr<StepDriver>(offload::make_offloaded_step_driver(options, host))
+                       : make_default_step_driver(options);
+    };
+    auto backward = [&](const at::Tensor& w, const at::Tensor& b) {
+      (at::matmul(x, w) + b - y).to(at::kFloat).pow(2).mean().backward();
+    };
+    at::Tensor w, b, rw, rb;
+    auto driver = make(w, b, true);
+    auto reference = make(rw, rb, false);
+    auto* overlapped = dynamic_cast<offload::OffloadedStepDriver*>(driver.get());
+    ASSERT_TRUE(overlapped && overlapped->overlaps_backward());
+    for (int64_t step = 1; step <= 3; ++step) {
+      const double lr = 1e-2 / static_cast<double>(step);
+      driver->zero_grad();
+      backward(w, b);
+      const at::Tensor before = w.detach().clone();
+      overlapped->grad_final(w, /*update_now=*/true, step, lr);
+      // Nothing but the worker thread can change w now; give it up to 10 s.
+      for (int i = 0; i < 10000 && at::equal(w.detach(), before); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_FALSE(at::equal(w.detach(), before)) << "step " << step << ": w not updated "
+                                                     "before update() was called";
+      overlapped->grad_final(b, true, step, lr);
+      reference->zero_grad();
+      backward(rw, rb);
+      EXPECT_EQ(driver->grad_norm_squared().item<double>(),
+                reference->grad_norm_squared().item<double>());
+      driver->update(step, lr);
+      EXPECT_EQ(overlapped->last_stats().updated_in_backward, 2);
+      reference->update(step, lr);
+      EXPECT_TRUE(at::equal(w.detach(), rw.detach())) << "step " << step;
+      EXPECT_TRUE(at::equal(b.detach(), rb.detach())) << "step " << step;
+    }
+    // An update applied during backward, then skipped: the next step refuses to go on.
+    driver->zero_grad();
+    backward(w, b);
+    overlapped->grad_final(w, true, 4, 1e-3);
+    EXPECT_THROW_WITH(driver->zero_grad(), Error, "step 4", "update was skipped",
+                      "overlapped update had applied it during backward");
+  }
+}
+
+// Note [Overlapped update] through the engine, one rank: the host store's twin trains bitwise
+// like memory for every rule, fp32 and bf16, with clipping (the update waits for the norm:
+// no segment updated during backward) and without (every tensor's update started during
+// backward), and with gradient accumulation (only the last micro-step's gradients are final);
+// a run resumed from its checkpoint is bitwise the one that went on; overlap_update = false
+// updates after backward, and a bad value of it is named.
+TEST(Offload, OverlappedHostStoreTrainsBitwiseLikeMemory) {
+  struct TwinScope {
+    TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
+    ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
+  } twin;
+  const std::string host = "stage = 0\noffload_optimizer = { device = \"cpu\" }\n";
+  const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
+  auto updated_in_backward = [](const fs::path& dir) {
+    std::vector<double> out;
+    for (const auto& line : metric_lines(dir)) {
+      const std::string key = "\"offload_updated_in_backward\":";
+      const auto at = line.find(key);
+      out.push_back(at == std::string::npos ? -1 : std::stod(line.substr(at + key.size())));
+    }
+    return out;
+  };
+  // Every rule without clipping; clipping and accumulation once each (the clipped path for
+  // every rule is HostStoreTwinTrainsBitwiseLikeMemory's: its jobs clip at 1.0).
+  struct Case {
+    std::string rule, precision, train;
+  };
+  std::vector<Case> cases;
+  for (const std::string rule : {"adamw", "adafactor", "adam8bit"})
+    for (const std::string precision : {std::string(), bf16})
+      cases.push_back({rule, precision, "max_grad_norm = 0\n"});
+  cases.push_back({"adamw", bf16, "max_grad_norm = 0.5\n"});
+  cases.push_back({"adamw", "", "max_grad_norm = 0\ngradient_accumulation_steps = 2\n"});
+  for (const auto& [rule, precision, train] : cases) {
+    SCOPED_TRACE(rule + (precision.empty() ? " fp32 " : " bf16 ") + train);
+    TempDir memory_dir, host_dir;
+    const auto memory = trained(job(memory_dir.str(), rule, "stage = 0\n", train) + precision,
+                                memory_dir.path());
+    auto trainer = Trainer::from_text(job(host_dir.str(), rule, host, train) + precision,
+                                      host_dir.path());
+    trainer->setup();
+    const double tensors = static_cast<double>(trainer->engine().params().size());
+    trainer->run();
+    std::map<std::string, at::Tensor> weights;
+    for (const auto& item : trainer->engine().model().named_parameters(true))
+      weights[item.key()] = item.value().detach().to(at::kFloat).clone();
+    expect_bitwise(memory, weights);
+    const bool clips = train.find("0.5") != std::string::npos;
+    const auto counts = updated_in_backward(host_dir.path());
+    EXPECT_EQ(counts.size(), 6u);
+    for (double count : counts) EXPECT_EQ(count, clips ? 0.0 : tensors);
+  }
+  // overlap_update = false: the update after backward, as before the overlap; the same bits.
+  {
+    TempDir memory_dir, after_dir;
+    const std::string train = "max_grad_norm = 0\n";
+    const auto memory = trained(job(memory_dir.str(), "adamw", "stage = 0\n", train) + bf16,
+                                memory_dir.path());
+    const auto after = trained(
+        job(after_dir.str(), "adamw",
+            "stage = 0\noffload_optimizer = { device = \"cpu\", overlap_update = false }\n",
+            train) + bf16,
+        after_dir.path());
+    expect_bitwise(memory, after);
+    for (double count : updated_in_backward(after_dir.path())) EXPECT_EQ(count, -1.0);
+    auto setup = [&](const std::string& zero) {
+      Trainer::from_text(job(after_dir.str(), "adamw", zero), after_dir.path())->setup();
+    };
+    EXPECT_THROW_WITH(setup("offload_optimizer = { device = \"cpu\", overlap_update = 1 }"),
+                      ConfigError, "offload_optimizer.overlap_update must be true or false");
+    EXPECT_THROW_WITH(setup("stage = 3\noffload_param = { device = \"cpu\", "
+                            "overlap_update = true }"),
+                      ConfigError, "offload_param.overlap_update", "set it in offload_optimizer");
+  }
+  TempDir whole_dir, resumed_dir;
+  const std::string train = "max_grad_norm = 0\n";
+  const auto whole = trained(
+      job(whole_dir.str(), "adam8bit", host, train + "save_steps = 3\n") + bf16, whole_dir.path());
+  const auto resumed = trained(
+      job(resumed_dir.str(), "adam8bit", host,
+          train + "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n") + bf16,
+      resumed_dir.path());
+  expect_bitwise(whole, resumed);
 }
 
 // A delayed-update run resumed from its checkpoint (saved with no update in flight) is bitwise

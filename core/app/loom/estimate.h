@@ -8,12 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "loom/memory_declarations.h"
+
 // The SDK is the core's exported surface: visible to plugins built with hidden visibility.
 #pragma GCC visibility push(default)
 
 namespace loom::estimate {
 
-// Note [Memory estimate]: model states follow the ZeRO paper's anatomy with loom's byte counts
+// Note [Memory estimate]: each row is the sum of what the plugins declare (Note [Memory
+// declarations] in loom/memory_declarations.h); with loom's plugins that is this anatomy.
+// Model states follow the ZeRO paper's anatomy with loom's byte counts
 // per trainable parameter: fp32 and bf16 (autocast) keep fp32 weights and gradients (4 + 4) and
 // no masters; full_bf16 keeps bf16 weights and gradients (2 + 2) and fp32 masters (4); the update
 // rule adds its state (AdamW 8; the job's own rule is measured from the state it makes). Stage 1
@@ -40,7 +44,11 @@ enum class Offload { none, cpu, nvme, nvme_params };
 const char* to_string(Precision p);
 const char* to_string(Offload o);
 
-// What the model and its update rule hold, counted once.
+// What the model and its update rule hold, counted once. A job's report fills the unit and
+// frozen counts from what its plugins declared (at the job's persistence threshold and
+// frozen_weights); row() of bare counts passes reduce_bucket_bytes and shard_group_size to the
+// zero plugin's variants (the exceptions in estimate.cpp's declarers), and a job's report leaves
+// them at their defaults: its rows and job_row() read the job's own [zero] table.
 struct ModelCounts {
   double params = 0, trainable = 0;
   double optimizer_per_trainable = 8;  // bytes of update-rule state per trainable parameter
@@ -54,7 +62,7 @@ struct ModelCounts {
   // weights in half]; 0 where the job sets [precision] frozen_weights = "fp32").
   double frozen_linear_params = 0;
   // [zero] reduce_bucket_size: stages 1-3 pack each bucket's gradients into an fp32 send buffer
-  // during backward (Note [Gradient buckets in the peak] in estimate.cpp).
+  // during backward (Note [Gradient buckets in the peak] in plugins/zero/zero_memory.cpp).
   double reduce_bucket_bytes = 25.0 * (1 << 20);
   // [zero] shard_group_size: stages 1-3 shard over groups of this many ranks and replicate
   // across them (Note [Hybrid sharding] in loom/sharding/zero_driver.h), so the sharded terms
@@ -114,6 +122,13 @@ struct Report {
   int64_t units = 0;            // the model's units (its UnitLists' children)
   bool uniform_units = true;    // each of them holds as many elements
   std::vector<Row> rows;        // stages 0-3 x offload x precision
+  // What the job's plugins declared for the job's row (without the activations' samples), and
+  // what they say about the job and the table's variants (see Note [Memory declarations]).
+  memory::MemoryTerms job_terms;
+  bool has_job_terms = false;
+  std::vector<std::string> notes;        // in the first line ("sharded over groups of 2")
+  std::vector<std::string> table_notes;  // under the table
+  std::vector<std::string> legends;      // the variants' ("nvme+p: ...")
 };
 
 // One configuration's row (pure arithmetic: the tests hold it to the ZeRO paper's numbers).
@@ -132,6 +147,9 @@ Report estimate_job(const std::filesystem::path& job, const std::vector<std::str
 // A parameter count alone (DeepSpeed's estimate_zero*_model_states_mem_needs): AdamW, model
 // states only, every parameter trainable.
 Report estimate_params(double params, const Options& options);
+
+// The job's own row at a per-device batch of `batch` samples.
+Row job_row(const Report& report, int64_t batch);
 
 // The largest per-device batch whose estimated peak in `r`'s job configuration fits
 // `budget_bytes`; 0 if none does.

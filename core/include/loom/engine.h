@@ -164,6 +164,9 @@ class Engine {
   virtual CheckpointData& checkpoint() = 0;
   // Bytes of weights, fp32 masters, grads and optimizer state on this rank (from params_ready).
   virtual memory::ModelState model_state() const = 0;
+  // The job's update rule, from setup on (its partitioning cuts ZeRO's flat groups; Note
+  // [Sharded initialization] cuts them while the model is built).
+  virtual const UpdateRule& update_rule() const = 0;
   // What turns gradients into updates (from params_ready on): its grads() are the gradients
   // the update will read, wherever the driver keeps them (a loss scaler unscales those).
   virtual StepDriver& step_driver() = 0;

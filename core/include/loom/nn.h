@@ -231,8 +231,50 @@ at::Tensor collected_aux_losses();
 }  // namespace detail
 
 // GPT-2's initialisation: weights N(0, std), biases 0, norms 1/0. Deterministic given the
-// global generator's state.
+// global generator's state. Modules are visited in modules() order (pre-order); `finish_unit`,
+// when given, runs on each unit of a UnitList as soon as its own modules are initialised
+// (the model's per-unit finishing touches, e.g. GPT-2's scaled residual projections): under
+// sharded initialization (Note [Sharded initialization]) that is the last moment the unit is
+// whole.
 void init_normal_(torch::nn::Module& module, double std = 0.02);
+void init_normal_(torch::nn::Module& module, double std,
+                  const std::function<void(Unit&)>& finish_unit);
+
+// A weight's bytes freed while it keeps its shape, dtype, autograd identity and storage object
+// (FSDP's resize-to-zero; Note [Releasing a weight] in sharding/src/zero_driver.cpp), and given
+// bytes again (uninitialised). released: it has elements but its storage holds no bytes.
+void release_storage(const at::Tensor& tensor);
+void restore_storage(const at::Tensor& tensor);
+bool storage_released(const at::Tensor& tensor);
+
+// Note [Sharded initialization]: at ZeRO stage 3 no rank should ever hold the whole model,
+// not even while it is built. An observer installed around a model's construction (the zero
+// plugin's, sharding/sharded_init.h) sees each unit of every UnitList as it is built:
+//   1. UnitList::push_back: the unit is constructed. Its constructor's random draws are made
+//      (they move the global generator exactly as without the observer) but its values are
+//      not final: the tensors init_normal_ overwrites (Linear, Embedding, LayerNorm, RMSNorm
+//      weights and biases) are released at once, and the observer's unit_constructed runs.
+//   2. init_normal_ reaching the unit: those tensors get bytes again, are initialised in the
+//      same order with the same draws, the model's finish_unit runs, then the observer's
+//      unit_initialised: it keeps this rank's part and releases the rest. So one unit at a
+//      time is whole, and every value is bitwise what the unobserved build gives.
+//   3. pretrained::assign, for a weight the observer released: the observer's assign copies
+//      only the elements it keeps from the source (a read-only map of the file).
+// A model keeps its units' values final once init_normal_ has finished them: code that reads
+// or writes a unit's weights after that (other than assign) needs the whole model, and the
+// observer's user must refuse it. Without an observer (the default) nothing changes.
+class UnitBuildObserver {
+ public:
+  virtual ~UnitBuildObserver();
+  virtual void unit_constructed(Unit& unit) = 0;
+  virtual void unit_initialised(Unit& unit) = 0;
+  // `target` is a weight this observer released; `source` (the same shape, any dtype and
+  // strides) holds its values. Returns false for a tensor the observer does not keep.
+  virtual bool assign(const at::Tensor& target, const at::Tensor& source) = 0;
+};
+// One per process, installed for the duration of a model's construction; null removes it.
+void set_unit_build_observer(UnitBuildObserver* observer);
+UnitBuildObserver* unit_build_observer();
 
 }  // namespace loom::nn
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "loom/config.h"
+#include "loom/memory_declarations.h"
 #include "loom/pretrained.h"
 #include "loom/sdk_digest.h"
 
@@ -27,7 +28,7 @@
 // built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
 // fails when the headers change while this number does not (core/sdk_digests.txt records
 // the digest of each version).
-#define LOOM_PLUGIN_API_VERSION 17u
+#define LOOM_PLUGIN_API_VERSION 18u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -147,6 +148,15 @@ class Plugin {
   virtual bool merge_for_export(
       const ConfigSection& table, NamedTensors& weights,
       const std::function<std::string(const std::string&)>& resolve_path) const;
+  // Note [Memory declarations] (loom/memory_declarations.h), for `loom estimate`: the plugin's
+  // byte terms for one rank of a job whose table is `table` (validated; the job's own or a
+  // variant's): read the context and what the plugins before it declared in `terms`, add or
+  // replace its own. Must not depend on configure() (it may not have run). Default: nothing.
+  virtual void declare_memory(const ConfigSection& table, const memory::MemoryContext& context,
+                              memory::MemoryTerms& terms) const;
+  // The configurations of its table the estimate's what-if table shows, whether or not the job
+  // has the table (zero: its stages and offloads; precision: its modes). Default: none.
+  virtual std::vector<memory::MemoryVariant> memory_variants() const;
   // A plugin that fills Slot::step_driver: called once, after model_built and before
   // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
   virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,

@@ -41,6 +41,12 @@ class Folder {
   std::vector<int64_t> shape(const std::string& name) const;
   // The tensor in its stored dtype; a name the folder lacks is a CheckpointError naming it.
   at::Tensor read(const std::string& name) const;
+  // The same values with nothing copied: a read-only view of the file's bytes mapped into
+  // memory (a copy only where the file places the tensor off its element alignment). A reader
+  // touches only the pages it reads, and the page cache holds one copy for every rank reading
+  // the file; so a ZeRO-3 rank copies just its part of each unit weight (Note [Sharded
+  // initialization] in loom/nn.h). The view must not be written to.
+  at::Tensor map(const std::string& name) const;
 
  private:
   std::filesystem::path dir_;
@@ -49,7 +55,8 @@ class Folder {
 };
 
 // Copies `tensors` (the module's own names) into the module's parameters and persistent
-// buffers, converted to each one's dtype. Every parameter must be given and nothing else: a
+// buffers, converted to each one's dtype (a weight released by the unit build observer gets
+// only the elements the observer keeps: Note [Sharded initialization] in loom/nn.h). Every parameter must be given and nothing else: a
 // missing or unexpected name, or another shape, is a CheckpointError naming the tensor (and
 // both shapes) and `source`.
 void assign(torch::nn::Module& module, const NamedTensors& tensors, const std::string& source);

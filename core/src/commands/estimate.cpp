@@ -23,6 +23,7 @@
 #include "loom/model.h"
 #include "loom/nn.h"
 #include "loom/trainer.h"
+#include "estimate_rows.h"
 #include "plugin_host.h"
 #include "resolve.h"
 
@@ -47,16 +48,6 @@ const char* to_string(Offload o) {
 }
 
 namespace {
-
-constexpr Precision kPrecisions[] = {Precision::fp32, Precision::bf16, Precision::full_bf16};
-constexpr Offload kOffloads[] = {Offload::none, Offload::cpu, Offload::nvme, Offload::nvme_params};
-
-struct PerParam {
-  double weight, grad, master;
-};
-PerParam bytes_of(Precision p) {
-  return p == Precision::full_bf16 ? PerParam{2, 2, 4} : PerParam{4, 4, 0};
-}
 
 // A folder under the system's temporary directory, removed with this object.
 class ScratchDir {
@@ -91,19 +82,6 @@ const ConfigValue* key_of(const Job& job, std::string_view table, std::string_vi
   return t && t->is_table() ? t->find(key) : nullptr;
 }
 
-// A setting of the job: its value, or else the default in the schema of the plugin whose table
-// it is (the plugin's own, so the estimate never repeats a plugin's defaults); nullopt where
-// the job leaves it and no plugin of that table is installed.
-std::optional<ConfigValue> setting(const Job& job, std::string_view table, std::string_view key) {
-  if (const ConfigValue* v = key_of(job, table, key)) return *v;
-  PluginHost host;
-  if (LoadedPlugin* plugin = host.find(std::string(table)))
-    for (const auto& schema : plugin->plugin->schemas())
-      if (schema.table() == table && schema.provider().empty())
-        if (const KeySpec* spec = schema.find(key)) return spec->default_value;
-  return std::nullopt;
-}
-
 // What one probe run saw: the model's counts and the peak of device memory above what was
 // live before it.
 struct ProbeResult {
@@ -116,6 +94,8 @@ struct ProbeResult {
   int64_t units = 0;
   bool uniform_units = true;
   double params_per_unit = 0;  // every parameter of the first unit
+  // Each unit's trainable tensors' elements (what a sharding plugin may cut with the units).
+  std::vector<std::vector<double>> unit_tensors;
 };
 
 // The lower of the two probe batches (Note [Probe batches]).
@@ -123,7 +103,8 @@ int64_t lower_probe_batch(int64_t job_batch) { return job_batch >= 3 ? 2 : 1; }
 
 // `run` false: the model set up and counted, no step run.
 ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t batch,
-                  bool has_zero, const std::filesystem::path& out, bool run = true) {
+                  const std::vector<std::string>& layout, const std::filesystem::path& out,
+                  bool run = true) {
   overrides.insert(overrides.begin(), job.overrides.begin(), job.overrides.end());
   // One process of its own, whatever launched this one (Note [Solo probes]); and no auto batch
   // inside a probe.
@@ -139,13 +120,9 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   overrides.push_back("train.save_final=false");
   overrides.push_back("train.progress_bar=false");
   overrides.push_back("train.log_level=\"error\"");
-  // Probes measure the unsharded, in-memory layout; stages and offload are arithmetic.
-  if (has_zero) {
-    overrides.push_back("zero.stage=0");
-    overrides.push_back("zero.shard_group_size=0");  // stage 0 refuses groups; they are arithmetic
-    overrides.push_back("zero.offload_optimizer={device = \"none\"}");
-    overrides.push_back("zero.offload_param={device = \"none\"}");
-  }
+  // Probes measure the unsharded, in-memory layout; sharding and offload are what the plugins
+  // declare (Note [Memory declarations]).
+  overrides.insert(overrides.end(), layout.begin(), layout.end());
   std::filesystem::remove_all(out);
   auto trainer = make_trainer(Job::parse(job.text, job.file, overrides));
   trainer->setup();
@@ -159,29 +136,12 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
       state.trainable_count ? static_cast<double>(state.optimizer_bytes) /
                                   static_cast<double>(state.trainable_count)
                             : 0.0;
-  // Frozen Linear weights in half under autocast, where [precision] frozen_weights says so.
-  const std::optional<ConfigValue> frozen = setting(job, "precision", "frozen_weights");
-  const auto* frozen_mode = frozen ? std::get_if<std::string>(&frozen->value) : nullptr;
-  if (frozen_mode && *frozen_mode == "half")
-    for (const auto& t : nn::frozen_linear_tensors(engine.model()))
-      r.counts.frozen_linear_params += static_cast<double>(t.numel());
+  // Frozen Linear weights: held in half under autocast where the precision declares so.
+  for (const auto& t : nn::frozen_linear_tensors(engine.model()))
+    r.counts.frozen_linear_params += static_cast<double>(t.numel());
   for (const auto& p : engine.params())
     r.counts.largest_tensor_params =
         std::max(r.counts.largest_tensor_params, static_cast<double>(p.tensor.numel()));
-  // Stage 3 shards a unit's trainable tensors of at least stage3_param_persistence_threshold
-  // elements; smaller ones stay whole like the parameters outside units, and so do frozen ones
-  // (ZeRO's driver holds only what trains: a LoRA job's base stays whole on every rank).
-  double persistence = 0;
-  if (const auto v = setting(job, "zero", "stage3_param_persistence_threshold")) {
-    if (auto* f = std::get_if<double>(&v->value)) persistence = *f;
-    if (auto* i = std::get_if<int64_t>(&v->value)) persistence = static_cast<double>(*i);
-  }
-  if (const auto v = setting(job, "zero", "reduce_bucket_size")) {
-    if (auto* f = std::get_if<double>(&v->value)) r.counts.reduce_bucket_bytes = *f;
-    if (auto* i = std::get_if<int64_t>(&v->value)) r.counts.reduce_bucket_bytes = static_cast<double>(*i);
-  }
-  if (const auto v = setting(job, "zero", "shard_group_size"))
-    if (auto* i = std::get_if<int64_t>(&v->value)) r.counts.shard_group_size = static_cast<double>(*i);
   double first_unit = -1;
   for (nn::UnitList* list : engine.unit_lists())
     for (const auto& unit : list->children()) {
@@ -190,12 +150,9 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
       if (first_unit < 0) first_unit = r.params_per_unit = all;
       r.uniform_units = r.uniform_units && all == first_unit;
       ++r.units;
-      double n = 0;
+      std::vector<double>& tensors = r.unit_tensors.emplace_back();
       for (const auto& p : unit->parameters(/*recurse=*/true))
-        if (p.requires_grad() && static_cast<double>(p.numel()) >= persistence)
-          n += static_cast<double>(p.numel());
-      r.counts.largest_unit_params = std::max(r.counts.largest_unit_params, n);
-      r.counts.unit_params += n;
+        if (p.requires_grad()) tensors.push_back(static_cast<double>(p.numel()));
     }
   r.setup_peak = static_cast<double>(memory::device_stats(r.device).peak_bytes);
   if (!run) return r;
@@ -220,116 +177,6 @@ namespace {
 Report estimate_loaded(const Job& job, const Options& options);
 }  // namespace
 
-Row row(const ModelCounts& m, int stage, Offload offload, Precision precision, int world_size,
-        const Activations& activations, int64_t batch, bool cpu_device, int buffer_count) {
-  // Stages 1-3 shard over N ranks: the world, or the job's shard group (Note [Hybrid sharding]
-  // in loom/sharding/zero_driver.h: replicated across the groups, so nothing more is saved).
-  const double N = m.shard_group_size >= 1
-                       ? std::min<double>(m.shard_group_size, std::max(world_size, 1))
-                       : std::max(world_size, 1);
-  const PerParam b = bytes_of(precision);
-  Row r;
-  r.stage = stage;
-  r.offload = offload;
-  r.precision = precision;
-  // Note [ZeRO's model states] (loom/memory.h): the trainable elements by the one formula the
-  // zero plugin checks its measured state against; what does not train is held whole.
-  const memory::ZeroModelStates z = memory::zero_model_states(
-      stage, N, m.trainable, m.unit_params, b.weight, b.master, m.optimizer_per_trainable);
-  double whole_weights = m.params * b.weight;  // every weight, before any sharding
-  if (precision == Precision::bf16) whole_weights -= m.frozen_linear_params * (b.weight - 2);
-  r.weights = whole_weights - m.trainable * b.weight + z.weights;
-  r.grads = z.grads;
-  r.masters = z.masters;
-  r.optimizer = z.optimizer;
-  // Stage 3 gathers two units whole (the one computing, the next one prefetched).
-  const double unit_bytes = m.unit_params * b.weight;
-  if (stage >= 3 && N > 1) r.weights += 2 * m.largest_unit_params * b.weight;
-  r.activations_measured = activations.measured;
-  if (activations.measured) {
-    r.activations = activations.per_sample * static_cast<double>(batch);
-    r.buffers = activations.fixed;
-    r.setup_peak = activations.setup_peak;
-    r.update_extra = activations.update;
-  } else if (precision == Precision::bf16) {
-    r.buffers = 2 * (m.params - m.frozen_linear_params);  // autocast's half copies of the weights
-  }
-  double offloaded = r.masters + r.optimizer;
-  double staging = 0;
-  const bool on_nvme = offload == Offload::nvme || offload == Offload::nvme_params;
-  if (on_nvme) {
-    // Each buffer holds the largest tensor's share: its fp32 master and its state.
-    double share = m.largest_tensor_params * (4 + m.optimizer_per_trainable);
-    if (stage >= 1) share /= N;
-    staging = buffer_count * share;
-  }
-  // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
-  // gradients (one rank has none; the probes run on one).
-  if (stage == 0 && world_size > 1) r.buffers += m.trainable * 4;
-  // Note [Gradient buckets in the peak]: at stages 1-3 the driver packs each bucket's gradients
-  // into an fp32 send buffer as backward makes them, on one rank too; the first bucket fills
-  // while the activations are near their peak (the probes, at stage 0 on one rank, have none).
-  // Stages 1-2 bucket the whole model, stage 3 a unit at a time. Measured on a 0.36 M-parameter
-  // GPT at batch 12 in full_bf16: +1.40 MiB at stages 1-2, +0.55 MiB at stage 3, none with
-  // 100 kB buckets.
-  if (stage >= 1) {
-    const double bucketed = stage >= 3 ? m.largest_unit_params : m.trainable;
-    r.buffers += std::min(bucketed * 4, m.reduce_bucket_bytes);
-  }
-  if (on_nvme && stage >= 1 && b.master > 0) {
-    // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
-    // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
-    // beside the weights.
-    r.buffers += (stage == 3 ? m.trainable - m.unit_params : m.trainable) * b.weight / N;
-  }
-  if (offload == Offload::nvme_params) {
-    // Note [Offloaded parameters]: the units' shards live in the file; memory keeps the weights
-    // outside units whole, two units gathered (the one computing, the one whose gather lands
-    // next), and three shards in flight (one read ahead, two being written).
-    const double shards = m.unit_params / N * b.weight;
-    r.weights = whole_weights - unit_bytes + 2 * m.largest_unit_params * b.weight + shards;
-    offloaded += shards;
-    staging += 3 * m.largest_unit_params / N * b.weight;
-  }
-  r.device = r.model_states() + r.activations + r.buffers;
-  if (offload != Offload::none) r.device -= offloaded;
-  if (offload == Offload::cpu) r.host = offloaded;
-  if (on_nvme) {
-    r.nvme = offloaded;
-    r.host = staging;
-  }
-  if (cpu_device) {  // one memory: the host column folds into the device's
-    r.device += r.host;
-    r.host = 0;
-  }
-  // The update runs after the activations are freed: its own extra (the rule's temporaries,
-  // half weights written back) over the model states on the device.
-  r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
-  // What loom runs today: the optimizer state offloaded to host memory or NVMe at every stage;
-  // the weight shards on NVMe only where the compute is on the CPU already (a GPU's would
-  // travel through pinned host buffers, still to come).
-  r.buildable = offload != Offload::nvme_params || cpu_device;
-  return r;
-}
-
-std::vector<Row> rows(const ModelCounts& model, const Activations activations[3], int world_size,
-                      int64_t batch, bool cpu_device, int buffer_count) {
-  std::vector<Row> out;
-  for (int stage = 0; stage <= 3; ++stage)
-    for (Offload offload : kOffloads)
-      for (Precision precision : kPrecisions) {
-        // offload_param exists for stage 3 with half-precision weights only (fp32 weights are
-        // their own masters: nothing could be dropped from memory).
-        if (offload == Offload::nvme_params &&
-            (stage != 3 || precision != Precision::full_bf16))
-          continue;
-        out.push_back(row(model, stage, offload, precision, world_size,
-                          activations[static_cast<int>(precision)], batch, cpu_device,
-                          buffer_count));
-      }
-  return out;
-}
-
 Report estimate_job(const std::filesystem::path& job_path,
                     const std::vector<std::string>& overrides, const Options& options) {
   // A bad job fails here, as loom check would.
@@ -344,28 +191,6 @@ Report estimate_loaded(const Job& job, const Options& options) {
   Report report;
   report.job = job.file.string();
   report.options = options;
-  const bool has_zero = job.table("zero") != nullptr;
-  if (const ConfigValue* v = key_of(job, "zero", "stage"))
-    if (auto* stage = std::get_if<int64_t>(&v->value)) report.job_stage = static_cast<int>(*stage);
-  if (const ConfigValue* v = key_of(job, "zero", "offload_optimizer"))
-    if (const ConfigValue* d = v->is_table() ? v->find("device") : nullptr)
-      if (auto* s = std::get_if<std::string>(&d->value))
-        report.job_offload = *s == "nvme" ? Offload::nvme : *s == "cpu" ? Offload::cpu
-                                                                       : Offload::none;
-  // offload_param alone (the optimizer state in memory) has no row of its own: the nvme+p
-  // row counts the state on NVMe too, and the note under the table says so.
-  if (const ConfigValue* v = key_of(job, "zero", "offload_param"))
-    if (const ConfigValue* d = v->is_table() ? v->find("device") : nullptr)
-      if (auto* s = std::get_if<std::string>(&d->value); s && *s == "nvme") {
-        report.job_offload_params_only = report.job_offload != Offload::nvme;
-        report.job_offload = Offload::nvme_params;
-      }
-  std::string job_mode = "fp32";
-  if (const ConfigValue* v = key_of(job, "precision", "mode"))
-    if (auto* s = std::get_if<std::string>(&v->value)) job_mode = *s;
-  report.job_precision = job_mode == "full_bf16" || job_mode == "full_fp16" ? Precision::full_bf16
-                         : job_mode == "bf16" || job_mode == "fp16"        ? Precision::bf16
-                                                                           : Precision::fp32;
   int64_t job_batch = 8, accumulation = 1;
   if (const ConfigValue* v = key_of(job, "train", "per_device_train_batch_size"))
     if (auto* n = std::get_if<int64_t>(&v->value)) job_batch = *n;
@@ -378,12 +203,43 @@ Report estimate_loaded(const Job& job, const Options& options) {
 
   // The model plugin's key for its unit count (Note [Proxy probes]), from the job resolved as
   // `loom check` resolves it: a bad job fails here.
-  std::string unit_key;
+  PluginHost host;
+  const ResolvedJob resolved = resolve(job, host);
+  const std::string unit_key = resolved.model.provider->plugin->unit_count_key(resolved.model.name);
+  // The job's own tables say which row is the job's (see Note [Memory declarations]; the
+  // labels do not depend on the model's counts).
+  const Declarers all = declarers(host, &resolved, job.file.string());
   {
-    PluginHost host;
-    const ResolvedJob resolved = resolve(job, host);
-    unit_key = resolved.model.provider->plugin->unit_count_key(resolved.model.name);
+    const Choice own(all.size(), -1);
+    memory::MemoryContext labels_only;  // no counts yet: the labels and notes need the ranks
+    labels_only.world_size = options.world_size;
+    const memory::MemoryTerms mine = declare(all, own, labels_only, 0);
+    report.job_stage = stage_label(mine);
+    const std::string offload = label(mine, "offload", "none");
+    for (Offload o : kOffloads)
+      if (offload == to_string(o)) report.job_offload = o;
+    report.job_precision = kPrecisions[precision_index(mine)];
+    // offload_param alone (the optimizer state in memory) has no row of its own: the nvme+p
+    // row counts the state on NVMe too, and the note under the table says so.
+    report.job_offload_params_only = label(mine, "optimizer_state", "") == "memory";
+    report.notes = mine.notes;
+    report.table_notes = mine.table_notes;
   }
+  // What the probes run: every axis the job has but the precision at its first variant (zero:
+  // stage 0, in memory: the unsharded layout, whose sharding and offload are declared), and
+  // each precision's variant in turn.
+  std::vector<std::string> layout;
+  auto set_lines = [](const Declarer& d, const memory::MemoryVariant& v) {
+    std::vector<std::string> lines;
+    for (const auto& [key, value] : v.overrides)
+      lines.push_back(d.plugin->plugin->name() + "." + key + "=" + value.to_text());
+    return lines;
+  };
+  for (const Declarer& d : all)
+    if (d.in_job && !d.variants.empty() && !d.variants.front().labels.count("precision")) {
+      const auto lines = set_lines(d, d.variants.front());
+      layout.insert(layout.end(), lines.begin(), lines.end());
+    }
   ScratchDir scratch;
   memory::install_cpu_tracker();
   std::optional<c10::Device> device;  // known after the first probe
@@ -405,7 +261,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
       std::fflush(stderr);
     }
     const auto start = std::chrono::steady_clock::now();
-    ProbeResult r = probe(job, with, b, has_zero, scratch.path() / "run", run);
+    ProbeResult r = probe(job, with, b, layout, scratch.path() / "run", run);
     ++done;
     if (speak)
       std::fprintf(stderr, "loom estimate: probe %d of %d done in %.1f s\n", done,
@@ -423,8 +279,12 @@ Report estimate_loaded(const Job& job, const Options& options) {
   };
   auto overrides_for = [&](Precision precision) {
     std::vector<std::string> with;
-    if (!options.job_precision_only)
-      with.push_back(std::string("precision.mode=\"") + to_string(precision) + "\"");
+    if (options.job_precision_only) return with;
+    for (const Declarer& d : all)
+      for (const auto& v : d.variants)
+        if (const auto at = v.labels.find("precision");
+            at != v.labels.end() && at->second == to_string(precision))
+          with = set_lines(d, v);
     return with;
   };
 
@@ -436,6 +296,17 @@ Report estimate_loaded(const Job& job, const Options& options) {
   // job's own batch, else 1 and 2.
   const int64_t low = lower_probe_batch(report.batch);
   double per_unit = 0;
+  std::vector<std::vector<double>> unit_tensors;  // the whole model's (ProbeResult)
+  // The model states of a probe's model in one precision on one rank, as the job's plugins
+  // declare them: what the probes' peaks are measured above.
+  auto model_states = [&](const ModelCounts& counts,
+                          const std::vector<std::vector<double>>& units, Precision precision) {
+    const Choice choice = choice_for(
+        all, {{"stage", "0"}, {"offload", "none"}, {"precision", to_string(precision)}});
+    return declare(all, choice, context_with_units(counts, units, 1, true, options.buffer_count),
+                   0)
+        .model_states();
+  };
   // The whole model set up once (no step): its counts, its units, its setup peak in the first
   // precision probed. Without probes that is all.
   const int passes = options.probe && !options.job_precision_only ? 3 : 1;
@@ -444,6 +315,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
     const ProbeResult whole = run_probe(std::string("the whole model set up, ") + to_string(first),
                                         overrides_for(first), 1, false);
     report.model = whole.counts;
+    unit_tensors = whole.unit_tensors;
     counted = true;
     report.activations[precision_of(0)].setup_peak = whole.setup_peak;
     report.units = whole.units;
@@ -496,8 +368,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
                   "two steps of a " + std::to_string(u) + "-unit proxy, " + name, proxy, b, true);
               LOOM_CHECK(r.units == u, "the proxy has ", r.units, " units, not ", u);
               built = true;
-              const double states =
-                  row(r.counts, 0, Offload::none, precision, 1, {}, 0, true).model_states();
+              const double states = model_states(r.counts, r.unit_tensors, precision);
               above[u - 1][b - low] = r.backward_peak - states;
               update[u - 1] = std::max(update[u - 1], r.update_peak - states);
               if (u == 2)
@@ -545,12 +416,11 @@ Report estimate_loaded(const Job& job, const Options& options) {
         update_peaks[b - low] = r.update_peak;
         peaks[b - low] = r.backward_peak;
       }
-      const Row states = row(report.model, 0, Offload::none, precision, 1, {}, 0, true);
+      const double states = model_states(report.model, unit_tensors, precision);
       a.measured = true;
       a.per_sample = std::max(0.0, peaks[1] - peaks[0]);
-      a.fixed = std::max(0.0, peaks[0] - static_cast<double>(low) * a.per_sample -
-                                  states.model_states());
-      a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states.model_states());
+      a.fixed = std::max(0.0, peaks[0] - static_cast<double>(low) * a.per_sample - states);
+      a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states);
     } catch (const ConfigError&) {
       throw;  // the job itself is wrong: say so, as loom check would
     } catch (const std::exception& error) {
@@ -561,8 +431,29 @@ Report estimate_loaded(const Job& job, const Options& options) {
     }
   }
   LOOM_CHECK(counted, "no probe of '", job.file.string(), "' ran");
-  report.rows = rows(report.model, report.activations, options.world_size, report.batch,
-                     report.device == "cpu", options.buffer_count);
+  // Every combination of the axes' variants over the job's tables, each the sum of what the
+  // job's plugins (and the axes') declare (see Note [Memory declarations]).
+  const bool cpu = report.device == "cpu";
+  const memory::MemoryContext context = context_with_units(
+      report.model, unit_tensors, options.world_size, cpu, options.buffer_count);
+  report.model.frozen_linear_params = 0;  // now: what the declarations hold in half
+  const std::vector<Combination> table = combinations(all, context, report.activations);
+  report.legends = legends(all, table);
+  for (const Combination& c : table) {
+    const Row r = finish(c.terms, report.activations[precision_index(c.terms)], report.batch, cpu);
+    if (r.stage == report.job_stage && r.offload == report.job_offload &&
+        r.precision == report.job_precision) {
+      report.job_terms = c.terms;
+      report.has_job_terms = true;
+    }
+    // What the declarations counted, for the report's counts (and row() of them).
+    report.model.unit_params = std::max(report.model.unit_params, c.terms.unit_params);
+    report.model.largest_unit_params =
+        std::max(report.model.largest_unit_params, c.terms.largest_unit_params);
+    report.model.frozen_linear_params =
+        std::max(report.model.frozen_linear_params, c.terms.half_frozen_params);
+    report.rows.push_back(r);
+  }
   return report;
 }
 
@@ -580,16 +471,27 @@ Report estimate_params(double params, const Options& options) {
   report.model.unit_params = params;  // all of it in layers; their size is not known
   report.model.optimizer_per_trainable = 8;
   report.model_name = "(a parameter count)";
-  report.rows = rows(report.model, report.activations, options.world_size, 0, false,
-                     options.buffer_count);
+  const Declarers all = standalone_for(report.model);
+  const std::vector<Combination> table = combinations(
+      all, context_of(report.model, options.world_size, false, options.buffer_count),
+      report.activations);
+  report.legends = legends(all, table);
+  for (const Combination& c : table)
+    report.rows.push_back(finish(c.terms, {}, 0, false));
   return report;
+}
+
+Row job_row(const Report& r, int64_t batch) {
+  const Activations& a = r.activations[static_cast<int>(r.job_precision)];
+  if (r.has_job_terms) return finish(r.job_terms, a, batch, r.device == "cpu");
+  return row(r.model, r.job_stage, r.job_offload, r.job_precision, r.options.world_size, a, batch,
+             r.device == "cpu", r.options.buffer_count);
 }
 
 int64_t largest_batch(const Report& r, double budget_bytes) {
   const Activations& a = r.activations[static_cast<int>(r.job_precision)];
   if (!a.measured || a.per_sample <= 0) return 0;
-  const Row base = row(r.model, r.job_stage, r.job_offload, r.job_precision,
-                       r.options.world_size, a, 0, r.device == "cpu", r.options.buffer_count);
+  const Row base = job_row(r, 0);
   if (base.setup_peak > budget_bytes) return 0;
   const double room = budget_bytes - base.device;
   if (room < a.per_sample) return 0;
@@ -659,9 +561,7 @@ std::string format(const Report& r) {
   char per[32];
   std::snprintf(per, sizeof per, "%.3g", r.model.optimizer_per_trainable);
   out << per << " B per trainable parameter; " << r.options.world_size << " rank(s)";
-  if (r.model.shard_group_size >= 1 && r.model.shard_group_size < r.options.world_size)
-    out << " (stages 1-3 sharded over groups of " << r.model.shard_group_size
-        << ", [zero] shard_group_size)";
+  for (const std::string& note : r.notes) out << " (" << note << ")";
   out << ", device " << r.device;
   if (!r.job.empty()) out << ", per-device batch " << r.batch;
   out << "\n";
@@ -709,10 +609,8 @@ std::string format(const Report& r) {
                   row.buildable ? "" : "  (not in loom yet)", mine ? "  <- this job" : "");
     out << line;
   }
-  out << "nvme+p: offload_param too, the units' weight shards on NVMe (stage 3, full_bf16)\n";
-  if (r.job_offload_params_only)
-    out << "this job offloads the weight shards but keeps the optimizer state in memory: its RAM "
-           "is the nvme+p row's plus that row's masters and optimizer state\n";
+  for (const std::string& legend : r.legends) out << legend << "\n";
+  for (const std::string& note : r.table_notes) out << note << "\n";
   if (r.options.budget_bytes > 0 && !r.job.empty()) {
     const int64_t fits = largest_batch(r, r.options.budget_bytes);
     const BatchPlan plan = plan_batch(r.effective_batch, fits);
@@ -776,9 +674,6 @@ Job with_auto_batch(Job job) {
   estimate::Options options;
   options.world_size = backend == "local" ? 1 : env.world_size;
   options.job_precision_only = true;
-  if (const ConfigValue* v = estimate::key_of(job, "zero", "offload_optimizer"))
-    if (const ConfigValue* n = v->is_table() ? v->find("buffer_count") : nullptr)
-      if (auto* count = std::get_if<int64_t>(&n->value)) options.buffer_count = static_cast<int>(*count);
   std::string budget_text = "auto";
   const ConfigValue* budget_value = estimate::key_of(job, "train", "memory_budget");
   if (budget_value) {
@@ -814,10 +709,7 @@ Job with_auto_batch(Job job) {
   }
   const int64_t fits = estimate::largest_batch(report, budget);
   const estimate::BatchPlan plan = estimate::plan_batch(report.effective_batch, fits);
-  const estimate::Row mine = estimate::row(
-      report.model, report.job_stage, report.job_offload, report.job_precision,
-      options.world_size, report.activations[static_cast<int>(report.job_precision)], 1,
-      report.device == "cpu", options.buffer_count);
+  const estimate::Row mine = estimate::job_row(report, 1);
   LOOM_CHECK_AS(ConfigError, plan.batch > 0, where, ": auto_find_batch_size: not even one sample "
                 "per micro-batch fits the memory budget of ", memory::format_bytes(static_cast<int64_t>(budget)),
                 " per rank (batch 1 needs about ", memory::format_bytes(static_cast<int64_t>(mine.peak)),

@@ -4,6 +4,15 @@
 //
 // usage: loom_bench_optim RULE THREADS STEPS PARAMS_MILLIONS   (RULE: adamw adamw_bf16 (adamw
 //        with state_dtype = "bf16") adafactor adam8bit sgd lion, or "triad")   prints one JSON line
+//        LOOM_BENCH_OPTIM_PLUGIN=PATH loads that loom_optim.so instead of the build's (an old
+//        and a new plugin compared in one session, neither copied over the build tree)
+//    or: loom_bench_optim compare THREADS ROUNDS PARAMS_MILLIONS ENTRY...   one process, every
+//        entry's own parameters and state, one step of each entry per round in turn (the
+//        first round warms up), prints one JSON line per entry with every round's seconds. An
+//        ENTRY is torch-fused (at::_fused_adamw_, the kernel of torch.optim.AdamW(fused=True)),
+//        or RULE[:ISA][@PLUGIN] (ISA sets LOOM_KERNEL_ISA for its steps; PLUGIN a loom_optim.so
+//        to load instead of the build's). On a machine others load, ratios between entries of one
+//        process are what to compare: each round's entries run seconds apart.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -11,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -32,7 +42,7 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 3.0f * c[i];
 }
 
-std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
+std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plugin_path) {
   loom::Schema schema("optimizer", name);
   loom::Plugin* plugin = nullptr;
   const bool adamw = name == "adamw" || name == "adamw_bf16";
@@ -40,7 +50,7 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name) {
     schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "");
     schema.key_string("state_dtype", "fp32", "");
   } else {
-    void* handle = dlopen(LOOM_OPTIM_PLUGIN, RTLD_NOW);
+    void* handle = dlopen(plugin_path && *plugin_path ? plugin_path : LOOM_OPTIM_PLUGIN, RTLD_NOW);
     if (!handle) throw std::runtime_error(dlerror());
     auto entry =
         reinterpret_cast<const loom_plugin_info* (*)()>(dlsym(handle, "loom_plugin_entry"));
@@ -68,10 +78,122 @@ std::string used_isa(const std::string& rule) {
   return std::string(loom::cpu::kernel_isa_name(loom::cpu::cpu_kernel_isa())) + " (not capped)";
 }
 
+// 100 tensors: 99 matrices (rows x 1024) and one vector, ~total elements, each with its grad.
+std::vector<loom::Segment> make_segments(const loom::UpdateRule* rule, int64_t total,
+                                         std::vector<at::Tensor>& grads) {
+  const int64_t cols = 1024, rows = total / 100 / cols;
+  const bool fresh_grads = grads.empty();
+  std::vector<loom::Segment> segments;
+  for (int i = 0; i < 100; ++i) {
+    loom::Segment s;
+    s.name = "t" + std::to_string(i);
+    s.shape = i == 99 ? std::vector<int64_t>{rows * cols} : std::vector<int64_t>{rows, cols};
+    s.param = at::randn({rows * cols}) * 0.02;
+    if (rule) s.state = rule->init_state(s);
+    if (fresh_grads) grads.push_back(at::randn({rows * cols}) * 1e-3);
+    s.grad = grads[i];
+    segments.push_back(std::move(s));
+  }
+  return segments;
+}
+
+void update_all(const loom::UpdateRule& rule, std::vector<loom::Segment>& segments, int step) {
+  for (auto& segment : segments) {
+    loom::UpdateContext ctx;
+    ctx.step = step;
+    ctx.lr = 1e-3;
+    ctx.weight_decay = 0.01;
+    loom::update_tensor(rule, {&segment}, ctx);
+  }
+}
+
+// The compare mode (usage above): entries interleaved in one process.
+int compare(int threads, int rounds, int64_t total, const std::vector<std::string>& names) {
+  struct Entry {
+    std::string name, rule, isa, plugin;
+    std::unique_ptr<loom::UpdateRule> update_rule;
+    std::vector<loom::Segment> segments;
+    std::vector<at::Tensor> m, v;  // torch-fused's state
+    std::vector<double> seconds;
+  };
+  std::vector<at::Tensor> grads;
+  std::vector<Entry> entries;
+  for (const std::string& name : names) {
+    Entry e;
+    e.name = name;
+    std::string rest = name;
+    if (const auto at = rest.find('@'); at != std::string::npos) {
+      e.plugin = rest.substr(at + 1);
+      rest = rest.substr(0, at);
+    }
+    if (const auto colon = rest.find(':'); colon != std::string::npos) {
+      e.isa = rest.substr(colon + 1);
+      rest = rest.substr(0, colon);
+    }
+    e.rule = rest;
+    if (!e.isa.empty() && e.isa != "avx512" && e.isa != "avx2" && e.isa != "scalar")
+      throw std::runtime_error("entry '" + name + "': ISA '" + e.isa +
+                               "' is not avx512, avx2 or scalar");
+    if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str());
+    e.segments = make_segments(e.update_rule.get(), total, grads);
+    if (!e.update_rule)
+      for (const auto& s : e.segments) {
+        e.m.push_back(at::zeros_like(s.param));
+        e.v.push_back(at::zeros_like(s.param));
+      }
+    entries.push_back(std::move(e));
+  }
+  const char* outer_isa = std::getenv("LOOM_KERNEL_ISA");
+  const std::string restore = outer_isa ? outer_isa : "";
+  for (int round = 0; round < rounds + 1; ++round)
+    for (Entry& e : entries) {
+      if (!e.isa.empty()) setenv("LOOM_KERNEL_ISA", e.isa.c_str(), 1);
+      std::vector<at::Tensor> params, grads_of, steps;  // torch-fused's lists, made untimed
+      if (!e.update_rule)
+        for (const auto& s : e.segments) {
+          params.push_back(s.param);
+          grads_of.push_back(s.grad);
+          steps.push_back(at::full({}, static_cast<double>(round + 1), at::kFloat));
+        }
+      const auto t = Clock::now();
+      if (e.update_rule) {
+        update_all(*e.update_rule, e.segments, round + 1);
+      } else {
+        at::_fused_adamw_(params, grads_of, e.m, e.v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8,
+                          /*amsgrad=*/false, /*maximize=*/false);
+      }
+      if (round > 0) e.seconds.push_back(seconds_since(t));  // round 0 warms up
+      if (!e.isa.empty()) {
+        if (restore.empty()) unsetenv("LOOM_KERNEL_ISA");
+        else setenv("LOOM_KERNEL_ISA", restore.c_str(), 1);
+      }
+    }
+  const int64_t count = static_cast<int64_t>(entries.front().segments.size()) *
+                        entries.front().segments[0].param.numel();
+  for (const Entry& e : entries) {
+    std::string list;
+    for (double x : e.seconds) list += (list.empty() ? "" : ", ") + std::to_string(x);
+    std::printf("{\"entry\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": [%s]}\n",
+                e.name.c_str(), threads, static_cast<long long>(count), list.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   loom::cpu::ensure_cpu_kernels_work();  // before any kernel or thread: loom/cpu.h
+  if (argc >= 6 && std::string(argv[1]) == "compare") {
+    try {
+      at::set_num_threads(std::stoi(argv[2]));
+      return compare(std::stoi(argv[2]), std::stoi(argv[3]),
+                     static_cast<int64_t>(std::stod(argv[4]) * 1e6),
+                     std::vector<std::string>(argv + 5, argv + argc));
+    } catch (const std::exception& e) {  // an unknown rule, ISA or plugin file: say which
+      std::fprintf(stderr, "%s compare: %s\n", argv[0], e.what());
+      return 1;
+    }
+  }
   if (argc != 5) {
     std::fprintf(stderr, "usage: %s RULE THREADS STEPS PARAMS_MILLIONS\n", argv[0]);
     return 2;
@@ -101,37 +223,16 @@ int main(int argc, char** argv) {
                 threads, 12.0 * total / t / 1e9, 16.0 * total / t / 1e9);
     return 0;
   }
-  auto rule = make(rule_name);
-  // 100 tensors: 99 matrices (rows x 1024) and one vector, ~total elements.
-  const int64_t cols = 1024, rows = total / 100 / cols;
-  std::vector<loom::Segment> segments;
+  auto rule = make(rule_name, std::getenv("LOOM_BENCH_OPTIM_PLUGIN"));
   std::vector<at::Tensor> grads;
-  int64_t count = 0;
-  for (int i = 0; i < 100; ++i) {
-    loom::Segment s;
-    s.name = "t" + std::to_string(i);
-    const std::vector<int64_t> shape =
-        i == 99 ? std::vector<int64_t>{rows * cols} : std::vector<int64_t>{rows, cols};
-    s.param = at::randn({rows * cols}) * 0.02;
-    s.shape = shape;
-    s.state = rule->init_state(s);
-    grads.push_back(at::randn({rows * cols}) * 1e-3);
-    count += rows * cols;
-    segments.push_back(std::move(s));
-  }
+  std::vector<loom::Segment> segments = make_segments(rule.get(), total, grads);
+  const int64_t count = static_cast<int64_t>(segments.size()) * segments[0].param.numel();
   int64_t state_bytes = 0;
   for (const auto& s : segments)
     for (const auto& [key, t] : s.state) state_bytes += t.numel() * t.element_size();
   for (int step = 0; step < steps + 1; ++step) {
     const auto t = Clock::now();
-    for (size_t i = 0; i < segments.size(); ++i) {
-      segments[i].grad = grads[i];
-      loom::UpdateContext ctx;
-      ctx.step = step + 1;
-      ctx.lr = 1e-3;
-      ctx.weight_decay = 0.01;
-      loom::update_tensor(*rule, {&segments[i]}, ctx);
-    }
+    update_all(*rule, segments, step + 1);
     if (step > 0) times.push_back(seconds_since(t));  // the first step warms up
   }
   std::sort(times.begin(), times.end());

@@ -4,12 +4,20 @@ in its own process (memory freed between), and prints a Markdown table of median
 
 usage: bench_optim.py BUILD_DIR [--rounds 3] [--millions 100] [--steps 3]
                       [--rules adamw,adam8bit,...] [--torch foreach,fused] [--kernel-isa avx512,avx2]
+                      [--in-process [--baseline OLD/loom_optim.so]]
 
 --kernel-isa runs adam8bit, adafactor and adamw_bf16 (adamw with state_dtype = "bf16") once per
 value with LOOM_KERNEL_ISA set to it (Note [Kernel ISA cap] in core/include/loom/kernel_isa.h);
 adamw's clones and sgd's and lion's loops take what the CPU has whatever it says, so they run
 once. The table's ISA column is what each run reports it used. Torch runs whatever ATen picks
 (ATEN_CPU_CAPABILITY from the environment, if set, reaches it).
+
+--in-process: for a machine others are loading. Per thread count one loom_bench_optim process
+holds every rule (per ISA), torch's fused AdamW (at::_fused_adamw_, what
+torch.optim.AdamW(fused=True) runs) and, with --baseline PLUGIN, the rules again from another
+loom_optim.so; each round steps each of them once in turn, so the load a round meets is shared.
+The table gives each rule's median rate and the median over rounds of its ratio to torch's fused
+AdamW in the same round; the triad runs before and after in its own process.
 """
 import argparse
 import json
@@ -53,7 +61,11 @@ def main():
     ap.add_argument("--rules", default="adamw,adam8bit,adafactor,sgd,lion")
     ap.add_argument("--torch", default="foreach,fused", help="torch AdamW variants")
     ap.add_argument("--kernel-isa", default="", help="LOOM_KERNEL_ISA values, comma-separated")
+    ap.add_argument("--in-process", action="store_true", help="one process per thread count")
+    ap.add_argument("--baseline", default="", help="with --in-process: an older loom_optim.so")
     a = ap.parse_args()
+    if a.in_process:
+        return in_process(a)
     exe = os.path.join(a.build, "bin", "loom_bench_optim")
     rules = [r for r in a.rules.split(",") if r]
     variants = ["torch-" + v for v in a.torch.split(",") if v]
@@ -101,6 +113,47 @@ def main():
         stream = statistics.median(o["stream_gbps"] for o in results[("triad", "", threads)])
         print(f"| triad | | {threads} | {stream:.1f} GB/s STREAM count, {gbps:.1f} GB/s moved "
               "| | | | |")
+
+
+def in_process(a):
+    exe = os.path.join(a.build, "bin", "loom_bench_optim")
+    rules = [r for r in a.rules.split(",") if r]
+    isas = [i for i in a.kernel_isa.split(",") if i] or [""]
+    entries = ["torch-fused"]
+    for isa in isas:
+        for rule in rules:
+            if rule in CAPPED or isa == isas[0]:
+                entries.append(rule + (":" + isa if isa and rule in CAPPED else ""))
+                if a.baseline and rule in CAPPED:
+                    entries.append(entries[-1] + "@" + a.baseline)
+
+    def triad(threads):
+        out = subprocess.run([exe, "triad", str(threads), "5", str(a.millions)], check=True,
+                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        return json.loads(out)["gbps"]
+
+    print("| rule | ISA | plugin | threads | Mparams/s (median) | vs torch fused (median of rounds) "
+          "| per-round ratio | % of bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for threads in (1, 2):
+        gbps = [triad(threads)]
+        run = subprocess.run([exe, "compare", str(threads), str(a.rounds), str(a.millions)] + entries,
+                             check=True, capture_output=True, text=True).stdout
+        gbps.append(triad(threads))
+        rows = [json.loads(line) for line in run.splitlines() if line.startswith("{")]
+        torch = next(r for r in rows if r["entry"] == "torch-fused")
+        for r in rows:
+            name, _, plugin = r["entry"].partition("@")
+            rule, _, isa = name.partition(":")
+            rate = statistics.median(r["params"] / t for t in r["seconds"])
+            ratios = [t / s for s, t in zip(r["seconds"], torch["seconds"])]
+            bound = statistics.median(gbps) * 1e9 / BYTES[rule]
+            print(f"| {rule} | {isa or ('ATen' if rule.startswith('torch') else 'cpu')} | "
+                  f"{'baseline' if plugin else 'build'} | {threads} | {rate / 1e6:.0f} | "
+                  f"{statistics.median(ratios):.2f}x | "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)} | {100 * rate / bound:.0f}% |")
+        print(f"| triad | | | {threads} | {', '.join(f'{g:.1f}' for g in gbps)} GB/s moved "
+              "(before, after) | | | |")
 
 
 if __name__ == "__main__":

@@ -229,6 +229,26 @@ TEST(OptimParity, AdafactorMatchesTransformersStepByStep) {
   EXPECT_LT(max_relative_error(run_rule(*ops_trainer, problem, 1e-3, 0.01), want[1]), 1e-6);
 }
 
+// An update that is never clipped (clip_threshold far above its RMS: clip_div = 1) takes the
+// loops' path without the division by clip_div (u / 1 is u exactly); it still follows
+// Transformers, whose arithmetic divides, within the same bound, on every ISA path.
+TEST(OptimParity, AdafactorUnclippedStepsMatchTransformers) {
+  const Problem problem = make_problem(kShapes, 20, 5);
+  const std::string config =
+      R"("eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1e6, "decay_rate": -0.8, "beta1": 0.9, "warmup_init": false, "scale_parameter": false, "relative_step": false, "lr": 0.001, "weight_decay": 0.01)";
+  const Trajectory want = run_reference("adafactor", config, problem);
+  auto rule = make_rule("adafactor", {{"clip_threshold", 1e6},
+                                      {"beta1", 0.9},
+                                      {"scale_parameter", false},
+                                      {"relative_step", false}});
+  for (const char* isa : {"scalar", "avx2", "avx512"}) {
+    setenv("LOOM_KERNEL_ISA", isa, 1);
+    const Trajectory got = run_rule(*rule, problem, 1e-3, 0.01);
+    unsetenv("LOOM_KERNEL_ISA");
+    EXPECT_LT(max_relative_error(got, want), 1e-6) << isa;
+  }
+}
+
 // Note [Adafactor's column sums in row groups]: tensors of several row groups (512 rows of 256
 // columns each; three matrices of 200 rows, where matrices cut the groups; a vector of two
 // chunks) follow Transformers, give the same bits on one thread and on two, and give the same

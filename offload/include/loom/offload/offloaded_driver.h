@@ -33,9 +33,46 @@ namespace loom::offload {
 // run ends, so a checkpoint holds no update in flight (a resume is bitwise the run that went
 // on) and the final weights hold every update. A save thus restarts the delay; evaluation
 // does not (it sees the weights the next step trains on).
+//
+// Note [Overlapped update]: with the host store (device = "cpu", Note [Host store] in
+// segment_swap.h) and no delayed update, the update overlaps backward instead of following it.
+// As each parameter's gradient is final — on one rank when backward accumulates it on the last
+// micro-step, on several when its bucket's all-reduce is waited for (GradBuckets'
+// on_final_grad) — grad_final() takes its squared norm (a device scalar, no host sync) and
+// starts its copy into a host buffer of the gradient's dtype (a GPU run: device to
+// page-locked host on a side stream, an event marking it done; the twin: a memcpy on the
+// worker thread, Note [One code for the GPU and its twin] in copy_stream.h). Without clipping
+// ([train] max_grad_norm = 0) and without a loss scale, nothing between backward and the
+// update can change a gradient, so the update of that parameter's segment is posted behind
+// its copy on the same worker thread at once and runs while backward goes on; its new
+// weights go back to the model as it finishes (a GPU run: staged in page-locked memory, then
+// host to device on the side stream). update() then waits only for what is still running and
+// joins the side stream into the compute stream (no device-wide sync, none per tensor). With
+// clipping the update waits for the global norm: the copies and norms still land during
+// backward, the engine reads the norm (the stacked per-tensor sums, bitwise the
+// unoverlapped squared_norm), scale_grads scales the host copies in their dtype as the
+// in-memory driver scales .grad, and update() runs every segment then. A loss scale (fp16)
+// waits the same way, since the scaler unscales grads() (the host copies) and may skip the
+// step. Either way each segment sees the rule, step, lr and gradient bits the in-memory
+// driver gives it, so the weights are bitwise the in-memory run's. What can no longer be
+// undone: an update applied during backward cannot be skipped after it (no plugin skips
+// without a loss scale; zero_grad() refuses to go on if one did), and a run whose loss turns
+// out non-finite fails with its last update applied, as it fails anyway. The swap file
+// (device = "nvme") keeps its pipelined walk after backward (Note [Pipelined update]): its
+// segments are read in their own order, not backward's. `offload_optimizer.overlap_update =
+// false` runs the host store's update after backward as before (for comparison; and a way
+// around the GPU half, which has not run on a GPU yet). Stages 1-3 (ZeRO's driver with its
+// pieces in the host store) do not overlap yet: they update after their reduce-scatters.
 class OffloadedStepDriver : public StepDriver {
  public:
   virtual const OffloadStats& last_stats() const = 0;
+  // Note [Overlapped update]: whether grad_final() takes this driver's gradients as they are
+  // final.
+  virtual bool overlaps_backward() const = 0;
+  // `param`'s gradient (its .grad, the ranks' average on several) is final for this step: its
+  // copy to host memory starts, and with update_now its update (step, lr) after it.
+  virtual void grad_final(const at::Tensor& param, bool update_now, int64_t step,
+                          double lr) = 0;
   // Note [Delayed update]: waits for the update in flight, if any, and copies its weights into
   // the model. A no-op without delayed_update.
   virtual void synchronize() = 0;

@@ -41,6 +41,8 @@ struct OffloadOptions {
   bool pin_memory = true;       // page-locked host arena (Note [Host store]); the drivers pass
                                 // true only when the weights are on a GPU
   bool delayed_update = false;  // Note [Delayed update] (offloaded_driver.h); stage 0 only
+  bool overlap_update = true;   // Note [Overlapped update] (offloaded_driver.h); the host store,
+                                // stage 0, without delayed_update
 };
 
 // What the last walk did: its wall time, the part spent in the visitor (compute) and the part
@@ -48,6 +50,8 @@ struct OffloadOptions {
 struct OffloadStats {
   double update_seconds = 0, compute_seconds = 0, io_wait_seconds = 0;
   int64_t bytes_read = 0, bytes_written = 0;
+  // Note [Overlapped update]: segments updated during backward, before update() was called.
+  int64_t updated_in_backward = 0;
 };
 
 // One segment as the rule sees it, and where its values are.
@@ -81,6 +85,10 @@ class SegmentSwap {
   // Note [Pipelined update]: visits every segment in order, its param and state views of a
   // buffer valid during the call; a segment is written back when the visitor returns true.
   void walk(const std::function<bool(size_t, Segment&)>& visit);
+  // Note [Host store]: segment i where it lives in the host arena (the store must be one),
+  // valid as long as the store; the overlapped update visits the segments this way one at a
+  // time, in the order their gradients land (Note [Overlapped update], offloaded_driver.h).
+  Segment host_segment(size_t i) const;
   // One segment at a time, nothing ahead (a checkpoint's load): read, visit, written back on
   // true.
   void each(const std::function<bool(size_t, Segment&)>& visit) const;

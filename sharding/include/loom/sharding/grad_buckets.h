@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -45,6 +46,12 @@ class GradBuckets {
     final_grads_to_ = &engine;
     engine.will_hand_final_grads();
   }
+  // Note [Overlapped update] (loom/offload/offloaded_driver.h): finish() calls `final_grad`
+  // with each parameter as soon as its averaged gradient is written to its .grad, bucket by
+  // bucket, so what a driver does with it overlaps the later buckets' all-reduces.
+  void on_final_grad(std::function<void(const at::Tensor& param)> final_grad) {
+    on_final_grad_ = std::move(final_grad);
+  }
   const BucketStats& last_stats() const { return stats_; }
   size_t bucket_count() const { return buckets_.size(); }
   // The buckets' own bytes (kept between steps: a second fp32 copy of the gradients).
@@ -69,6 +76,7 @@ class GradBuckets {
   Comm& comm_;
   bool overlap_;
   Engine* final_grads_to_ = nullptr;  // hand_final_grads_to's
+  std::function<void(const at::Tensor&)> on_final_grad_;
   std::vector<Bucket> buckets_;
   std::unordered_map<const void*, std::pair<size_t, size_t>> where_;  // impl -> (bucket, slot)
   BucketStats stats_;

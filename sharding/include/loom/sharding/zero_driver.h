@@ -98,6 +98,11 @@ struct ZeroOptions {
   offload::OffloadOptions offload_param;
   // Ranks per shard group (Note [Hybrid sharding]); 0 or the world size: one group of every rank.
   int shard_group_size = 0;
+  // Stage 3, Note [Sharded initialization] (loom/nn.h, sharding/sharded_init.h): units cut
+  // while the model was built, by unit key: this rank's chunk of the unit's group (the same
+  // plan, padding zero), in the build's dtype. Their weights hold no bytes already; the driver
+  // starts from these chunks instead of slicing whole weights.
+  std::unordered_map<const void*, at::Tensor> built_chunks;
 };
 
 struct ZeroStats {
@@ -114,7 +119,8 @@ struct ZeroStats {
 
 class ZeroDriver final : public StepDriver {
  public:
-  ZeroDriver(const StepDriverOptions& options, const ZeroOptions& zero);
+  // By value: the driver frees each of zero.built_chunks once its shard is made.
+  ZeroDriver(const StepDriverOptions& options, ZeroOptions zero);
   ~ZeroDriver() override;
   std::string name() const override;
 

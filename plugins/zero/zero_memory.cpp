@@ -1,0 +1,177 @@
+// What one rank of a [zero] job holds, declared for `loom estimate` (zero_memory.h).
+#include "zero_memory.h"
+
+#include <algorithm>
+#include <string>
+
+#include "loom/memory.h"
+
+namespace loom::zero {
+namespace {
+
+// `key`'s device ("none", "cpu", "nvme"): an offload table's, or "none" where there is none.
+// Only the device matters here; configure() checks the rest when the job runs.
+std::string offload_device(const ConfigSection& table, const char* key) {
+  const ConfigValue* offload = table.get(key);
+  const ConfigValue* device = offload && offload->is_table() ? offload->find("device") : nullptr;
+  const auto* text = device ? std::get_if<std::string>(&device->value) : nullptr;
+  return text ? *text : "none";
+}
+
+ConfigValue table_of(const std::string& device) {
+  ConfigValue value;
+  ConfigValue text;
+  text.value = device;
+  value.value = ConfigTable{{"device", text}};
+  return value;
+}
+
+}  // namespace
+
+std::vector<memory::MemoryVariant> memory_variants() {
+  std::vector<memory::MemoryVariant> out;
+  for (int64_t stage = 0; stage <= 3; ++stage)
+    for (const char* offload : {"none", "cpu", "nvme", "nvme+p"}) {
+      // offload_param exists for stage 3 only.
+      if (std::string(offload) == "nvme+p" && stage != 3) continue;
+      memory::MemoryVariant v;
+      v.labels = {{"stage", std::to_string(stage)}, {"offload", offload}};
+      ConfigValue s;
+      s.value = stage;
+      const bool params = std::string(offload) == "nvme+p";
+      v.overrides = {{"stage", s},
+                     {"offload_optimizer", table_of(params ? "nvme" : offload)},
+                     {"offload_param", table_of(params ? "nvme" : "none")}};
+      // Stage 0 shards nothing, so it takes no shard groups (configure() refuses them): the
+      // stage-0 variants run, as the estimate's probes (the first variant: the unsharded
+      // layout in memory) whatever the job's group size; the stages' arithmetic does not
+      // read it at stage 0.
+      if (stage == 0) {
+        ConfigValue none;
+        none.value = int64_t{0};
+        v.overrides.emplace_back("shard_group_size", none);
+      }
+      // sharded_init exists at stage 3 only (configure() refuses it set true below): a job
+      // that sets it still has its stage 0-2 variants (the probes among them).
+      if (stage < 3) {
+        ConfigValue off;
+        off.value = false;
+        v.overrides.emplace_back("sharded_init", off);
+      }
+      if (params)
+        v.legend = "nvme+p: offload_param too, the units' weight shards on NVMe (stage 3, "
+                   "full_bf16)";
+      out.push_back(std::move(v));
+    }
+  return out;
+}
+
+// Note [Memory estimate] (app/loom/estimate.h) gives the anatomy; here is its ZeRO part. The
+// terms arrive as the precision left them: every weight whole in its dtype (`weights`), fp32 or
+// half bytes per element, the rule's state over every trainable element.
+void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
+                    memory::MemoryTerms& r) {
+  const int stage = static_cast<int>(t.get_int("stage"));
+  const std::string optimizer_device = offload_device(t, "offload_optimizer");
+  const bool offload_params = offload_device(t, "offload_param") == "nvme";
+  // offload_param alone keeps the optimizer state in memory; its estimate is the nvme+p
+  // variant's (the state on NVMe too), and the table's note says how the two differ.
+  const std::string offload = offload_params ? "nvme+p" : optimizer_device;
+  r.labels["stage"] = std::to_string(stage);
+  r.labels["offload"] = offload;
+  if (offload_params && optimizer_device != "nvme") {
+    r.labels["optimizer_state"] = "memory";
+    r.table_notes.push_back("this job offloads the weight shards but keeps the optimizer state "
+                            "in memory: its RAM is the nvme+p row's plus that row's masters and "
+                            "optimizer state");
+  }
+  // offload_param drops the weight shards from memory only where the fp32 masters are the
+  // truth (half weights): with fp32 weights nothing could go.
+  if (offload_params && (stage != 3 || r.master_bytes <= 0)) {
+    r.applicable = false;
+    return;
+  }
+  int buffer_count = c.buffer_count;
+  if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())
+    if (const ConfigValue* n = o->find("buffer_count"))
+      if (const auto* count = std::get_if<int64_t>(&n->value)) buffer_count = static_cast<int>(*count);
+
+  // Stages 1-3 shard over N ranks: the world, or the job's shard group (Note [Hybrid sharding]
+  // in loom/sharding/zero_driver.h: replicated across the groups, so nothing more is saved).
+  const double world = std::max(c.world_size, 1);
+  const double group = static_cast<double>(t.get_int("shard_group_size"));
+  const double N = group >= 1 ? std::min(group, world) : world;
+  const double w = r.weight_bytes, m = r.master_bytes, k = c.optimizer_per_trainable;
+  // Stage 3 shards a unit's trainable tensors of at least stage3_param_persistence_threshold
+  // elements; smaller ones stay whole like the parameters outside units, and so do frozen ones
+  // (the driver holds only what trains: a LoRA job's base stays whole on every rank).
+  const double threshold = t.get_float("stage3_param_persistence_threshold");
+  const double unit_params = c.unit_params ? c.unit_params(threshold, false) : 0;
+  const double largest_unit = c.unit_params ? c.unit_params(threshold, true) : 0;
+  r.unit_params = unit_params;
+  r.largest_unit_params = largest_unit;
+
+  // Note [ZeRO's model states] (loom/memory.h): the trainable elements by the one formula the
+  // plugin checks its measured state against; what does not train stays as it was.
+  const memory::ZeroModelStates z =
+      memory::zero_model_states(stage, N, c.trainable, unit_params, w, m, k);
+  const double whole_weights = r.weights;  // every weight, before any sharding
+  r.weights = whole_weights - c.trainable * w + z.weights;
+  r.grads = z.grads;
+  r.masters = z.masters;
+  r.optimizer = z.optimizer;
+  // Stage 3 gathers two units whole (the one computing, the next one prefetched).
+  if (stage >= 3 && N > 1) r.weights += 2 * largest_unit * w;
+
+  double offloaded = r.masters + r.optimizer;
+  double staging = 0;
+  const bool on_nvme = offload == "nvme" || offload == "nvme+p";
+  if (on_nvme) {
+    // Each buffer holds the largest tensor's share: its fp32 master and its state.
+    double share = c.largest_tensor_params * (4 + k);
+    if (stage >= 1) share /= N;
+    staging = buffer_count * share;
+  }
+  // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
+  // gradients (one rank has none; the probes run on one).
+  if (stage == 0 && c.world_size > 1) r.buffers += c.trainable * 4;
+  // Note [Gradient buckets in the peak]: at stages 1-3 the driver packs each bucket's gradients
+  // into an fp32 send buffer as backward makes them, on one rank too; the first bucket fills
+  // while the activations are near their peak (the probes, at stage 0 on one rank, have none).
+  // Stages 1-2 bucket the whole model, stage 3 a unit at a time. Measured on a 0.36 M-parameter
+  // GPT at batch 12 in full_bf16: +1.40 MiB at stages 1-2, +0.55 MiB at stage 3, none with
+  // 100 kB buckets.
+  if (stage >= 1) {
+    const double bucketed = stage >= 3 ? largest_unit : c.trainable;
+    r.buffers += std::min(bucketed * 4, t.get_float("reduce_bucket_size"));
+  }
+  if (on_nvme && stage >= 1 && m > 0) {
+    // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
+    // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
+    // beside the weights.
+    r.buffers += (stage == 3 ? c.trainable - unit_params : c.trainable) * w / N;
+  }
+  if (offload == "nvme+p") {
+    // Note [Offloaded parameters]: the units' shards live in the file; memory keeps the weights
+    // outside units whole, two units gathered (the one computing, the one whose gather lands
+    // next), and three shards in flight (one read ahead, two being written).
+    const double shards = unit_params / N * w;
+    r.weights = whole_weights - unit_params * w + 2 * largest_unit * w + shards;
+    offloaded += shards;
+    staging += 3 * largest_unit / N * w;
+  }
+  if (optimizer_device == "cpu" && !offload_params) r.to_host += offloaded;
+  if (on_nvme) {
+    r.to_nvme += offloaded;
+    r.host_buffers += staging;
+  }
+  // What loom runs today: the optimizer state offloaded to host memory or NVMe at every stage;
+  // the weight shards on NVMe only where the compute is on the CPU already (a GPU's would
+  // travel through pinned host buffers, still to come).
+  r.buildable = r.buildable && (!offload_params || c.cpu_device);
+  if (group >= 1 && group < world)
+    r.notes.push_back("stages 1-3 sharded over groups of " +
+                      std::to_string(static_cast<int64_t>(group)) + ", [zero] shard_group_size");
+}
+
+}  // namespace loom::zero
