@@ -241,7 +241,7 @@ void init_normal_(torch::nn::Module& module, double std,
                   const std::function<void(Unit&)>& finish_unit);
 
 // A weight's bytes freed while it keeps its shape, dtype, autograd identity and storage object
-// (FSDP's resize-to-zero; Note [Releasing a weight] in sharding/src/zero_driver.cpp), and given
+// (FSDP's resize-to-zero; Note [Releasing a weight] in sharding/src/zero_gather.cpp), and given
 // bytes again (uninitialised). released: it has elements but its storage holds no bytes.
 void release_storage(const at::Tensor& tensor);
 void restore_storage(const at::Tensor& tensor);

@@ -50,19 +50,21 @@
 // weights are updated in place as without offload. Rules with whole-tensor statistics walk the
 // file once per reduction round, reading only, before the updating walk.
 //
-// Note [Offloaded parameters]: with offload_param on NVMe (stage 3, half-precision weights), a
-// unit's shard (the rank's chunk of its weights and the tag of Note [Diverged ranks]) lives in
-// the rank's parameter swap file between uses, ZeRO-Infinity's parameter offload. A gather
-// reads it into an aligned buffer, all-gathers from there, and frees it once the gather lands.
-// The read is issued a unit ahead: where a prefetch would start the next unit's all-gather, it
-// starts the next unit's read instead (the I/O thread moves it while this unit computes; the
-// first unit's when the step starts, the last unit's for backward as its forward ends), and
-// the unit's own gather waits for it and then all-gathers; collectives stay at the points every
-// rank reaches in the same order. The update writes each unit's new shard from its fp32 masters
-// (they are the truth: nothing is read) as soon as the walk leaves the unit, without waiting
-// for the write unless kShardWritesInFlight are already flying, and frees each shard once its
-// write lands. Memory holds the shards of the units being read, gathered or written only; whole
-// weights exist around a unit's forward and backward as without offload.
+// Note [Offloaded parameters] (loom/sharding/shard_file.h): with offload_param, stage 3's unit
+// shards live in a parameter swap file between uses, each read a unit ahead.
+//
+// The driver's parts, one job each. They are files of the one class, not classes of their own
+// (a first step): every part reads and writes the same per-group state (a Group holds its
+// bucket's buffers, the gradient chunk the update reads, a unit's shard and its gather), and
+// the reduction releases stage 3's units as their gradients go into their buckets.
+//   zero_driver.cpp  construction, the gradient norm and scaling, the update's order
+//   zero_reduce.cpp  gradient buckets packed, reduce-scattered and landed (Note [Bucket
+//                    memory]), and across shard groups (Note [Hybrid sharding])
+//   zero_gather.cpp  stage 3's unit weights gathered and released, and the updated values
+//                    all-gathered (Note [Diverged ranks], Note [Releasing a weight])
+//   zero_update.cpp  the update rule over the rank's pieces, in memory or in the swap file
+//   zero_state.cpp   the checkpoint pieces and the bytes held
+// and ShardFile (shard_file.h), the parameter swap file, a class of its own.
 #pragma once
 
 #include <chrono>
@@ -76,6 +78,7 @@
 #include "loom/engine.h"
 #include "loom/offload/segment_swap.h"
 #include "loom/sharding/flat_layout.h"
+#include "loom/sharding/shard_file.h"
 #include "loom/step_driver.h"
 
 #pragma GCC visibility push(default)
@@ -189,11 +192,7 @@ class ZeroDriver final : public StepDriver {
     size_t pending = 0;
     // Stage 3 unit groups:
     bool sharded = false;                    // weights held as this rank's chunk only
-    at::Tensor shard;                        // (chunk + 1) in the weights' dtype, + the tag
-    int64_t position = -1;                   // stage 3: the unit's place in forward order
-    int64_t shard_region = -1;               // offload_param: the shard's region in the file
-    int64_t shard_ticket = -1;               // offload_param: the shard's read or write in flight
-    bool shard_writing = false;              // ... a write (the shard is freed when it lands)
+    UnitShard unit;                          // that chunk, + the tag; its place in the file
     at::Tensor across;                       // (chunk) fp32, its all-reduce across groups
     std::shared_ptr<Work> across_work;       // ... in flight (Note [Hybrid sharding])
     at::Tensor gathering;                    // (world * chunk), while an all-gather runs
@@ -201,6 +200,7 @@ class ZeroDriver final : public StepDriver {
     bool live = false;                       // the parameters hold their whole weights
   };
 
+  // zero_reduce.cpp: the gradient buckets.
   void pack(Group& group, size_t param_index, const at::Tensor& grad);
   void launch(size_t g);
   void land(Group& group);
@@ -211,31 +211,31 @@ class ZeroDriver final : public StepDriver {
   void land_across(size_t g);
   void reduce_across_replicas();
   static int64_t bucket_bytes(const Group& group);  // a launched group's send + received
+
+  // zero_gather.cpp: stage 3's units, and the updated values to every rank.
   // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
   at::Tensor chunk_values(const Group& group) const;
   void all_gather_params();
   void start_gather(Group& group);
   void gather(size_t g);
   void release(size_t g);
+  // Note [Offloaded parameters]: starts reading a unit's shard; every resident shard written.
+  void read_ahead(Group& group);
+  void flush_resident();
+
+  // zero_update.cpp: the rule over the rank's pieces.
   void run_rule(int64_t step, double lr);
   void run_rule_offloaded(int64_t step, double lr);
   // The accumulator of a tensor this rank holds no piece of (rules with reduction rounds).
   at::Tensor empty_accumulator(size_t index, int round) const;
   // Sums every tensor's accumulators over the ranks (one all-reduce).
   void reduce_accumulators(std::vector<at::Tensor>& accumulators);
-  // A rank's piece k of group g: its state and master as checkpoint pieces (views of segment).
-  void add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const;
   // Offload: where segment i's updated values go in the weights' dtype (Note [Offloaded ZeRO]).
   at::Tensor values_of(size_t i) const;
-  // Note [Offloaded parameters]: a group's shard in memory (read from the file, or fresh with
-  // its tag to be filled whole), and written back and freed; the resident ones all written.
-  at::Tensor read_shard(const Group& group) const;  // a copy from the file, aligned
-  void read_ahead(Group& group);                    // starts the read; make_resident lands it
-  void make_resident(Group& group, bool read);
-  void flush(Group& group);                         // starts the write; settle lands it
-  void settle(Group& group);                        // waits for the shard's read or write
-  void flush_resident();
-  std::deque<size_t> shard_writes_;                 // groups whose shard is being written
+
+  // zero_state.cpp: a rank's piece k of group g, its state and master as checkpoint pieces
+  // (views of segment).
+  void add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const;
 
   std::vector<Param> params_;
   std::vector<TensorInfo> tensors_;
@@ -259,7 +259,7 @@ class ZeroDriver final : public StepDriver {
   std::unordered_map<const void*, size_t> index_of_;  // TensorImpl -> parameter index
   std::vector<NamedTensors> whole_state_;             // per parameter: the rule's state, meta
   std::unique_ptr<offload::SegmentSwap> swap_;        // Note [Offloaded ZeRO]
-  std::unique_ptr<offload::SwapFile> param_file_;     // Note [Offloaded parameters]
+  std::unique_ptr<ShardFile> param_file_;             // Note [Offloaded parameters]
   std::vector<std::pair<size_t, size_t>> swapped_;    // per swap segment: (group, piece k)
   ZeroStats stats_;
   std::unordered_map<const void*, size_t> unit_group_;  // stage 3: unit -> its group

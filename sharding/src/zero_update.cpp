@@ -1,0 +1,175 @@
+// ZeRO's update rule over the rank's pieces: all of them at once in memory, or one at a time as
+// the swap file's walk brings them in (Note [Offloaded ZeRO]); rules with whole-tensor
+// statistics add their partial sums over the ranks first. Part of ZeroDriver (zero_driver.h).
+#include "loom/sharding/zero_driver.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+
+#include "loom/error.h"
+
+namespace loom::sharding {
+
+void ZeroDriver::run_rule(int64_t step, double lr) {
+  struct Held {
+    Segment* segment;
+    size_t param;
+  };
+  std::vector<Held> held;
+  std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
+  for (auto& group : groups_) {
+    LOOM_INTERNAL_ASSERT(group.grad.defined(), "ZeRO update without a reduced gradient");
+    at::Tensor grad = group.grad.scalar_type() == at::kFloat ? group.grad : group.grad.to(at::kFloat);
+    fp32_grads.push_back(grad);
+    for (size_t k = 0; k < group.segments.size(); ++k) {
+      // Segment k is this rank's piece k (the constructor made them in that order).
+      const Piece& piece = group.plan.ranks[rank_][k];
+      Segment& segment = group.segments[k];
+      segment.grad = grad.narrow(0, piece.chunk_offset, piece.numel);
+      held.push_back({&segment, piece.tensor});
+    }
+  }
+  auto context_of = [&](size_t index) {
+    return update_context(params_[index], step, lr, weight_decay_);
+  };
+  const int rounds = rule_.reduction_rounds();
+  if (rounds == 0) {
+    // As the default driver: segments sharing lr and weight decay go to the rule together.
+    std::map<std::pair<double, double>, std::vector<Segment*>> batches;
+    for (const Held& h : held) {
+      const auto context = context_of(h.param);
+      batches[{context.lr, context.weight_decay}].push_back(h.segment);
+    }
+    for (auto& [key, segments] : batches) {
+      UpdateContext context;
+      context.step = step;
+      context.lr = key.first;
+      context.weight_decay = key.second;
+      rule_.update_many(segments, context);
+    }
+  } else {
+    // Whole-tensor statistics: every rank folds its pieces into a zero accumulator per tensor,
+    // the accumulators of all tensors go into one all-reduce per round, and each piece is then
+    // updated with its tensor's totals (UpdateRule::reduction_rounds).
+    std::vector<Segment*> mine(params_.size(), nullptr);
+    for (const Held& h : held) mine[h.param] = h.segment;
+    std::vector<UpdateContext> contexts;
+    for (size_t i = 0; i < params_.size(); ++i) contexts.push_back(context_of(i));
+    for (int round = 0; round < rounds; ++round) {
+      std::vector<at::Tensor> accumulators;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        at::Tensor accumulator =
+            mine[i] ? rule_.make_accumulator(*mine[i], round) : empty_accumulator(i, round);
+        if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
+        accumulators.push_back(accumulator);
+      }
+      reduce_accumulators(accumulators);
+      for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
+    }
+    for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
+  }
+  for (const Held& h : held) h.segment->grad = at::Tensor();
+}
+
+at::Tensor ZeroDriver::empty_accumulator(size_t index, int round) const {
+  Segment stand_in;  // no piece of the tensor here: the accumulator's shape, nothing to add
+  stand_in.name = params_[index].name;
+  stand_in.shape = tensors_[index].shape;
+  stand_in.group = params_[index].group;
+  // Where the rank's own pieces are: offloaded ones in the swap file's (CPU) buffers.
+  const c10::Device on = swap_ ? c10::Device(c10::kCPU) : device_;
+  stand_in.param = at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(on));
+  stand_in.grad = at::empty({0}, stand_in.param.options());
+  return rule_.make_accumulator(stand_in, round);
+}
+
+void ZeroDriver::reduce_accumulators(std::vector<at::Tensor>& accumulators) {
+  if (world_ == 1) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& a : accumulators) flat.push_back(a.reshape(-1).to(comm_.device()));
+  at::Tensor all = at::cat(flat);
+  comm_.all_reduce(all, ReduceOp::sum)->wait();
+  int64_t at = 0;
+  for (auto& a : accumulators) {
+    a.copy_(all.narrow(0, at, a.numel()).view(a.sizes()));
+    at += a.numel();
+  }
+}
+
+at::Tensor ZeroDriver::values_of(size_t i) const {
+  const auto [g, k] = swapped_[i];
+  const Group& group = groups_[g];
+  const Piece& piece = group.plan.ranks[rank_][k];
+  if (group.sharded) return group.unit.shard.narrow(0, piece.chunk_offset, piece.numel);
+  if (group.values.defined()) return group.values.narrow(0, piece.chunk_offset, piece.numel);
+  return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+}
+
+// Note [Offloaded ZeRO]: the same rule calls as run_rule, one segment at a time as the walk
+// brings them in (the rules are elementwise or blockwise within a segment, so the result does
+// not depend on how segments are batched).
+void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
+  std::vector<at::Tensor> grads(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const at::Tensor& grad = groups_[g].grad;
+    LOOM_INTERNAL_ASSERT(grad.defined(), "ZeRO update without a reduced gradient");
+    grads[g] = grad.scalar_type() == at::kFloat && grad.is_cpu() ? grad : grad.to(at::kCPU, at::kFloat);
+  }
+  auto piece_of = [&](size_t i) -> const Piece& {
+    return groups_[swapped_[i].first].plan.ranks[rank_][swapped_[i].second];
+  };
+  auto with_grad = [&](size_t i, Segment& segment) {
+    const Piece& piece = piece_of(i);
+    segment.grad = grads[swapped_[i].first].narrow(0, piece.chunk_offset, piece.numel);
+  };
+  size_t open_group = groups_.size();  // offload_param: the group whose shard is being filled
+  auto store = [&](size_t i, const Segment& segment) {
+    if (!swap_->separate_master(i)) return;
+    const size_t g = swapped_[i].first;
+    if (param_file_ && groups_[g].sharded) {
+      // Note [Offloaded parameters]: the shard is rebuilt whole from the masters; the last
+      // unit's goes to the file as soon as the walk leaves it.
+      if (open_group != g && open_group < groups_.size())
+        param_file_->flush(groups_[open_group].unit);
+      open_group = g;
+      param_file_->make_resident(groups_[g].unit, /*read=*/false);
+    }
+    values_of(i).copy_(segment.param);
+  };
+  std::vector<UpdateContext> contexts;
+  for (size_t i = 0; i < params_.size(); ++i)
+    contexts.push_back(update_context(params_[i], step, lr, weight_decay_));
+  if (rule_.reduction_rounds() == 0) {
+    swap_->walk([&](size_t i, Segment& segment) {
+      with_grad(i, segment);
+      const UpdateContext& context = contexts[piece_of(i).tensor];
+      rule_.update_many({&segment}, context);
+      store(i, segment);
+      return true;
+    });
+    return;
+  }
+  for (int round = 0; round < rule_.reduction_rounds(); ++round) {
+    std::vector<at::Tensor> accumulators(params_.size());
+    swap_->walk([&](size_t i, Segment& segment) {  // reading only
+      with_grad(i, segment);
+      const size_t index = piece_of(i).tensor;
+      accumulators[index] = rule_.make_accumulator(segment, round);
+      rule_.accumulate(segment, contexts[index], round, accumulators[index]);
+      return false;
+    });
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!accumulators[i].defined()) accumulators[i] = empty_accumulator(i, round);
+    reduce_accumulators(accumulators);
+    for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
+  }
+  swap_->walk([&](size_t i, Segment& segment) {
+    with_grad(i, segment);
+    rule_.update(segment, contexts[piece_of(i).tensor]);
+    store(i, segment);
+    return true;
+  });
+}
+
+}  // namespace loom::sharding
