@@ -93,21 +93,33 @@ std::function<void()> CopyStream::start(const at::Tensor& dst, const at::Tensor&
                        " and ", src.numel(), " elements");
   if (!streams_)
     return [dst, src] { dst.view(-1).copy_(src.reshape(-1)); };
+  // `src` rides along until the copy is done: freed earlier, the caching allocator could give
+  // its bytes to the compute stream's next kernel while the side stream still reads them.
+  return [queued = enqueue(dst, src), src] { queued->synchronize(); };
+}
+
+std::function<void()> CopyStream::start_for_stream(const at::Tensor& dst, const at::Tensor& src) {
+  LOOM_INTERNAL_ASSERT(dst.numel() == src.numel(), "a copy between tensors of ", dst.numel(),
+                       " and ", src.numel(), " elements");
+  if (!streams_)
+    return [dst, src] { dst.view(-1).copy_(src.reshape(-1)); };
+  return [this, queued = enqueue(dst, src), src] {
+    queued->block(streams_->guard.getStream(device_));
+  };
+}
+
+std::shared_ptr<c10::Event> CopyStream::enqueue(const at::Tensor& dst, const at::Tensor& src) {
   // The copy reads what the current stream wrote (a gradient's accumulation, a weight
   // already staged on the host): the side stream waits for it on the device.
   const c10::Stream current = streams_->guard.getStream(device_);
   auto queued = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-  {
-    c10::Event ready(c10::DeviceType::CUDA);
-    ready.record(current);
-    ready.block(streams_->side);
-    c10::StreamGuard on_side(streams_->side);
-    dst.view(-1).copy_(src.reshape(-1), /*non_blocking=*/true);
-    queued->record(streams_->side);
-  }
-  // `src` rides along until the copy is done: freed earlier, the caching allocator could give
-  // its bytes to the compute stream's next kernel while the side stream still reads them.
-  return [queued, src] { queued->synchronize(); };
+  c10::Event ready(c10::DeviceType::CUDA);
+  ready.record(current);
+  ready.block(streams_->side);
+  c10::StreamGuard on_side(streams_->side);
+  dst.view(-1).copy_(src.reshape(-1), /*non_blocking=*/true);
+  queued->record(streams_->side);
+  return queued;
 }
 
 void CopyStream::join_current_stream() {

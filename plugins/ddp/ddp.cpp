@@ -60,7 +60,12 @@ class Ddp final : public loom::Plugin {
     buckets_ = std::make_unique<loom::sharding::GradBuckets>(e.params(), bucket_bytes_, comm,
                                                              overlap_);
     // Note [Optimizer in backward] (core/src/optimizer_in_backward.h).
-    if (e.section("train").get_bool("optimizer_in_backward")) buckets_->hand_final_grads_to(e);
+    if (e.section("train").get_bool("optimizer_in_backward")) {
+      e.will_hand_final_grads();
+      buckets_->on_final_grad(
+          loom::sharding::GradBuckets::FinalGrad::handed_over,
+          [&e](const at::Tensor& param, const at::Tensor& grad) { e.grad_final(param, grad); });
+    }
     loom::log::info("ddp: ", comm.world_size(), " ranks over ", comm.backend(), ", ",
                     buckets_->bucket_count(), " gradient bucket(s) of up to ",
                     loom::memory::format_bytes(bucket_bytes_), ", overlap ",

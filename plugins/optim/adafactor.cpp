@@ -43,7 +43,7 @@ struct Geometry {
 // lane order: the result depends on the row alone, never on threads or on where a shard cuts the
 // tensor.
 
-// Rows folded together (adafactor_kernels.inc's fold_rows).
+// Rows summed and folded together (adafactor_kernels.inc's sum_four_rows_and_columns, fold_w).
 constexpr int64_t kFoldRows = 4;
 
 // Rows k in [begin, end) of the segment, all in one matrix (Note [Adafactor's column sums in
@@ -52,12 +52,13 @@ struct RowGroup {
   int64_t begin, end, matrix;
 };
 
-// About 2^17 gradient elements per group (512 KiB: in L2 between the row pass and the fold;
-// 2^15 and 2^17 measured alike on one thread, 2^17 a little faster on two) and at least 16
-// rows, so a kept partial (16 bytes per column, written once and read once) costs at most 2
-// bytes per parameter against the 16 the update moves.
+// About 2^14 gradient elements per group and at least 16 rows, so a kept partial (16 bytes per
+// column, written once and read once) costs at most 1 byte per parameter against the 16 the
+// update moves. The groups are small so that two threads get nearly equal shares of a tensor:
+// at 2^17 (when the fold was a pass of its own over a group in L2) a matrix of 390 rows of 1024
+// was 4 groups, cut 256 rows to 134 between two threads; at 2^14 it is 25, cut 208 to 182.
 std::vector<RowGroup> row_groups(const Geometry& geo) {
-  const int64_t size = std::max<int64_t>(16, (int64_t{1} << 17) / geo.C);
+  const int64_t size = std::max<int64_t>(16, (int64_t{1} << 14) / geo.C);
   std::vector<RowGroup> groups;
   for (int64_t k = 0; k < geo.rows;) {
     const int64_t global = geo.first_row + k;
@@ -80,18 +81,19 @@ double* cache_aligned(std::vector<double>& buffer, int64_t n) {
   return buffer.data() + ((64 - address % 64) % 64) / sizeof(double);
 }
 
+// step = lr / clip_div, in fp32 from the two fp32 values Transformers divides and multiplies
+// by: one multiply per element instead of a division (the update's RMS is over clip_threshold
+// on most steps; the division was 16 % of the update loop's samples on AVX2). x = u · step is
+// within 1.5 ulp of Transformers' (u / clip_div) · lr, and equal to it when clip_div is 1.
 struct Coefficients {
-  float lr, b1, w1, wd, clip_div;
+  float step, b1, w1, wd;
 };
 
-// Element j of the step from its unclipped update u: x = u / clip_div · lr, then momentum,
-// weight decay and the step, in transformers' order. Inlined into each clone below. With
-// clip_div = 1 (the update's RMS within clip_threshold) the loops leave the division out
-// (kClipped false): u / 1 is u exactly, NaN and infinities too, so the bits are the same.
-template <bool kClipped>
+// Element j of the step from its unclipped update u: x = u · lr / clip_div, then momentum,
+// weight decay and the step, in transformers' order. Inlined into each clone below.
 __attribute__((always_inline)) inline void step_element(float u, int64_t j, float* __restrict p,
                                                         float* __restrict m, const Coefficients& c) {
-  float x = (kClipped ? u / c.clip_div : u) * c.lr;
+  float x = u * c.step;
   if (m) {
     m[j] = m[j] * c.b1 + c.w1 * x;
     x = m[j];
@@ -125,9 +127,10 @@ namespace isa_baseline {
 }  // namespace isa_baseline
 
 struct Kernels {
-  decltype(&isa_baseline::sum_of_squares_plus) sum_of_squares_plus;
+  decltype(&isa_baseline::sum_row_and_columns) sum_row_and_columns;
+  decltype(&isa_baseline::sum_four_rows_and_columns) sum_four_rows_and_columns;
   decltype(&isa_baseline::sum_of_squares) sum_of_squares;
-  decltype(&isa_baseline::fold_rows) fold_rows;
+  decltype(&isa_baseline::fold_w) fold_w;
   decltype(&isa_baseline::add_columns) add_columns;
   decltype(&isa_baseline::update_row) update_row;
   decltype(&isa_baseline::sum_of_g2_over_v) sum_of_g2_over_v;
@@ -135,8 +138,8 @@ struct Kernels {
 };
 #define LOOM_ADAFACTOR_KERNELS(ns)                                                        \
   Kernels {                                                                               \
-    ns::sum_of_squares_plus, ns::sum_of_squares, ns::fold_rows, ns::add_columns,          \
-        ns::update_row, ns::sum_of_g2_over_v, ns::update_vector                           \
+    ns::sum_row_and_columns, ns::sum_four_rows_and_columns, ns::sum_of_squares, ns::fold_w, \
+        ns::add_columns, ns::update_row, ns::sum_of_g2_over_v, ns::update_vector            \
   }
 // The copy this call runs (reads LOOM_KERNEL_ISA: once per update, not per row).
 const Kernels& kernels() {
@@ -257,14 +260,27 @@ class Adafactor final : public UpdateRule {
     // Note [Adafactor's column sums in row groups]: the rows are cut into groups of a fixed
     // size, aligned to global row indices and to matrices, so the cuts depend on the tensor
     // alone (never on the thread count) and a shard cut on a group boundary changes nothing.
-    // Each group's rows get their new row factor (and p²), then are folded, in row order, into
-    // the group's own column sums and w from zero while they are in cache; the accumulator
-    // adds the groups' sums in group order. One parallel region takes whole groups. The thread
-    // whose groups start at 0 adds each one into the accumulator as soon as it is folded (it
-    // is first in the order anyway: on one thread nothing else happens); the others keep
-    // theirs, and a second region, threads splitting the columns, adds them in order. At most
-    // two regions per tensor: one per block of 128 rows (as before) put ~1,700 barriers in a
-    // 100 M-parameter step, and every stall of one vCPU at one of them held the other thread.
+    // Each group's rows get their new row factor (and p²) and are folded, in row order, into
+    // the group's own column sums and w from zero (Note [Adafactor's one pass over the
+    // gradient]); the accumulator adds the groups' sums in group order. One parallel region
+    // takes whole groups. The thread whose groups start at 0 adds each one into the
+    // accumulator as soon as it is folded (it is first in the order anyway: on one thread
+    // nothing else happens); the others keep theirs, and a second region, threads splitting
+    // the columns, adds them in order (for a tensor of a few MB, the calling thread alone). At
+    // most two regions per tensor: one per block of 128 rows (as before) put ~1,700 barriers
+    // in a 100 M-parameter step, and every stall of one vCPU at one of them held the other
+    // thread.
+    // Note [Adafactor's one pass over the gradient]: each block of four rows is read from
+    // memory once. sum_four_rows_and_columns squares each element once (g² + eps1 in fp32),
+    // widens it once, and adds it both to its row's eight fp64 lanes and to its column's sum;
+    // the rows' new factors follow from the row sums, and fold_w adds g² / r_k into w while
+    // the 16 KiB block (at 1024 columns) is still in L1, prefetching the next block meanwhile.
+    // The row pass and the fold were two passes over a group in L2 (the fold a second
+    // widening of every element, and w in fp64 from g widened): the row sums 33 % and the
+    // fold 26 % of the loops' samples on AVX2, against the update's 41 %. The row factors and
+    // column sums keep their bits (the same terms, added in the same order); w's terms are now
+    // rounded to fp32 before they are added, which moves only the clipping divisor, by at most
+    // fp32's relative rounding (6e-8): Transformers computes the update's RMS in fp32 anyway.
     const float* row = s.state("exp_avg_sq_row");
     std::vector<double> p2(geo.rows, 0.0);  // one sum per row, then added in row order
     double* col_sums = a;
@@ -287,20 +303,28 @@ class Adafactor final : public UpdateRule {
         double* part_col = first == 0 ? own : kept + gi * 2 * geo.C;
         double* part_w = part_col + geo.C;
         std::fill(part_col, part_col + 2 * geo.C, 0.0);
-        // The row pass streams the group's rows from memory; the fold then finds them in
-        // cache. (Folding each row right after its sum, the fold's arithmetic kept the next
-        // row's loads waiting: 1.2x slower on one thread.)
-        for (int64_t k = grp.begin; k < grp.end; ++k) {
-          new_row[k] = new_row_factor(kern, s.g + k * geo.C, geo.C, row[k], b2t);
-          // The parameter's RMS only scales the step (scale_parameter): without it, no pass
-          // over the parameter here.
-          if (scale_parameter_) p2[k] = kern.sum_of_squares(s.p + k * geo.C, geo.C);
-        }
+        // Four rows at a time, read once (Note [Adafactor's one pass over the gradient]).
         for (int64_t k = grp.begin; k < grp.end; k += kFoldRows) {
           const int64_t count = std::min(kFoldRows, grp.end - k);
-          double inv_row[kFoldRows];
-          for (int64_t r = 0; r < count; ++r) inv_row[r] = 1.0 / new_row[k + r];
-          kern.fold_rows(s.g + k * geo.C, count, geo.C, eps1f(), inv_row, part_col, part_w);
+          const float* g = s.g + k * geo.C;
+          double sums[kFoldRows];
+          if (count == kFoldRows) {
+            kern.sum_four_rows_and_columns(g, geo.C, eps1f(), sums, part_col);
+          } else {
+            for (int64_t r = 0; r < count; ++r)
+              sums[r] = kern.sum_row_and_columns(g + r * geo.C, geo.C, eps1f(), part_col);
+          }
+          float inv_row[kFoldRows];
+          for (int64_t r = 0; r < count; ++r) {
+            new_row[k + r] = new_row_factor(sums[r], geo.C, row[k + r], b2t);
+            inv_row[r] = 1.0f / new_row[k + r];
+          }
+          kern.fold_w(g, count, geo.C, inv_row, part_w);
+          // The parameter's RMS only scales the step (scale_parameter): without it, no pass
+          // over the parameter here.
+          if (scale_parameter_)
+            for (int64_t r = 0; r < count; ++r)
+              p2[k + r] = kern.sum_of_squares(s.p + (k + r) * geo.C, geo.C);
         }
         if (first == 0) {
           kern.add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
@@ -309,8 +333,12 @@ class Adafactor final : public UpdateRule {
       }
       if (first == 0) added_directly = last;  // read after the region's join
     });
+    // A region costs a barrier, and a barrier on a loaded machine costs a time slice: below
+    // about 2^18 doubles to add (~0.1 ms), the calling thread adds them alone.
+    const int64_t to_add = (n_groups - added_directly) * 2 * geo.C;
     if (added_directly < n_groups)
-      at::parallel_for(0, geo.C, 256, [&](int64_t j0, int64_t j1) {
+      at::parallel_for(0, geo.C, to_add < (int64_t{1} << 18) ? geo.C : 256, [&](int64_t j0,
+                                                                               int64_t j1) {
         for (int64_t gi = added_directly; gi < n_groups; ++gi) {
           const int64_t offset = groups[gi].matrix * geo.C;
           kern.add_columns(kept + gi * 2 * geo.C, j0, j1, col_sums + offset);
@@ -338,14 +366,14 @@ class Adafactor final : public UpdateRule {
     const double n = static_cast<double>(geo.numel);
     const double param_rms = std::sqrt(t0[n_total - 1] / n);
     const double lr = step_size(ctx, param_rms);
+    const float lr_f = static_cast<float>(lr);
     Coefficients c;
-    c.lr = static_cast<float>(lr);
     c.b1 = static_cast<float>(beta1_);
     c.w1 = static_cast<float>(1.0 - beta1_);
     c.wd = static_cast<float>(-ctx.weight_decay * lr);
     float* m = beta1_ > 0 ? s.state("exp_avg") : nullptr;
     if (!geo.factored) {
-      c.clip_div = clip_divisor(std::sqrt(t0[0] / n));
+      c.step = lr_f / clip_divisor(std::sqrt(t0[0] / n));
       float* v = s.state("exp_avg_sq");
       at::parallel_for(0, geo.rows, 4096, [&](int64_t i0, int64_t i1) {
         kern.update_vector(s.g + i0, v + i0, s.p + i0, m ? m + i0 : nullptr, i1 - i0, eps1f(),
@@ -355,7 +383,7 @@ class Adafactor final : public UpdateRule {
       return;
     }
     const ColumnFactors f = column_factors(s, geo, t0, b2t);
-    c.clip_div = clip_divisor(std::sqrt(f.sum_u2 / n));
+    c.step = lr_f / clip_divisor(std::sqrt(f.sum_u2 / n));
     // Round 0's row factors (Note [Adafactor in two passes]), exact: floats carried in doubles.
     const double* carried_rows = t0 + row_factors_at(geo);
     std::vector<float> new_row(geo.rows);
@@ -444,11 +472,9 @@ class Adafactor final : public UpdateRule {
     return static_cast<float>(std::max(update_rms / clip_, 1.0));
   }
 
-  // b2t row + (1-b2t) mean_j(g²+eps1) of one row.
-  float new_row_factor(const Kernels& kern, const float* g, int64_t C, float old,
-                       Beta2 b2t) const {
-    const float mean = static_cast<float>(kern.sum_of_squares_plus(g, C, eps1f()) /
-                                          static_cast<double>(C));
+  // b2t row + (1-b2t) mean_j(g²+eps1) of one row, from the row's sum of g²+eps1.
+  static float new_row_factor(double sum, int64_t C, float old, Beta2 b2t) {
+    const float mean = static_cast<float>(sum / static_cast<double>(C));
     return old * b2t.keep + b2t.add * mean;
   }
 
@@ -571,7 +597,7 @@ class Adafactor final : public UpdateRule {
                         : at::full({1}, rel, param_rms.options());
     at::Tensor update_rms = sum_u2(geo, ctx.totals[0], f).div(n).sqrt();
     at::Tensor clip_div = update_rms.div(clip_).clamp_min(1.0).to(at::kFloat);
-    at::Tensor x = f.u / clip_div * lr.to(at::kFloat);
+    at::Tensor x = f.u * (lr.to(at::kFloat) / clip_div);  // as the loops' Coefficients::step
     if (beta1_ > 0) {
       at::Tensor& m = s.state_at("exp_avg");
       m.copy_(m * static_cast<float>(beta1_) + x * static_cast<float>(1.0 - beta1_));

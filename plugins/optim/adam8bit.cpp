@@ -76,10 +76,9 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 // - AdamW's arithmetic runs in the scalar kernel's order (the build has -ffp-contract=off, and
 //   sqrt and division round alike in every width);
 // - the absmax is kept as std::max keeps it (a NaN never enters; max is order-free otherwise);
-// - dequantizing is code[q] · absmax: on AVX-512 by a lookup in the code map held in registers
-//   (Note [Lookups in registers]), in a pass of its own per state so one table fills the
-//   registers; on AVX2 (16 registers of 8 floats cannot hold 256) by a gather, fused into the
-//   update pass;
+// - dequantizing is code[q] · absmax, the code from the byte's own arithmetic (Note [Dequantize
+//   by arithmetic] in quantize.h: one fma and a bit from a register table, no gather), in the
+//   update's loop on both widths;
 // - requantizing follows Note [Quantize by arithmetic], the code from the float's exponent and
 //   one fused multiply-subtract, no gather; the rare vector with a lane too close to a
 //   threshold for that arithmetic to be sure (about 1 in 800 in training) takes Note [Quantize
@@ -88,16 +87,6 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 //   the gather on the Xeon of issue 39: docs/BENCHMARKS.md.) On AVX-512 a block is
 //   requantized in the loop that updates the next (Note [adam8bit's blocks in a pipeline]).
 // A tail of fewer than a vector runs scalar.
-__attribute__((target("avx512f"))) void dequantize_pass(const uint8_t* q, const QuantMap& map,
-                                                        float absmax, float* out, int64_t whole) {
-  const RegisterTable codes(map.code.data());
-  const __m512 scale = _mm512_set1_ps(absmax);
-  for (int64_t i = 0; i < whole; i += 16) {
-    const __m512i index =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(codes.lookup(index), scale));
-  }
-}
 
 // Note [adam8bit's blocks in a pipeline]: the update of a block waits on the divider (two
 // divisions and a square root per 16 elements, ~32 cycles on the Xeon of issue 39), its
@@ -149,9 +138,16 @@ update_and_requantize(const Block& b, const Coefficients& c, BlockBuffers buffer
                decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size);
   const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
   const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
+  const __m512 absmax_m = _mm512_set1_ps(*b.am), absmax_v = _mm512_set1_ps(*b.av);
+  const QuantMap::Dequantizer16<true> code_m(ms);
+  const QuantMap::Dequantizer16<false> code_v(vs);
   for (int64_t i = 0; i < whole; i += 16) {
-    __m512 m = _mm512_loadu_ps(buffers.m + i);
-    __m512 v = _mm512_loadu_ps(buffers.v + i);
+    __m512 m = _mm512_mul_ps(
+        code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qm + i)))),
+        absmax_m);
+    __m512 v = _mm512_mul_ps(
+        code_v(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qv + i)))),
+        absmax_v);
     const __m512 g = _mm512_loadu_ps(b.g + i);
     m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(g, m)));
     v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
@@ -205,8 +201,6 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void blocks_avx512(
     const Block b = block_at(k);
     const BlockBuffers here = pair[k % 2], before = pair[(k + 1) % 2];
     const int64_t whole = b.len / 16 * 16;
-    dequantize_pass(b.qm, ms, *b.am, here.m, whole);
-    dequantize_pass(b.qv, vs, *b.av, here.v, whole);
     __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
     if (k > 0 && prev.len / 16 * 16 == whole) {
       update_and_requantize<true>(b, c, here, whole, prev, before, prev_inv_m, prev_inv_v,
@@ -227,39 +221,69 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void blocks_avx512(
   if (count > 0) requantize_avx512(prev, pair[(count - 1) % 2], prev_inv_m, prev_inv_v);
 }
 
-// Eight int32 codes (each in [0, 255]) to eight bytes.
-__attribute__((target("avx2"))) inline void store8_codes(uint8_t* out, __m256i q) {
-  const __m256i words = _mm256_packus_epi32(q, q);         // per half: q0-3 q0-3 | q4-7 q4-7
-  const __m256i bytes = _mm256_packus_epi16(words, words);  // per half: q0-3 x4 | q4-7 x4
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
-                   _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes),
-                                      _mm256_extracti128_si256(bytes, 1)));
+// Eight int32 codes of each state (each in [0, 255]) to eight bytes each: three shuffles for
+// both, not four each (they share port 5 with the permutes on the Xeon of issue 39).
+__attribute__((target("avx2"))) inline void store8_codes(uint8_t* out_m, uint8_t* out_v,
+                                                         __m256i qm, __m256i qv) {
+  const __m256i words = _mm256_packus_epi32(qm, qv);        // per half: m0-3 v0-3 | m4-7 v4-7
+  const __m256i bytes = _mm256_packus_epi16(words, words);  // dwords: m0-3 v0-3 m0-3 v0-3 | ...
+  const __m128i both = _mm256_castsi256_si128(  // m0-3 m4-7 v0-3 v4-7
+      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out_m), both);
+  _mm_storeh_pd(reinterpret_cast<double*>(out_v), _mm_castsi128_pd(both));
 }
 
+// 8 moments of each kind scaled and written as codes (requantize16's AVX2 twin).
+template <typename QuantizeM, typename QuantizeV>
+__attribute__((target("avx2,fma"), always_inline)) inline void requantize8(
+    const QuantizeM& quantize_m, const QuantizeV& quantize_v, const float* m, const float* v,
+    __m256 scale_m, __m256 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
+  const __m256 ym = _mm256_mul_ps(_mm256_loadu_ps(m), scale_m);
+  const __m256 yv = _mm256_mul_ps(_mm256_loadu_ps(v), scale_v);
+  int unsure_m, unsure_v;
+  __m256i qm = quantize_m(ym, unsure_m);
+  __m256i qv = quantize_v(yv, unsure_v);
+  if (__builtin_expect(unsure_m != 0, 0)) qm = signed_map().quantize8(ym);
+  if (__builtin_expect(unsure_v != 0, 0)) qv = unsigned_map().quantize8(yv);
+  store8_codes(qm_out, qv_out, qm, qv);
+}
+
+// The largest lane, as std::max folds them from 0 (no lane holds a NaN).
+__attribute__((target("avx2"))) inline float lanes_max(__m256 most) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, most);
+  float out = 0.0f;
+  for (float x : lanes) out = std::max(out, x);
+  return out;
+}
+
+// One block on AVX2: dequantize (Note [Dequantize by arithmetic]) and update, then requantize,
+// in two loops. (Run as AVX-512 runs, each block's requantization in the loop updating the next,
+// it measured no faster: 0.27x of torch's fused AdamW against 0.29x, one in-process run on the
+// Xeon of issue 39; with 16 registers the fused loop spills its tables.)
 __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coefficients& c,
                                                     float* mbuf, float* vbuf) {
-  const QuantMap& ms = signed_map();
-  const QuantMap& vs = unsigned_map();
   const int64_t whole = b.len / 8 * 8;
   const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
                decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
                eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
-               scale_m = _mm256_set1_ps(*b.am), scale_v = _mm256_set1_ps(*b.av),
+               absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av),
                sign = _mm256_set1_ps(-0.0f);
+  const QuantMap::Dequantizer8<true> code_m(signed_map());
+  const QuantMap::Dequantizer8<false> code_v(unsigned_map());
   __m256 most_m = _mm256_setzero_ps(), most_v = _mm256_setzero_ps();
   for (int64_t i = 0; i < whole; i += 8) {
     const __m256i im =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qm + i)));
     const __m256i iv =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qv + i)));
-    __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(ms.code.data(), im, 4), scale_m);
-    __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(vs.code.data(), iv, 4), scale_v);
+    __m256 m = _mm256_mul_ps(code_m(im), absmax_m);
+    __m256 v = _mm256_mul_ps(code_v(iv), absmax_v);
     const __m256 g = _mm256_loadu_ps(b.g + i);
     m = _mm256_add_ps(m, _mm256_mul_ps(w1, _mm256_sub_ps(g, m)));
     v = _mm256_add_ps(_mm256_mul_ps(b2, v), _mm256_mul_ps(_mm256_mul_ps(w2, g), g));
-    const __m256 denominator = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
     const __m256 p = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(b.p + i), decay),
-                                   _mm256_mul_ps(step, _mm256_div_ps(m, denominator)));
+                                   _mm256_mul_ps(step, divide_by_denominator(m, v, bc2, eps)));
     _mm256_storeu_ps(b.p + i, p);
     _mm256_storeu_ps(mbuf + i, m);
     _mm256_storeu_ps(vbuf + i, v);
@@ -267,28 +291,15 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
     most_m = _mm256_max_ps(_mm256_andnot_ps(sign, m), most_m);
     most_v = _mm256_max_ps(v, most_v);
   }
-  alignas(32) float lanes_m[8], lanes_v[8];
-  _mm256_store_ps(lanes_m, most_m);
-  _mm256_store_ps(lanes_v, most_v);
-  float new_am = 0.0f, new_av = 0.0f;
-  for (int l = 0; l < 8; ++l) {
-    new_am = std::max(new_am, lanes_m[l]);
-    new_av = std::max(new_av, lanes_v[l]);
-  }
+  float new_am = lanes_max(most_m), new_av = lanes_max(most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  const __m256 inverse_m = _mm256_set1_ps(inv_m), inverse_v = _mm256_set1_ps(inv_v);
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256 ym = _mm256_mul_ps(_mm256_loadu_ps(mbuf + i), inverse_m);
-    const __m256 yv = _mm256_mul_ps(_mm256_loadu_ps(vbuf + i), inverse_v);
-    int unsure_m, unsure_v;
-    __m256i qm = ms.quantize8_arith(ym, unsure_m);
-    __m256i qv = vs.quantize8_arith(yv, unsure_v);
-    if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize8(ym);
-    if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize8(yv);
-    store8_codes(b.qm + i, qm);
-    store8_codes(b.qv + i, qv);
-  }
+  const __m256 scale_m = _mm256_set1_ps(inv_m), scale_v = _mm256_set1_ps(inv_v);
+  const QuantMap::Quantizer8<true> quantize_m(signed_map());
+  const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
+  for (int64_t i = 0; i < whole; i += 8)
+    requantize8(quantize_m, quantize_v, mbuf + i, vbuf + i, scale_m, scale_v, b.qm + i,
+                b.qv + i);
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
   *b.av = new_av;
@@ -301,7 +312,9 @@ cpu::KernelIsa kernel_path() {
 #if defined(__x86_64__)
   static const bool maps_ready = signed_map().step_ready() && unsigned_map().step_ready() &&
                                  signed_map().arithmetic_ready() &&
-                                 unsigned_map().arithmetic_ready();
+                                 unsigned_map().arithmetic_ready() &&
+                                 signed_map().dequantize_ready() &&
+                                 unsigned_map().dequantize_ready();
   if (maps_ready) return cpu::kernel_isa();
 #endif
   return cpu::KernelIsa::scalar;

@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -22,7 +23,10 @@ namespace loom::optim {
 // bits) and a blend tree on bits 5-7. On the EPYC this project measured it costs 1.9 ns against a
 // gather's 4.8 (build/bin/loom_lookup_cost); the same floats come back, so the kernels that use it
 // stay bit-identical to the gathers'. Callers load it once per block (a local, so the compiler
-// keeps it in registers: a byte store in the loop could alias a table in memory).
+// keeps it in registers: a byte store in the loop could alias a table in memory). adam8bit's
+// kernel dequantized by it until issue 39 and now by arithmetic (Note [Dequantize by
+// arithmetic]: three permutes per 16 values, not eight and seven blends); loom_lookup_cost
+// still measures it against the gather.
 struct RegisterTable {
   __m512 part[16];
   __attribute__((target("avx512f"))) explicit RegisterTable(const float* table) {
@@ -91,6 +95,7 @@ struct QuantMap {
     }
     build_step_cells();
     build_arithmetic(is_signed);
+    build_dequantize(is_signed);
   }
 
   // The nearest code of y (|y| <= 1): a branch-free binary search over the midpoints.
@@ -232,11 +237,6 @@ struct QuantMap {
     const __m512i negative = _mm512_srai_epi32(_mm512_castps_si512(y), 31);  // 0 or -1
     return is_signed_map ? _mm512_sub_epi32(magnitude, negative) : magnitude;
   }
-  __attribute__((target("avx2"))) __m256i edge_key8(__m256 y, __m256 a) const {
-    const __m256i magnitude = _mm256_castps_si256(a);
-    const __m256i negative = _mm256_srai_epi32(_mm256_castps_si256(y), 31);  // 0 or -1
-    return is_signed_map ? _mm256_sub_epi32(magnitude, negative) : magnitude;
-  }
   __attribute__((target("avx512f,avx512bw"))) __m512i quantize16_arith(__m512 y,
                                                                        __mmask16& unsure) const {
     const __m512 zero = _mm512_setzero_ps();
@@ -266,39 +266,176 @@ struct QuantMap {
                                 _mm512_set1_epi32(0xff));
     return q;
   }
-  // The same for 8 lanes; without a 32-entry permute the decade is a count of the edges at or
-  // above |y| (decades 0-7; the unsigned map's zero "decade" 8 by one more comparison).
+  // The same for 8 lanes, by a Quantizer8 (below) made for the call.
   __attribute__((target("avx2,fma"))) __m256i quantize8_arith(__m256 y, int& unsure) const {
-    const __m256 zero = _mm256_setzero_ps();
-    const __m256 a = is_signed_map ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y)
-                                   : _mm256_max_ps(y, zero);
-    const __m256i key = edge_key8(y, a);
-    __m256i decade = _mm256_set1_epi32(7);
-    for (int e = 0; e < 7; ++e)  // 7 less the edges below |y| (a mask of all ones is -1)
-      decade = _mm256_add_epi32(
-          decade, _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int32_t>(
-                                              to_bits(arith_lower[e])))));
-    const __m256 x = _mm256_min_ps(
-        _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_top.data()), decade),
-        _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_scale.data()), decade),
-                        _mm256_permutevar8x32_ps(_mm256_loadu_ps(arith_offset.data()), decade)));
-    __m256i q = _mm256_cvttps_epi32(x);
-    const __m256 from_half = _mm256_andnot_ps(
-        _mm256_set1_ps(-0.0f),
-        _mm256_sub_ps(_mm256_sub_ps(x, _mm256_cvtepi32_ps(q)), _mm256_set1_ps(0.5f)));
-    __m256 doubt = _mm256_cmp_ps(from_half, _mm256_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
-    if (is_signed_map) {
-      const __m256 not_positive = _mm256_cmp_ps(y, zero, _CMP_LE_OQ);
-      q = _mm256_xor_si256(
-          q, _mm256_and_si256(_mm256_castps_si256(not_positive), _mm256_set1_epi32(0xff)));
-    } else {  // at or below the lowest edge: byte 0, sure
-      const __m256 nothing = _mm256_cmp_ps(a, _mm256_set1_ps(arith_lower[7]), _CMP_LE_OQ);
-      q = _mm256_andnot_si256(_mm256_castps_si256(nothing), q);
-      doubt = _mm256_andnot_ps(nothing, doubt);
-    }
-    unsure = _mm256_movemask_ps(doubt);
-    return q;
+    return is_signed_map ? Quantizer8<true>(*this)(y, unsure)
+                         : Quantizer8<false>(*this)(y, unsure);
   }
+  // quantize8_arith's tables in registers, made per block (a local: kSigned must be the map's).
+  // 8-entry permutes stand in for AVX-512's 16- and 32-entry ones: the binade's decade is a byte
+  // of a 32-byte table (the word by the binade's low 3 bits, the byte by its bits 3-4), and the
+  // unsigned map's zero decade (8, one past the permutes) is masked by one more comparison.
+  template <bool kSigned>
+  struct Quantizer8 {
+    __m256 top, scale, offset;
+    __m256i edge_above;  // a decade's lower edge + 1 as an integer: key < it is key <= the edge
+    __m256i binade_decade;
+    float lowest_edge;  // the unsigned map's: at or below it the byte is 0
+    __attribute__((target("avx2"))) explicit Quantizer8(const QuantMap& map)
+        : top(_mm256_loadu_ps(map.arith_top.data())),
+          scale(_mm256_loadu_ps(map.arith_scale.data())),
+          offset(_mm256_loadu_ps(map.arith_offset.data())),
+          edge_above(_mm256_add_epi32(_mm256_castps_si256(_mm256_loadu_ps(map.arith_lower.data())),
+                                      _mm256_set1_epi32(1))),
+          binade_decade(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(map.arith_binade_decade_bytes.data()))),
+          lowest_edge(map.arith_lower[7]) {}
+    __attribute__((target("avx2,fma"), always_inline)) __m256i operator()(__m256 y,
+                                                                          int& unsure) const {
+      const __m256 zero = _mm256_setzero_ps();
+      const __m256 a =
+          kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y) : _mm256_max_ps(y, zero);
+      const __m256i magnitude = _mm256_castps_si256(a);
+      // As edge_key: a negative y on the signed map counts one ulp larger.
+      const __m256i key =
+          kSigned ? _mm256_sub_epi32(magnitude, _mm256_srai_epi32(_mm256_castps_si256(y), 31))
+                  : magnitude;
+      const __m256i binade = _mm256_min_epu32(
+          _mm256_subs_epu16(_mm256_srli_epi32(magnitude, 23),
+                            _mm256_set1_epi32(kArithFirstExponent)),
+          _mm256_set1_epi32(31));
+      __m256i decade = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(binade_decade, binade),
+                            _mm256_and_si256(binade, _mm256_set1_epi32(0x18))),
+          _mm256_set1_epi32(0xff));
+      // At or below the decade's lower edge: the decade below (a true mask is -1).
+      decade = _mm256_sub_epi32(
+          decade, _mm256_cmpgt_epi32(_mm256_permutevar8x32_epi32(edge_above, decade), key));
+      const __m256 x = _mm256_min_ps(
+          _mm256_permutevar8x32_ps(top, decade),
+          _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, decade),
+                          _mm256_permutevar8x32_ps(offset, decade)));
+      __m256i q = _mm256_cvttps_epi32(x);
+      const __m256 from_half = _mm256_andnot_ps(
+          _mm256_set1_ps(-0.0f),
+          _mm256_sub_ps(_mm256_sub_ps(x, _mm256_cvtepi32_ps(q)), _mm256_set1_ps(0.5f)));
+      __m256 doubt = _mm256_cmp_ps(from_half, _mm256_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
+      if (kSigned) {
+        const __m256 not_positive = _mm256_cmp_ps(y, zero, _CMP_LE_OQ);
+        q = _mm256_xor_si256(
+            q, _mm256_and_si256(_mm256_castps_si256(not_positive), _mm256_set1_epi32(0xff)));
+      } else {  // at or below the lowest edge (decade 8 and beyond): byte 0, sure
+        const __m256 nothing = _mm256_cmp_ps(a, _mm256_set1_ps(lowest_edge), _CMP_LE_OQ);
+        q = _mm256_andnot_si256(_mm256_castps_si256(nothing), q);
+        doubt = _mm256_andnot_ps(nothing, doubt);
+      }
+      unsure = _mm256_movemask_ps(doubt);
+      return q;
+    }
+  };
+#endif
+
+  // Note [Dequantize by arithmetic]: code[q] without a table of 256 floats. A magnitude code is
+  // j in [1, 127] (signed map: q = 128 + j, or 127 - j for its negative) or [1, 255]
+  // (unsigned: q = j); its decade has n = 2^floor(log2 j) codes, the one at k = j - n being
+  // float(10^-e (0.1 + 0.9 (k+1)/n)) as the constructor rounds it from double. Per decade one
+  // fma of k with two floats S, O comes within one ulp below that code; no fma alone is exact
+  // (fma(k+1, S, O) missed some code of every decade of 8 or more codes for every S, O within
+  // 64 ulps of the obvious ones, tried offline), so a 256-bit table holds each code's missing
+  // last bit: code bits = fma bits + fix bit. The decade is the exponent of float(j) (its low 3
+  // bits index 8-entry permutes) and k is float(j) less its exponent's power of two, both
+  // exact; j = 0 (the zeros) is masked. The constructor finds S, O per decade and checks all
+  // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 16 register
+  // operations per vector (21 signed), no memory lookup: AVX2 has no room for 256 floats in
+  // registers (16 x 8), and its gathers cost ~35 cycles each on the Xeon of issue 39
+  // (docs/BENCHMARKS.md).
+  bool dequantize_ready() const { return dequantize_fits; }
+  // The scalar statement of the vector code (the tests hold it to code[]).
+  float dequantize_arith(uint8_t q) const {
+    int j = q;
+    uint32_t sign = 0;
+    if (is_signed_map) {
+      j = q >= 128 ? q - 128 : 127 - q;
+      sign = q >= 128 ? 0u : 0x80000000u;
+    }
+    if (j == 0) return 0.0f;
+    const float jf = static_cast<float>(j);
+    const float n = from_bits(to_bits(jf) & 0x7f800000u);
+    const int index = static_cast<int>(to_bits(jf) >> 23) & 7;
+    const uint32_t fix = (dequant_fix[j & 7] >> (j >> 3)) & 1u;
+    const float approx = std::fma(jf - n, dequant_scale[index], dequant_offset[index]);
+    return from_bits((to_bits(approx) + fix) | sign);
+  }
+#if defined(__x86_64__)
+  // code[q] for 8 (AVX2) or 16 (AVX-512) bytes as int32 lanes; a Dequantizer is made per block
+  // (a local, so its tables stay in registers). kSigned must be the map's.
+  template <bool kSigned>
+  struct Dequantizer8 {
+    __m256 scale, offset;
+    __m256i fix;
+    __attribute__((target("avx2"))) explicit Dequantizer8(const QuantMap& map)
+        : scale(_mm256_loadu_ps(map.dequant_scale.data())),
+          offset(_mm256_loadu_ps(map.dequant_offset.data())),
+          fix(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(map.dequant_fix.data()))) {}
+    __attribute__((target("avx2,fma"), always_inline)) __m256 operator()(__m256i q) const {
+      __m256i j = q, sign = _mm256_setzero_si256();
+      if (kSigned) {  // j = q - 128, or 127 - q (= ~(q - 128)) below 128
+        const __m256i x = _mm256_sub_epi32(q, _mm256_set1_epi32(128));
+        const __m256i below = _mm256_srai_epi32(x, 31);
+        j = _mm256_xor_si256(x, below);
+        sign = _mm256_slli_epi32(below, 31);
+      }
+      const __m256 jf = _mm256_cvtepi32_ps(j);
+      const __m256i jbits = _mm256_castps_si256(jf);
+      const __m256 k = _mm256_sub_ps(
+          jf, _mm256_castsi256_ps(_mm256_and_si256(jbits, _mm256_set1_epi32(0x7f800000))));
+      const __m256i index = _mm256_srli_epi32(jbits, 23);  // permutes read the low 3 bits
+      const __m256 approx = _mm256_fmadd_ps(k, _mm256_permutevar8x32_ps(scale, index),
+                                            _mm256_permutevar8x32_ps(offset, index));
+      const __m256i bit = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(fix, j), _mm256_srli_epi32(j, 3)),
+          _mm256_set1_epi32(1));
+      __m256i bits = _mm256_add_epi32(_mm256_castps_si256(approx), bit);
+      if (kSigned) bits = _mm256_or_si256(bits, sign);
+      bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(j, _mm256_setzero_si256()), bits);
+      return _mm256_castsi256_ps(bits);
+    }
+  };
+  template <bool kSigned>
+  struct Dequantizer16 {
+    __m512 scale, offset;
+    __m512i fix;
+    __attribute__((target("avx512f"))) explicit Dequantizer16(const QuantMap& map)
+        : scale(_mm512_castps256_ps512(_mm256_loadu_ps(map.dequant_scale.data()))),
+          offset(_mm512_castps256_ps512(_mm256_loadu_ps(map.dequant_offset.data()))),
+          fix(_mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(map.dequant_fix.data())))) {}
+    __attribute__((target("avx512f"), always_inline)) __m512 operator()(__m512i q) const {
+      __m512i j = q, sign = _mm512_setzero_si512();
+      if (kSigned) {
+        const __m512i x = _mm512_sub_epi32(q, _mm512_set1_epi32(128));
+        const __m512i below = _mm512_srai_epi32(x, 31);
+        j = _mm512_xor_si512(x, below);
+        sign = _mm512_slli_epi32(below, 31);
+      }
+      const __m512 jf = _mm512_cvtepi32_ps(j);
+      const __m512i jbits = _mm512_castps_si512(jf);
+      const __m512 k = _mm512_sub_ps(
+          jf, _mm512_castsi512_ps(_mm512_and_si512(jbits, _mm512_set1_epi32(0x7f800000))));
+      // 16-entry permutes; the index's bit 3 is cleared so the undefined upper half is never read.
+      const __m512i index =
+          _mm512_and_si512(_mm512_srli_epi32(jbits, 23), _mm512_set1_epi32(7));
+      const __m512 approx = _mm512_fmadd_ps(k, _mm512_permutexvar_ps(index, scale),
+                                            _mm512_permutexvar_ps(index, offset));
+      const __m512i word = _mm512_permutexvar_epi32(_mm512_and_si512(j, _mm512_set1_epi32(7)), fix);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_srli_epi32(j, 3)),
+                                           _mm512_set1_epi32(1));
+      __m512i bits = _mm512_add_epi32(_mm512_castps_si512(approx), bit);
+      if (kSigned) bits = _mm512_or_si512(bits, sign);
+      bits = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(j, j), bits);
+      return _mm512_castsi512_ps(bits);
+    }
+  };
 #endif
 
   // Cells: [0, 2^(kMinExponent-127)) is cell 0, then kCellsPerBinade per binade up to |y| < 2;
@@ -319,6 +456,51 @@ struct QuantMap {
   bool is_signed_map = false, arith_fits = true;
   std::array<float, 16> arith_lower{}, arith_scale{}, arith_offset{}, arith_top{};
   std::array<int32_t, 32> arith_binade_decade{};
+  std::array<uint32_t, 8> arith_binade_decade_bytes{};  // binade b's at byte b >> 3 of word b & 7
+  // Note [Dequantize by arithmetic]: per decade (by the low 3 bits of float(j)'s exponent) the
+  // fma's two floats, and per magnitude j its missing last bit (bit j >> 3 of word j & 7).
+  bool dequantize_fits = true;
+  std::array<float, 8> dequant_scale{}, dequant_offset{};
+  std::array<uint32_t, 8> dequant_fix{};
+  void build_dequantize(bool is_signed) {
+    const int bits = is_signed ? 7 : 8, base = is_signed ? 128 : 0;
+    for (int log_n = 0; log_n < bits; ++log_n) {
+      const int n = 1 << log_n, e = bits - 1 - log_n, index = (127 + log_n) & 7;
+      const double scale = std::pow(10.0, -e);
+      const float slope = static_cast<float>(scale * 0.9 / n);
+      const float start = static_cast<float>(scale * 0.1) + slope;  // the code at k = 0
+      // The first S, O (nearest the obvious ones, ulp by ulp) whose fma lies at or one ulp
+      // below every code of the decade.
+      bool found = false;
+      for (int radius = 0; radius <= 4 && !found; ++radius)
+        for (int ds = -radius; ds <= radius && !found; ++ds)
+          for (int dof = -radius; dof <= radius && !found; ++dof) {
+            if (std::max(std::abs(ds), std::abs(dof)) != radius) continue;
+            const float s = from_bits(to_bits(slope) + static_cast<uint32_t>(ds));
+            const float o = from_bits(to_bits(start) + static_cast<uint32_t>(dof));
+            bool fits = true;
+            for (int k = 0; k < n && fits; ++k) {
+              const uint32_t want = to_bits(code[base + n + k]);
+              const uint32_t got = to_bits(std::fma(static_cast<float>(k), s, o));
+              fits = want == got || want == got + 1;
+            }
+            if (!fits) continue;
+            found = true;
+            dequant_scale[index] = s;
+            dequant_offset[index] = o;
+            for (int k = 0; k < n; ++k) {
+              const int j = n + k;
+              if (to_bits(code[base + j]) != to_bits(std::fma(static_cast<float>(k), s, o)))
+                dequant_fix[j & 7] |= 1u << (j >> 3);
+            }
+          }
+      if (!found) dequantize_fits = false;
+    }
+    // The proof: every byte's arithmetic code is the table's, bit for bit.
+    for (int q = 0; q < 256; ++q)
+      if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]))
+        dequantize_fits = false;
+  }
   void build_arithmetic(bool is_signed) {
     is_signed_map = is_signed;
     const int decades = is_signed ? 7 : 8;  // decade `decades` is the zero one
@@ -362,6 +544,8 @@ struct QuantMap {
       const float top = from_bits(next - 1);
       const float bottom = b == 0 ? 0.0f : from_bits(next - (1u << 23));
       arith_binade_decade[b] = decade_of(top);
+      arith_binade_decade_bytes[b & 7] |= static_cast<uint32_t>(arith_binade_decade[b])
+                                          << (8 * (b >> 3));
       if (decade_of(bottom) > arith_binade_decade[b] + 1) arith_fits = false;  // two edges
     }
     if (is_signed)

@@ -182,8 +182,9 @@ class Zero final : public loom::Plugin {
         .key_optional("offload_param", loom::ValueType::Table,
                       "stage 3: where the weights' shards live between uses (DeepSpeed's key): "
                       "{ device = \"nvme\", nvme_path = \"/local_nvme\" } needs half-precision "
-                      "weights ([precision] mode = \"full_bf16\"); device = \"cpu\" on a CPU "
-                      "run changes nothing")
+                      "weights ([precision] mode = \"full_bf16\"); device = \"cpu\" (a GPU "
+                      "run: page-locked host memory, pin_memory = true) changes nothing on a "
+                      "CPU run")
         .key_int("shard_group_size", 0,
                  "stages 1-3: shard over groups of this many consecutive ranks (a node's, "
                  "typically) and replicate across the groups, HSDP (Note [Hybrid sharding] in "
@@ -192,7 +193,8 @@ class Zero final : public loom::Plugin {
                   "stage 3 on the CPU: build the model a unit at a time, each cut to this "
                   "rank's part as soon as it is initialised or read from from_pretrained, so no "
                   "rank ever holds the whole model (Note [Sharded initialization] in loom/nn.h); "
-                  "false: build it whole on every rank, then shard it")
+                  "false: build it whole on every rank, then shard it (left out, false for a "
+                  "job with [lora] or [moe], which change the units once they are built)")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
@@ -243,6 +245,7 @@ class Zero final : public loom::Plugin {
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
     sharded_init_ = t.get_bool("sharded_init");
     sharded_init_set_ = t.has("sharded_init");
+    built_whole_for_.clear();
     where_sharded_init_ = t.where("sharded_init");
     LOOM_CHECK_AS(ConfigError, !(sharded_init_set_ && sharded_init_) || stage_ == 3,
                   where_sharded_init_, ": [zero] sharded_init = true cuts the units' weights "
@@ -281,40 +284,44 @@ class Zero final : public loom::Plugin {
                     "both move the update, one after the next step's backward, the other into "
                     "this step's; choose one");
     }
-    if (offload_param_.device == "nvme") {
+    if (offloads_params(job("train")->get_string("device").rfind("cuda", 0) == 0)) {
       LOOM_CHECK_AS(ConfigError, stage_ == 3, where_offload_param_, ": [zero] offload_param "
                     "offloads stage 3's weight shards, but stage = ", stage_, "; set stage = 3");
-      // Note [Offloaded parameters]: the shards on NVMe are the half weights, rebuilt from the
-      // fp32 masters after each update: only the precision plugin's pure half modes have both.
+      // Note [Offloaded parameters]: the offloaded shards are the half weights, rebuilt from
+      // the fp32 masters after each update: only the precision plugin's pure half modes have
+      // both.
       const loom::ConfigSection* precision = job("precision");
       const std::string mode = precision ? precision->get_string("mode") : "fp32 (no [precision])";
       LOOM_CHECK_AS(ConfigError, mode == "full_bf16" || mode == "full_fp16", where_offload_param_,
-                    ": [zero] offload_param keeps half-precision weight shards on NVMe and "
-                    "rebuilds them from the fp32 masters, but [precision] mode is ", mode,
+                    ": [zero] offload_param keeps half-precision weight shards off the device "
+                    "and rebuilds them from the fp32 masters, but [precision] mode is ", mode,
                     "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
     }
     // Note [Sharded initialization]: plugins that change the units once the model is built
-    // need it whole.
+    // need it whole. Left out, sharded_init is resolved off for this job (said at setup); set
+    // true, it is refused.
     if (stage_ == 3 && sharded_init_) {
       const std::pair<const char*, const char*> whole_model[] = {
           {"lora", "freezes the units' weights and adds adapters to them"},
           {"moe", "replaces the units' feed-forward layers"}};
-      for (const auto& [table, what] : whole_model)
-        LOOM_CHECK_AS(ConfigError, !job(table), where_sharded_init_, ": [zero] sharded_init "
-                      "(on by default at stage 3) cuts each unit to this rank's part as it is "
-                      "built, but [", table, "] ", what, " after the model is built, which needs "
-                      "the whole model; set [zero] sharded_init = false");
+      for (const auto& [table, what] : whole_model) {
+        if (!job(table)) continue;
+        LOOM_CHECK_AS(ConfigError, !sharded_init_set_, where_sharded_init_, ": [zero] "
+                      "sharded_init = true cuts each unit to this rank's part as it is built, "
+                      "but [", table, "] ", what, " after the model is built, which needs the "
+                      "whole model; set [zero] sharded_init = false, or leave it out");
+        sharded_init_ = false;
+        built_whole_for_ = loom::detail::cat("[", table, "] ", what, " after the model is built");
+        break;
+      }
+    }
+    if (stage_ == 3 && sharded_init_) {
       const std::string device = job("train")->get_string("device");
       LOOM_CHECK_AS(ConfigError, !sharded_init_set_ || device.rfind("cuda", 0) != 0,
                     where_sharded_init_, ": [zero] sharded_init = true is built for CPU runs "
                     "(the model moves to the GPU whole once it is built); set [zero] "
                     "sharded_init = false, or train on the CPU");
     }
-    const std::string device = job("train")->get_string("device");
-    LOOM_CHECK_AS(ConfigError, offload_param_.device != "cpu" || device.rfind("cuda", 0) != 0,
-                  where_offload_param_, ": [zero] offload_param.device = \"cpu\" on a GPU is "
-                  "not implemented yet; use device = \"nvme\" on a CPU run, or leave "
-                  "offload_param out");
   }
 
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
@@ -332,27 +339,32 @@ class Zero final : public loom::Plugin {
     // Every replica starts from rank 0's weights, before the driver copies its chunks.
     loom::sharding::start_from_rank0(engine, broadcast_buffers_);
     auto& comm = *options.comm;
-    if (offload_param_.device == "cpu") {
-      LOOM_CHECK_AS(ConfigError, engine.device().is_cpu(), where_offload_param_, ": [zero] "
-                    "offload_param.device = \"cpu\" on a GPU is not implemented yet; use "
-                    "device = \"nvme\" on a CPU run, or leave offload_param out");
-      loom::log::info("zero: offload_param.device = \"cpu\" on a CPU run: the weights are in "
-                      "CPU memory already; nothing changes");
-    } else if (offload_param_.device == "nvme") {
+    // Note [Offloaded parameters] (loom/sharding/shard_file.h): "cpu" is a GPU run's host
+    // store; a CPU run holds its weights in host memory already, so it changes nothing there
+    // unless LOOM_OFFLOAD_CPU_STORE=1 asks for its twin (Note [Parameter offload twin]).
+    if (offloads_params(engine.device().is_cuda())) {
       LOOM_CHECK_AS(ConfigError, stage_ == 3, where_offload_param_, ": [zero] offload_param "
                     "offloads stage 3's weight shards, but stage = ", stage_, "; set stage = 3");
-      offload_param_.nvme.path = engine.resolve_path(offload_param_.nvme.path);
+      if (offload_param_.device == "nvme")
+        offload_param_.nvme.path = engine.resolve_path(offload_param_.nvme.path);
       options_.offload_param = offload_param_;
-      loom::log::info("zero: stage 3 weight shards offloaded to NVMe (", offload_param_.nvme.path,
-                      ")");
+      options_.offload_param_twin = engine.device().is_cpu() && cpu_twin();
+      loom::log::info("zero: stage 3 weight shards offloaded to ",
+                      offload_param_.device == "nvme"
+                          ? "NVMe (" + offload_param_.nvme.path + ")"
+                          : std::string(offload_param_.pin_memory && engine.device().is_cuda()
+                                            ? "page-locked host memory"
+                                            : "host memory"),
+                      options_.offload_param_twin ? ", staged as on a GPU (the CPU twin)" : "");
+    } else if (offload_param_.device == "cpu") {
+      loom::log::info("zero: offload_param.device = \"cpu\" on a CPU run: the weights are in "
+                      "CPU memory already; nothing changes");
     }
     // Note [Host store]: device = "cpu" is ZeRO-Offload for a GPU run. On a CPU run the state
     // is in host memory already, so it changes nothing, unless LOOM_OFFLOAD_CPU_STORE=1: the
     // tests run the GPU path's host store on the CPU that way (its CPU twin).
-    const char* twin = std::getenv("LOOM_OFFLOAD_CPU_STORE");
     offload_active_ = offload_.device == "nvme" ||
-                      (offload_.device == "cpu" &&
-                       (!engine.device().is_cpu() || (twin && std::string(twin) == "1")));
+                      (offload_.device == "cpu" && (!engine.device().is_cpu() || cpu_twin()));
     if (offload_.device == "cpu" && !offload_active_) {
       loom::log::info("zero: offload_optimizer.device = \"cpu\" on a CPU run: the state is in "
                       "CPU memory already; nothing changes");
@@ -384,9 +396,10 @@ class Zero final : public loom::Plugin {
         // averaged gradient goes to the host store as its bucket is waited for.
         clips_ = engine.section("train").get_float("max_grad_norm") > 0;
         if (buckets_ && offloaded_->overlaps_backward())
-          buckets_->on_final_grad([this, &engine](const at::Tensor& param) {
-            hand_to_offloaded(engine, param);
-          });
+          buckets_->on_final_grad(loom::sharding::GradBuckets::FinalGrad::in_grad,
+                                  [this, &engine](const at::Tensor& param, const at::Tensor&) {
+                                    hand_to_offloaded(engine, param);
+                                  });
         return offloaded;
       }
       // Stages 1-3: the ZeRO driver with its rank's pieces in a swap file (Note [Offloaded
@@ -398,8 +411,13 @@ class Zero final : public loom::Plugin {
       if (comm.world_size() > 1) {
         buckets_ = std::make_unique<loom::sharding::GradBuckets>(
             options.params, options_.reduce_bucket_bytes, comm, options_.overlap);
-        if (engine.section("train").get_bool("optimizer_in_backward"))
-          buckets_->hand_final_grads_to(engine);  // Note [Optimizer in backward]
+        if (engine.section("train").get_bool("optimizer_in_backward")) {
+          engine.will_hand_final_grads();  // Note [Optimizer in backward]
+          buckets_->on_final_grad(loom::sharding::GradBuckets::FinalGrad::handed_over,
+                                  [&engine](const at::Tensor& param, const at::Tensor& grad) {
+                                    engine.grad_final(param, grad);
+                                  });
+        }
         loom::log::info("zero: stage 0 (data parallel) over ", comm.world_size(), " ranks, ",
                         buckets_->bucket_count(), " gradient bucket(s)");
       } else {
@@ -493,7 +511,7 @@ class Zero final : public loom::Plugin {
     engine.on(loom::Event::after_update, [this](loom::Engine& e) {
       // Offloaded state (NVMe, or the host arena of a GPU run) is outside the formula's memory.
       if (measured_ || (!driver_ && !buckets_) || offload_active_ ||
-          offload_param_.device == "nvme")
+          offloads_params(e.device().is_cuda()))
         return;
       measured_ = true;
       const int64_t measured =
@@ -583,6 +601,9 @@ class Zero final : public loom::Plugin {
     if (stage_ != 3) return;
     loom::memory::reset_device_peak(engine.device());  // report_start_peak's
     return_freed_memory(engine);  // from the build on: it frees every unit's weights
+    if (!built_whole_for_.empty())
+      loom::log::info("zero: ", built_whole_for_, ": building the model whole before sharding "
+                      "it (sharded_init off)");
     if (!sharded_init_) return;
     if (!engine.device().is_cpu()) {
       LOOM_CHECK_AS(ConfigError, !sharded_init_set_, where_sharded_init_, ": [zero] "
@@ -676,16 +697,19 @@ class Zero final : public loom::Plugin {
     for (auto* list : lists)
       for (size_t u = 0; u < list->size(); ++u) {
         std::vector<size_t> indices;
-        for (const auto& p : (*list)[u].parameters(/*recurse=*/true)) {
-          auto found = index_of.find(p.unsafeGetTensorImpl());
-          if (found != index_of.end() && p.numel() >= persistence_threshold_)
-            indices.push_back(found->second);
+        for (const auto& member :
+             loom::sharding::unit_group_params((*list)[u], persistence_threshold_)) {
+          auto found = index_of.find(member.tensor.unsafeGetTensorImpl());
+          LOOM_INTERNAL_ASSERT(found != index_of.end(), "unit weight '", member.name, "' "
+                               "requires grad but is not among the engine's trainable "
+                               "parameters");
+          indices.push_back(found->second);
         }
         options_.units.emplace_back(&(*list)[u], std::move(indices));
       }
     // Note [Offloaded parameters]: offload_param moves the units' shards; with none, the job
     // would run with every weight in memory while saying it offloads them.
-    if (offload_param_.device == "nvme") {
+    if (offloads_params(engine.device().is_cuda())) {
       size_t sharded = 0;
       for (const auto& unit : options_.units) sharded += unit.second.size();
       LOOM_CHECK_AS(ConfigError, sharded > 0, where_offload_param_, ": [zero] offload_param "
@@ -752,6 +776,17 @@ class Zero final : public loom::Plugin {
     if (frozen > 0) text << ", plus " << loom::memory::format_bytes(static_cast<int64_t>(frozen)) << " frozen";
     text << ")";
     return {static_cast<int64_t>(bytes + frozen), text.str()};
+  }
+
+  // Whether offload_param moves the units' shards: "nvme" always; "cpu" on a GPU, and on a CPU
+  // run under LOOM_OFFLOAD_CPU_STORE=1 (Note [Parameter offload twin] in shard_file.h).
+  bool offloads_params(bool on_gpu) const {
+    return offload_param_.device == "nvme" ||
+           (offload_param_.device == "cpu" && (on_gpu || cpu_twin()));
+  }
+  static bool cpu_twin() {
+    const char* twin = std::getenv("LOOM_OFFLOAD_CPU_STORE");
+    return twin && std::string(twin) == "1";
   }
 
   // [zero] offload_optimizer and offload_param = { device, nvme_path, buffer_count, pin_memory,
@@ -845,7 +880,13 @@ class Zero final : public loom::Plugin {
   std::string where_stage_, where_group_;
   loom::sharding::ZeroOptions options_;
   bool broadcast_buffers_ = true, gather_at_end_ = true;
-  bool sharded_init_ = true, sharded_init_set_ = false;
+  // [zero] sharded_init as the table says it, then as the job resolves it: validate(), the one
+  // place that sees the whole job, turns the default off where a plugin needs the whole model
+  // (built_whole_for_ says which, for setup's log line), so every later reader sees the
+  // resolved value.
+  mutable bool sharded_init_ = true;
+  mutable std::string built_whole_for_;
+  bool sharded_init_set_ = false;
   std::string where_sharded_init_;
   std::unique_ptr<loom::sharding::ShardedInit> sharded_init_observer_;
   int64_t largest_unit_elements_ = 0;

@@ -46,6 +46,13 @@ GradBuckets::GradBuckets(const std::vector<Param>& params, int64_t bucket_bytes,
   }
 }
 
+void GradBuckets::on_final_grad(FinalGrad keep, FinalGradHandler final_grad) {
+  LOOM_INTERNAL_ASSERT(!final_grad_, "GradBuckets::on_final_grad set twice: its final "
+                       "gradients have one receiver");
+  keep_ = keep;
+  final_grad_ = std::move(final_grad);
+}
+
 int64_t GradBuckets::buffer_bytes() const {
   int64_t bytes = 0;
   for (const auto& bucket : buckets_) bytes += bucket.flat.numel() * bucket.flat.element_size();
@@ -60,8 +67,8 @@ void GradBuckets::grad_ready(const Param& param) {
   if (slot.ready) return;  // a parameter used twice in one graph reports twice
   at::NoGradGuard no_grad;
   bucket.flat.narrow(0, slot.offset, slot.numel).copy_(param.tensor.grad().reshape(-1));
-  // Note [Optimizer in backward]: the bucket holds it now; .grad's bytes go back at once.
-  if (final_grads_to_) param.tensor.mutable_grad() = at::Tensor();
+  // Note [Final gradients]: handed over, the bucket holds it now; .grad's bytes go back at once.
+  if (final_grad_ && keep_ == FinalGrad::handed_over) param.tensor.mutable_grad() = at::Tensor();
   slot.ready = true;
   if (--bucket.pending == 0 && overlap_) launch(bucket);
 }
@@ -99,16 +106,16 @@ void GradBuckets::finish() {
     for (auto& slot : bucket.slots) {
       at::Tensor& grad = slot.param.mutable_grad();
       at::Tensor averaged = bucket.flat.narrow(0, slot.offset, slot.numel).view(slot.param.sizes());
-      if (final_grads_to_) {
+      if (final_grad_ && keep_ == FinalGrad::handed_over) {
         // What .grad would have held (the parameter's dtype), so the update's bits are the same.
-        final_grads_to_->grad_final(slot.param, averaged.to(slot.param.scalar_type()));
-      } else if (grad.defined()) {
-        grad.copy_(averaged);
+        final_grad_(slot.param, averaged.to(slot.param.scalar_type()));
       } else {
-        grad = averaged.to(slot.param.scalar_type()).clone();
+        if (grad.defined())
+          grad.copy_(averaged);
+        else
+          grad = averaged.to(slot.param.scalar_type()).clone();
+        if (final_grad_) final_grad_(slot.param, grad);
       }
-      if (on_final_grad_ && !final_grads_to_ && slot.param.grad().defined())
-        on_final_grad_(slot.param);
       slot.ready = false;
     }
     bucket.pending = bucket.slots.size();

@@ -8,6 +8,14 @@
 
 namespace loom::sharding {
 
+std::vector<UnitGroupParam> unit_group_params(nn::Unit& unit, int64_t persistence_threshold) {
+  std::vector<UnitGroupParam> group;
+  for (const auto& item : unit.named_parameters(/*recurse=*/true))
+    if (item.value().requires_grad() && item.value().numel() >= persistence_threshold)
+      group.push_back({item.key(), item.value()});
+  return group;
+}
+
 ShardedInit::ShardedInit(const ShardedInitOptions& options) : options_(options) {
   LOOM_INTERNAL_ASSERT(options_.comm, "sharded initialization needs the world's Comm");
   const int world = options_.comm->world_size();
@@ -23,28 +31,26 @@ void ShardedInit::unit_constructed(nn::Unit&) { ++constructed_; }
 void ShardedInit::unit_initialised(nn::Unit& unit) {
   ++initialised_;
   at::NoGradGuard no_grad;
-  // What the zero plugin's find_units makes the unit's group: its trainable tensors of at
-  // least the threshold, in parameter order (the engine's and the driver's order too).
+  // The unit's group (unit_group_params: the driver's for it, in the same order).
   Cut cut;
   std::vector<TensorInfo> infos;
   int64_t whole = 0;
-  for (const auto& item : unit.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& t = item.value();
-    whole += t.numel();
-    if (!t.requires_grad() || t.numel() < options_.persistence_threshold) continue;
+  for (const auto& t : unit.parameters(/*recurse=*/true)) whole += t.numel();
+  for (auto& member : unit_group_params(unit, options_.persistence_threshold)) {
+    const at::Tensor& t = member.tensor;
     LOOM_CHECK_AS(ConfigError,
                   t.storage_offset() == 0 && t.storage().allocator() &&
                       t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size(),
-                  "[zero] stage 3 frees the bytes of parameter '", item.key(), "' between uses, "
+                  "[zero] stage 3 frees the bytes of parameter '", member.name, "' between uses, "
                   "but it shares its storage with other tensors; give it a storage of its own, "
                   "or raise stage3_param_persistence_threshold past its ", t.numel(), " elements");
     LOOM_CHECK_AS(ConfigError, cut.tensors.empty() || t.scalar_type() == cut.tensors[0].scalar_type(),
-                  "[zero] sharded_init: unit weight '", item.key(), "' is ",
+                  "[zero] sharded_init: unit weight '", member.name, "' is ",
                   c10::toString(t.scalar_type()), " but '",
                   infos.front().name, "' is ", c10::toString(cut.tensors[0].scalar_type()),
                   "; build the model's weights in one dtype, or set [zero] sharded_init = false");
     cut.tensors.push_back(t);
-    infos.push_back({item.key(), t.sizes().vec()});
+    infos.push_back({std::move(member.name), t.sizes().vec()});
   }
   largest_unit_ = std::max(largest_unit_, whole);
   if (cut.tensors.empty()) return;

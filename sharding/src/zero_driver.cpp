@@ -73,16 +73,16 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
     tensors_.push_back({p.name, p.tensor.sizes().vec()});
   }
   separate_master_ = weight_dtype_ != at::kFloat;
-  if (options_.offload_param.device == "nvme") {  // Note [Offloaded parameters]
+  if (options_.offload_param.device != "none") {  // Note [Offloaded parameters]
     LOOM_CHECK_AS(ConfigError, options_.stage == 3, "[zero] offload_param offloads stage 3's "
                   "weight shards; set [zero] stage = 3");
     LOOM_CHECK_AS(ConfigError, separate_master_, "[zero] offload_param keeps half-precision "
-                  "weight shards on NVMe and rebuilds them from the fp32 masters, but these "
+                  "weight shards off the device and rebuilds them from the fp32 masters, but these "
                   "weights are ", c10::toString(weight_dtype_), "; use [precision] mode = "
                   "\"full_bf16\" (or \"full_fp16\")");
-    LOOM_CHECK_AS(ConfigError, device_.is_cpu(), "[zero] offload_param on ", device_.str(),
-                  " is not implemented yet (the shards would travel through pinned host "
-                  "buffers); train on the CPU, or leave offload_param out");
+    LOOM_CHECK_AS(ConfigError, device_.is_cpu() || device_.is_cuda(), "[zero] offload_param on ",
+                  device_.str(), " is not built (the shards travel to a CUDA device or stay on "
+                  "the CPU); train on a CUDA device or the CPU, or leave offload_param out");
   }
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device_);
   // Stage 3: one group per unit, weights sharded; every other parameter in gradient buckets.
@@ -227,13 +227,16 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
     swap_ = std::make_unique<offload::SegmentSwap>(rule_, std::move(swap_segments), store);
     for (size_t i = 0; i < swapped_.size(); ++i) swap_->initialise(i, values_of(i));
   }
-  if (options_.offload_param.device == "nvme") {
-    // Note [Offloaded parameters]: every shard to the file, one at a time, and out of memory.
+  if (options_.offload_param.device != "none") {
+    // Note [Offloaded parameters]: every shard to its home (the file, one at a time, or the
+    // host arena) and off the device; a GPU run, or its twin, gathers from fetched copies.
     std::vector<UnitShard*> units;
     for (auto& group : groups_)
       if (group.sharded) units.push_back(&group.unit);
     if (!units.empty())
-      param_file_ = std::make_unique<ShardFile>(options_.offload_param.nvme, weight_dtype_, units);
+      param_file_ = std::make_unique<ShardFile>(
+          options_.offload_param, weight_dtype_, device_,
+          device_.is_cuda() || options_.offload_param_twin, units);
   }
   unit_position_.assign(groups_.size(), 0);
   for (size_t k = 0; k < unit_order_.size(); ++k) unit_position_[unit_order_[k]] = k;
@@ -272,7 +275,7 @@ std::string ZeroDriver::describe() const {
     out << "; weights sharded in " << unit_order_.size() << " unit(s), "
         << groups_.size() - unit_order_.size() << " group(s) kept whole";
   if (param_file_)
-    out << "; the units' weight shards on NVMe (" << param_file_->file() << ")";
+    out << "; the units' weight shards " << param_file_->describe();
   return out.str();
 }
 
@@ -349,10 +352,7 @@ void ZeroDriver::update(int64_t step, double lr) {
       group.gather_work.reset();
       group.gathering = at::Tensor();
     }
-    if (group.unit.ticket >= 0) {  // a read ahead nobody gathered
-      param_file_->settle(group.unit);
-      group.unit.shard = at::Tensor();
-    }
+    if (param_file_) param_file_->drop_fetch(group.unit);  // a read ahead nobody gathered
   }
   if (swap_) run_rule_offloaded(step, lr);
   else run_rule(step, lr);

@@ -27,21 +27,60 @@ namespace {
 void free_storage(const at::Tensor& tensor) { nn::release_storage(tensor); }
 void restore_storage(const at::Tensor& tensor) { nn::restore_storage(tensor); }
 
+// Note [Gathering without gloo's copy]: LibTorch's gloo all-gather (_allgather_base) gathers
+// into a flat tensor of its own, of the output's size, and copies it into the output when done:
+// while a unit's gather is in flight (the prefetched one, all through the computing unit's
+// forward or backward) a second copy of the whole unit exists. Measured on the 2-rank stand-in
+// of docs/BENCHMARKS.md: the forward's tracked bytes were one whole unit above the unit
+// computing + the one gathering, and fell by that unit at the last unit, which prefetches
+// none. A gloo broadcast reads and writes the tensor it is given, and each rank's chunk lands
+// in a contiguous slice of the output; so on gloo the gather is one broadcast per rank, from
+// that rank's chunk into its slice. The bytes are the all-gather's, moved bit for bit (no
+// arithmetic), and each rank receives the (world - 1) chunks an all-gather brings it. Other
+// backends (nccl, mpi) gather in place and keep their all-gather.
+class AllOf final : public Work {
+ public:
+  explicit AllOf(std::vector<std::shared_ptr<Work>> works) : works_(std::move(works)) {}
+  void wait() override {
+    for (auto& work : works_) work->wait();
+  }
+  bool completed() override {
+    for (auto& work : works_)
+      if (!work->completed()) return false;
+    return true;
+  }
+
+ private:
+  std::vector<std::shared_ptr<Work>> works_;
+};
+
+std::shared_ptr<Work> gather_chunks(Comm& comm, at::Tensor& output, const at::Tensor& chunk) {
+  if (comm.backend() != "gloo" || comm.world_size() == 1) return comm.all_gather(output, chunk);
+  const int64_t n = chunk.numel();
+  output.narrow(0, comm.rank() * n, n).copy_(chunk);
+  std::vector<std::shared_ptr<Work>> works;
+  for (int root = 0; root < comm.world_size(); ++root) {
+    at::Tensor slice = output.narrow(0, root * n, n);
+    works.push_back(comm.broadcast(slice, root));
+  }
+  return std::make_shared<AllOf>(std::move(works));
+}
+
 }  // namespace
 
 void ZeroDriver::start_gather(Group& group) {
-  if (param_file_) {  // Note [Offloaded parameters]
+  at::Tensor shard = group.unit.shard;
+  if (param_file_) {  // Note [Offloaded parameters]: the fetched shard (a copy on a GPU)
     const auto waited = Clock::now();
-    param_file_->make_resident(group.unit, /*read=*/true);
+    shard = param_file_->fetch(group.unit);
     stats_.shard_wait_seconds += std::chrono::duration<double>(Clock::now() - waited).count();
   }
   // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
-  const at::Tensor values = group.unit.shard.element_size() == 2
-                               ? group.unit.shard.view(at::kByte)
-                               : group.unit.shard;
+  const at::Tensor values = shard.element_size() == 2 ? shard.view(at::kByte) : shard;
   group.gathering = at::empty({values.numel() * world_}, values.options());
-  group.gather_work = comm_.all_gather(group.gathering, values);
-  stats_.elements += group.unit.shard.numel() * world_;
+  // Note [Gathering without gloo's copy].
+  group.gather_work = gather_chunks(comm_, group.gathering, values);
+  stats_.elements += shard.numel() * world_;
 }
 
 void ZeroDriver::gather(size_t g) {
@@ -89,7 +128,7 @@ void ZeroDriver::gather(size_t g) {
   }
   group.gathering = at::Tensor();
   group.gather_work.reset();
-  if (param_file_) group.unit.shard = at::Tensor();  // unchanged: nothing to write back
+  if (param_file_) param_file_->gathered(group.unit);  // the fetched copy freed
   group.live = true;
   live_elements_ += group.plan.numel();
 }
@@ -193,9 +232,8 @@ void ZeroDriver::all_gather_params() {
     if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
       if (groups_[g].master.defined()) {  // offloaded masters wrote their shard already
         Group& group = groups_[g];
-        if (param_file_) param_file_->make_resident(group.unit, /*read=*/false);
-        group.unit.shard.narrow(0, 0, group.plan.chunk).copy_(group.master);
-        if (param_file_) param_file_->flush(group.unit);
+        if (param_file_) param_file_->store(group.unit, group.master);  // home, not waited for
+        else group.unit.shard.narrow(0, 0, group.plan.chunk).copy_(group.master);
       }
       continue;
     }

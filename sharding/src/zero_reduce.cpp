@@ -37,12 +37,20 @@ void ZeroDriver::grad_ready(const Param& param) {
   }
   Group& group = groups_[group_of_[index]];
   at::NoGradGuard no_grad;
+  // Note [Unit buckets in flight]: a reduce-scatter that finished lands now, not at the next
+  // launch (completed() never blocks).
+  if (group.sharded) land_finished();
   pack(group, index, param.tensor.grad());
   // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes.
   if (options_.stage >= 2) at::Tensor(param.tensor).mutable_grad() = at::Tensor();
   if (--group.pending == 0) {
-    if (options_.overlap) launch(group_of_[index]);
-    if (group.sharded) release(group_of_[index]);  // backward is done with this unit
+    // Backward is done with this unit: its weights go, and the reduce-scatters launched
+    // before it land, before its reduce-scatter's buffers come (Note [Unit buckets in flight]).
+    if (group.sharded) release(group_of_[index]);
+    if (options_.overlap) {
+      if (group.sharded) land_all();
+      launch(group_of_[index]);
+    }
   }
 }
 
@@ -71,6 +79,24 @@ constexpr int64_t kBucketsInFlight = 4;
 
 int64_t ZeroDriver::bucket_bytes(const Group& group) {
   return group.send.nbytes() + group.received.nbytes();
+}
+
+// Note [Unit buckets in flight]: at stage 3 a unit's reduce-scatter holds more than its
+// gradient: the packed send buffer (world x chunk fp32, the whole unit), the received chunk,
+// and, on gloo, the all-to-all's receive buffer of the send's size (Note [Gloo reduce-scatter]
+// in core/src/comm_c10d.cpp) -- at width 1600 on 2 ranks 117 + 59 + 117 MiB. Bounded by
+// kBucketsInFlight reduce buckets, two of them flew at once during a unit's backward, beside
+// the unit computing, its gradients and the next unit's gather: the step's peak (the 2-rank
+// stand-in in docs/BENCHMARKS.md). So when a unit's gradients are all packed, its weights are
+// released first, then every reduce-scatter launched before it lands (it has had the whole
+// unit's backward to finish: a wait here shows in exposed_seconds), and only then are its own
+// buffers made: one unit's reduce-scatter in flight at a time. The sums are the same
+// collectives in the same order: the gradients are bitwise those of any other landing order.
+void ZeroDriver::land_all() {
+  for (; !flying_.empty(); flying_.pop_front()) {
+    flying_bytes_ -= bucket_bytes(groups_[flying_.front()]);
+    land(groups_[flying_.front()]);
+  }
 }
 
 void ZeroDriver::land_finished() {

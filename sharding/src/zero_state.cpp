@@ -152,8 +152,9 @@ std::vector<std::string> ZeroDriver::sharded_weights() const {
 int64_t ZeroDriver::sharded_weight_bytes() const {
   int64_t bytes = 0;
   for (const auto& group : groups_)
-    // offload_param: only the shards in memory now (between steps, none).
-    if (group.sharded && group.unit.shard.defined()) bytes += group.unit.shard.nbytes();
+    // offload_param: only the shards on the device now (between steps, none).
+    if (group.sharded && param_file_) bytes += param_file_->device_bytes(group.unit);
+    else if (group.sharded) bytes += group.unit.shard.nbytes();
   return bytes;
 }
 

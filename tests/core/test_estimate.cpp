@@ -180,6 +180,27 @@ TEST(Estimate, StageThreeKeepsALoraJobsFrozenBaseWhole) {
   EXPECT_NEAR(row.weights, want, want * 1e-12);
 }
 
+// Counts that know their units' tensors (ModelCounts::unit_tensors) hand the declarations a
+// unit count at the threshold they ask for (MemoryContext::unit_params): stage 3 shards a
+// unit's tensors of at least stage3_param_persistence_threshold elements (1e5, the schema's
+// default, for row()), so a tensor below it stays whole and one moved to it is sharded.
+TEST(Estimate, UnitCountsHonourTheThresholdAskedFor) {
+  auto weights = [](std::vector<std::vector<double>> units) {
+    estimate::ModelCounts m;
+    m.params = m.trainable = 1e6;
+    m.unit_tensors = std::move(units);
+    return estimate::row(m, 3, Offload::none, Precision::fp32, 4, {}, 0, false).weights;
+  };
+  // fp32 over 4 ranks: what is not sharded whole, the units' groups a quarter, two units
+  // gathered (the largest group).
+  auto want = [](double sharded, double largest) {
+    return 4 * ((1e6 - sharded) + sharded / 4 + 2 * largest);
+  };
+  EXPECT_DOUBLE_EQ(weights({{2e5, 5e4}, {3e5, 5e4}}), want(5e5, 3e5));
+  EXPECT_DOUBLE_EQ(weights({{2e5, 1e5}, {3e5, 5e4}}), want(6e5, 3e5));  // at the threshold: in
+  EXPECT_DOUBLE_EQ(weights({{9e4, 5e4}, {9e4}}), want(0, 0));          // all below: all whole
+}
+
 // Settings the job leaves out come from the plugins' own schemas: [zero]'s persistence
 // threshold (1e5: every tensor of the tiny model stays whole at stage 3) and [precision]'s
 // frozen_weights ("half": the frozen Linears count at 2 B under bf16); set, the job's values.
@@ -324,8 +345,11 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
     TempDir dir;
     const std::filesystem::path job = dir.path() / "job.toml";
     std::ofstream(job) << test::tiny_gpt_job((dir.path() / "run").string()) << zero;
-    const estimate::Report report =
-        estimate::estimate_job(job, with(kShape, "precision.mode=\"full_bf16\""), {});
+    // Only full_bf16's row is compared, so only full_bf16 is probed (as auto_find_batch_size
+    // probes): 3 probes where all three precisions took 7; its row is the same either way.
+    const estimate::Report report = estimate::estimate_job(
+        job, with(kShape, "precision.mode=\"full_bf16\""), {.job_precision_only = true});
+    ASSERT_EQ(report.job_precision, Precision::full_bf16);
     ASSERT_EQ(report.job_offload, c.offload);
     const estimate::Row* mine = nullptr;
     for (const auto& r : report.rows)
@@ -378,8 +402,17 @@ TEST(Estimate, ProxyProbesOfOneTwoAndThreeUnitsScaleToTheWholeModel) {
     EXPECT_NEAR(peak(proxied) / peak(whole), 1.0, 0.05);
   }
   // A proxy that cannot be built (checkpointing names unit 5 of 8): the whole model's probes.
+  // Half as wide (still 8 units, still cheaper as proxies: what lies outside the units stays
+  // below one unit), since only the fall-back is asked of it: its seven whole-model probes were
+  // a third of this test's time at 96. What the estimate says proves the proxy was tried.
   std::ofstream(job, std::ios::app) << "\n[checkpointing]\nunits = [5]\n";
-  const estimate::Report fallback = estimate::estimate_job(job, shape, {});
+  testing::internal::CaptureStderr();
+  const estimate::Report fallback = estimate::estimate_job(job, with(shape, "model.n_embd=48"), {});
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(fallback.units, 8);
+  EXPECT_NE(said.find("proxies of 1, 2 and 3 units do not stand for the model in fp32: "),
+            std::string::npos) << said;
+  EXPECT_NE(said.find("[checkpointing] units names unit 5"), std::string::npos) << said;
   for (const auto& a : fallback.activations) {
     EXPECT_TRUE(a.measured) << a.note;
     EXPECT_FALSE(a.proxied);

@@ -7,7 +7,8 @@
 # groups of 1) and for from_pretrained folders transformers wrote (gpt's transposed Conv1D
 # weights read in part from the mapped file; llama, whose initial weights are also the file's
 # own, checked against it); with both offloads and activation checkpointing. Plugins that change
-# the units after the build are refused by name.
+# the units after the build turn it off when it is left out, and are refused by name with
+# sharded_init = true.
 # usage: sharded_init_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 # shellcheck source=testlib.sh
@@ -116,8 +117,13 @@ if job=$work/llama.toml ranks gloo 2 "$work/hf-llama-lr0" --set zero.stage=3 \
 else fail "hf-llama vs its file: ${d:-} $(tail -3 "$work/hf-llama-lr0.log")"; fi
 
 # --- refusals, by name
-expect_error "lora with sharded init" "[lora] freezes the units' weights and adds adapters to them after the model is built, which needs the whole model; set [zero] sharded_init = false" \
-  "$loom" check "$src/tests/distributed/zero_job.toml" --set zero.stage=3 --set lora.r=4
+expect_error "lora with sharded_init = true" "[zero] sharded_init = true cuts each unit to this rank's part as it is built, but [lora] freezes the units' weights and adds adapters to them after the model is built, which needs the whole model; set [zero] sharded_init = false, or leave it out" \
+  "$loom" check "$src/tests/distributed/zero_job.toml" --set zero.stage=3 --set lora.r=4 --set 'lora.target_modules=["qkv"]' --set zero.sharded_init=true
+# Left out, it is turned off for such a job (zero_test.sh's and moe_test.sh's runs say so).
+if out=$("$loom" check "$src/tests/distributed/zero_job.toml" --set zero.stage=3 --set lora.r=4 \
+     --set 'lora.target_modules=["qkv"]' 2>&1); then
+  ok "lora at stage 3 with sharded_init left out: checked ok"
+else fail "lora at stage 3 with sharded_init left out: $(tail -3 <<<"$out")"; fi
 expect_error "sharded_init at stage 2" "[zero] sharded_init = true cuts the units' weights as the model is built, which stage 3 alone shards; set stage = 3 or remove sharded_init" \
   "$loom" check "$src/tests/distributed/zero_job.toml" --set zero.stage=2 --set zero.sharded_init=true
 

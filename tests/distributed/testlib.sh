@@ -59,8 +59,27 @@ ranks() {
 # masters where a run kept them, through `loom consolidate` (once per run and step: a reference
 # run is compared many times); prints the worst relative difference (tests/support/tensors.py:
 # numpy, not torch, whose import would cost seconds per comparison).
+# Most runs compared keep their whole model in model.safetensors, in fp32, and no fp32 masters
+# beside it (one process, DDP, stages 0-2 of fp32 weights): there `loom consolidate` would write
+# exactly that file's tensors (checked bitwise when this was written), so the file is linked in
+# place of the consolidated one, sparing a loom process (~1-2 s of start-up) per run. A model
+# file marked partial (stage 3, placed experts: Note [Partial model files]) or holding half
+# weights, or a shard holding masters, is consolidated as before, so `loom consolidate` still
+# builds the model of every stage-3, expert-parallel and bf16 run compared.
+safetensors_header() {  # FILE: the JSON header (the 8-byte little-endian length, then the text)
+  local n; n=$(od -An -t u8 -N8 "$1") && head -c $((8 + n)) "$1" | tail -c +9
+}
+whole_fp32_model() {  # CHECKPOINT
+  [ -f "$1/model.safetensors" ] &&
+    ! safetensors_header "$1/model.safetensors" | grep -qE 'loom_partial|"(BF16|F16)"' &&
+    ! { for shard in "$1"/optimizer-*.safetensors; do
+          [ -e "$shard" ] && safetensors_header "$shard"; done | grep -q 'master/'; }
+}
 consolidated() {  # RUN STEP: RUN.cSTEP.safetensors, made on first use
-  [ -f "$1.c$2.safetensors" ] || "$loom" consolidate "$1/checkpoint-$2" "$1.c$2.safetensors" >/dev/null
+  local file=$1.c$2.safetensors checkpoint=$1/checkpoint-$2
+  [ -e "$file" ] && return 0
+  if whole_fp32_model "$checkpoint"; then ln -s "$checkpoint/model.safetensors" "$file"
+  else "$loom" consolidate "$checkpoint" "$file" >/dev/null; fi
 }
 same_params() {
   consolidated "$1" "${4:-20}" && consolidated "$2" "${4:-20}" &&

@@ -10,7 +10,8 @@
 # resharded) to the uninterrupted run's parameters, and `loom consolidate` of it is the
 # single-process model in a file Python reads; a missing or foreign shard, bad [zero] keys and
 # stage 3 without units are clear errors; optimizer state offloaded to NVMe at stages 0-3, and
-# stage 3's weight shards too, are bitwise the in-memory runs; auto_find_batch_size agrees over
+# stage 3's weight shards too (on NVMe; in host memory as a GPU run's CPU twin), are bitwise the
+# in-memory runs; auto_find_batch_size agrees over
 # ranks; checkpoints saved in the background (async_save) at stage 3 on 2 ranks are the
 # synchronous run's, byte for byte. Parameters are compared through `loom consolidate` (stage 3 checkpoints hold no whole
 # weights; bf16 runs compare their fp32 masters).
@@ -39,30 +40,10 @@ job=$work/zero_job.toml
 sed -e "s/^max_steps = 20$/max_steps = $last/" "$src/tests/distributed/zero_job.toml" >"$job"
 grep -q "^max_steps = $last$" "$job" ||
   { echo "FAIL: zero_job.toml no longer says max_steps = 20; update zero_test.sh"; exit 1; }
-same_params() {  # A B TOLERANCE [STEP]: testlib.sh's, of checkpoint-$last unless told
+same_params() {  # A B TOLERANCE [STEP]: testlib.sh's (whole fp32 models linked, not
+  # consolidated), of checkpoint-$last unless told
   consolidated "$1" "${4:-$last}" && consolidated "$2" "${4:-$last}" &&
   "$python" "$src/tests/support/tensors.py" compare "$1.c${4:-$last}.safetensors" "$2.c${4:-$last}.safetensors" "$3"
-}
-# Most runs here keep their whole model in model.safetensors, in fp32, and no fp32 masters
-# beside it (stages 0-2 of fp32 weights): there `loom consolidate` would write exactly that
-# file's tensors (checked bitwise when this was written), so the file is linked in place of
-# the consolidated one, sparing a loom process (~1-2 s of start-up) for each of ~50 runs. A
-# model file marked partial (stage 3: Note [Partial model files]) or holding half weights, or
-# a shard holding masters, is consolidated as before, so `loom consolidate` still builds the
-# model of every stage-3 and bf16 run compared here.
-safetensors_header() {  # FILE: the JSON header (the 8-byte little-endian length, then the text)
-  local n; n=$(od -An -t u8 -N8 "$1") && head -c $((8 + n)) "$1" | tail -c +9
-}
-whole_fp32_model() {  # CHECKPOINT
-  [ -f "$1/model.safetensors" ] &&
-    ! safetensors_header "$1/model.safetensors" | grep -qE 'loom_partial|"(BF16|F16)"' &&
-    ! { for shard in "$1"/optimizer-*.safetensors; do safetensors_header "$shard"; done | grep -q 'master/'; }
-}
-consolidated() {  # RUN STEP: RUN.cSTEP.safetensors, made on first use
-  local file=$1.c$2.safetensors checkpoint=$1/checkpoint-$2
-  [ -e "$file" ] && return 0
-  if whole_fp32_model "$checkpoint"; then ln -s "$checkpoint/model.safetensors" "$file"
-  else "$loom" consolidate "$checkpoint" "$file" >/dev/null; fi
 }
 
 declare -A rule_sets=(
@@ -185,9 +166,14 @@ compose() {  # NAME SETS...
 }
 compose fp16 --set 'precision.mode="fp16"'
 compose checkpointing --set checkpointing.every=1
-# LoRA changes the units once the model is built: stage 3 builds it whole first
-# (sharded_init_test.sh checks the refusal).
-compose lora --set lora.r=4 --set 'lora.target_modules=["qkv","fc_in"]' --set zero.sharded_init=false
+# LoRA changes the units once the model is built: with sharded_init left out, stage 3 builds
+# it whole first and says so in one line (sharded_init_test.sh checks that sharded_init = true
+# is refused).
+compose lora --set lora.r=4 --set 'lora.target_modules=["qkv","fc_in"]' --set 'train.log_level="info"'
+said="zero: [lora] freezes the units' weights and adds adapters to them after the model is built: building the model whole before sharding it (sharded_init off)"
+if [ "$(grep -cF -- "$said" "$work/lora-s3.log")" -eq 1 ]; then
+  ok "stage 3 with lora: sharded_init left out is turned off, said once"
+else fail "stage 3 with lora: no single line '$said': $(grep zero: "$work/lora-s3.log" | head -3)"; fi
 
 # --- Note [Evaluation] under stage 3: every rank gathers each unit for the evaluation's
 # forwards together (7 samples on 2 ranks in batches of 2: one rank's last batch is a filler).
@@ -286,10 +272,11 @@ if ranks none 1 "$work/r1" "${base[@]}" --set zero.stage=0 --set train.per_devic
      --set train.resume=latest && d=$(same_params "$work/r4" "$work/r1" 1e-6); then
   ok "4-rank stage-3 checkpoint-$mid resumed by one stage-0 process == the 4-rank run ($d)"
 else fail "reshard 4 -> 1 (stage 0): ${d:-} $(tail -3 "$work/r1.log")"; fi
-# The consolidated model equals the single process's, in a file Python's safetensors reads.
+# The consolidated model equals the single process's, in a file Python's safetensors reads (its
+# numpy loader: the same reader without importing torch, ~4 s of CPU).
 ranks none 1 "$work/r-single" "${base[@]}" --set zero.stage=0 --set train.per_device_train_batch_size=12 &&
   d=$(same_params "$work/r-single" "$work/r4" 1e-6) &&
-  n=$("$python" -c "from safetensors.torch import load_file; t = load_file('$work/r4.c$last.safetensors'); print(len(t), t['h.1.attn.qkv.weight'].dtype)") &&
+  n=$("$python" -c "from safetensors.numpy import load_file; t = load_file('$work/r4.c$last.safetensors'); print(len(t), t['h.1.attn.qkv.weight'].dtype)") &&
   ok "loom consolidate of the 4-rank stage-3 checkpoint == 1 process ($d; Python reads $n)" ||
   fail "consolidate: ${d:-} ${n:-}"
 
@@ -405,14 +392,16 @@ offload_case "bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}"
   --set "zero.offload_param={device=\"nvme\", nvme_path=\"$work/swap\", queue_depth=4}"
 
 # ... and in host memory (Note [Host store]: device = "cpu", a GPU run's ZeRO-Offload, run on the
-# CPU as its twin with LOOM_OFFLOAD_CPU_STORE=1): adam8bit at stage 2 and bf16 at stage 3.
+# CPU as its twin with LOOM_OFFLOAD_CPU_STORE=1): adam8bit at stage 2 and bf16 at stage 3, whose
+# units' weight shards go to a host store of their own too, each fetched to the "device" a unit
+# ahead (Note [Parameter offload twin]).
 export LOOM_OFFLOAD_CPU_STORE=1
 nvme=(--set "zero.offload_optimizer={device=\"cpu\"}")
 # shellcheck disable=SC2086
 sets=(${rule_sets[adam8bit]})
 offload_case "in host memory, adam8bit stage 2" gloo "$work/adam8bit-s2-n2" "${sets[@]}" --set zero.stage=2
-offload_case "in host memory, bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
-  --set train.gradient_accumulation_steps=1
+offload_case "in host memory, bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}" \
+  --set zero.stage=3 --set train.gradient_accumulation_steps=1 --set "zero.offload_param={device=\"cpu\"}"
 unset LOOM_OFFLOAD_CPU_STORE
 
 # [train] auto_find_batch_size on 2 ranks: each rank probes alone (Note [Solo probes]) and both

@@ -7,7 +7,13 @@
 set -uo pipefail
 src=$1 build=$2/fuzz runs=${3:-${RUNS:-20000}}
 command -v clang++ >/dev/null || { echo "skip: clang++ is not installed (scripts/setup installs it)"; exit 77; }
+# Through ccache where it is installed, in loom's own cache (scripts/build's): a fresh build
+# folder (a CI run's) takes the sanitized objects of unchanged sources from the cache instead of
+# compiling them again; a changed source compiles afresh.
+launcher=$(command -v ccache || true)
+[ -n "$launcher" ] && export CCACHE_DIR=${CCACHE_DIR:-${LOOM_CACHE:-$HOME/.cache/loom}/ccache}
 cmake -S "$src/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+  ${launcher:+-DCMAKE_CXX_COMPILER_LAUNCHER=$launcher} \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$build.log" 2>&1 && cmake --build "$build" >>"$build.log" 2>&1 ||
   { tail -20 "$build.log"; echo "FAIL: the fuzz targets do not build"; exit 1; }
 status=0

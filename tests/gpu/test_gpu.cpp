@@ -408,6 +408,34 @@ TEST(Gpu, OverlappedHostStoreUpdateIsBitwiseTheUpdateAfterBackward) {
   }
 }
 
+// Note [Offloaded parameters] on a GPU (written with the CPU twin, Note [Parameter offload
+// twin]; not yet run on a GPU): stage 3 with the units' weight shards in page-locked host
+// memory or on NVMe — each copied to the device on a side stream a unit ahead, the gather's
+// stream waiting on the copy's event, the device copy freed after the gather, the new shards
+// cast on the device and copied back after the update — is bitwise stage 3 kept on the GPU
+// (the same kernels on the same bits: a missing wait shows as a difference), each unit fetched
+// ahead twice a step (forward and backward).
+TEST(Gpu, ParameterShardsInHostMemoryOrOnNvmeTrainBitwiseLikeStage3OnTheGpu) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
+  const std::string zero = "\n[zero]\nstage = 3\nstage3_param_persistence_threshold = 0\n";
+  TempDir memory_dir, swap;
+  const TrainRun memory = train(tiny_gpt_job(memory_dir.str()) + zero, memory_dir, set);
+  for (const std::string offload :
+       {std::string("{ device = \"cpu\" }"),
+        "{ device = \"nvme\", nvme_path = \"" + swap.str() + "\" }"}) {
+    SCOPED_TRACE(offload);
+    TempDir dir;
+    const TrainRun run =
+        train(tiny_gpt_job(dir.str()) + zero + "offload_param = " + offload + "\n", dir, set);
+    ASSERT_EQ(run.params.size(), memory.params.size());
+    for (size_t i = 0; i < memory.params.size(); ++i)
+      EXPECT_TRUE(at::equal(memory.params[i], run.params[i])) << memory.names[i];
+    EXPECT_EQ(run.last_metrics["offload_param_reads_ahead"].get<double>(), 4.0);
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(swap.path()));
+}
+
 TEST(Gpu, ADeviceIndexPastTheLastGpuIsAnErrorNamingTheKey) {
   LOOM_REQUIRE_GPU();
   TempDir dir;

@@ -4,10 +4,11 @@
 // swap file); a resumed offloaded run is bitwise the uninterrupted one, from its own checkpoint
 // and from an in-memory run's; the swap file is gone after the run; bad offload keys are errors
 // naming them. Stage 3's weight shards offloaded too (offload_param): bitwise, each unit's shard
-// read a unit ahead, none in memory between steps. The host store's update overlapping backward
-// (Note [Overlapped update]) is bitwise the in-memory run's, its updates started before
-// update() is called; host memory that cannot be allocated, and offload_param with nothing to
-// offload, are errors naming the size or the threshold.
+// read a unit ahead, none in memory between steps; and staged as a GPU run stages them, on the
+// CPU twin (host store or NVMe), bitwise and resumed bitwise. The host store's update
+// overlapping backward (Note [Overlapped update]) is bitwise the in-memory run's, its updates
+// started before update() is called; host memory that cannot be allocated, and offload_param
+// with nothing to offload, are errors naming the size or the threshold.
 #include <ATen/ATen.h>
 
 #include <cstdlib>
@@ -234,6 +235,16 @@ TEST(Offload, BadOffloadKeysAreErrorsNamingThem) {
   // device = "cpu" on a CPU run: the in-memory driver, said once.
   setup("offload_optimizer = { device = \"cpu\" }");
   setup("stage = 3\noffload_param = { device = \"cpu\" }");
+  // ... but its twin (a GPU run's host store) is held to what a GPU run is held to.
+  struct TwinScope {
+    TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
+    ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
+  } twin;
+  EXPECT_THROW_WITH(setup("stage = 3\nstage3_param_persistence_threshold = 0\n"
+                          "offload_param = { device = \"cpu\" }"),
+                    ConfigError, "offload_param", "half-precision", "full_bf16");
+  EXPECT_THROW_WITH(setup("stage = 2\noffload_param = { device = \"cpu\" }"), ConfigError,
+                    "offload_param", "stage 3's weight shards", "stage = 2");
 }
 
 // Note [Host store]: a host arena that cannot be allocated is an error naming its size and
@@ -276,12 +287,24 @@ TEST(Offload, HostMemoryThatCannotBeAllocatedIsNamed) {
       ConfigError, "offload_param", "model 'gpt''s units", "none of its 2 units",
       "stage3_param_persistence_threshold = 100000", "lower stage3_param_persistence_threshold");
   EXPECT_TRUE(fs::is_empty(swap.path())) << "a refused job left a swap file";
+  setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1);  // the host store's twin: the same refusal
+  EXPECT_THROW_WITH(Trainer::from_text(job(dir.str(), "adamw",
+                                           "stage = 3\noffload_param = { device = \"cpu\" }\n") +
+                                           "\n[precision]\nmode = \"full_bf16\"\n",
+                                       dir.path())
+                        ->setup(),
+                    ConfigError, "offload_param", "none of its 2 units");
+  unsetenv("LOOM_OFFLOAD_CPU_STORE");
 }
 
 // Note [Offloaded parameters]: stage 3 with the weights' shards on NVMe (and the optimizer state
 // too, or not) trains bitwise like stage 3 in memory, for adamw and adafactor (its reduction
 // walks); the resident shards are only those being gathered (none between steps); a resumed run
-// (the shards streamed into and out of the checkpoint) is bitwise the uninterrupted one.
+// (the shards streamed into and out of the checkpoint) is bitwise the uninterrupted one. The GPU
+// path's staging, run on the CPU (Note [Parameter offload twin], LOOM_OFFLOAD_CPU_STORE=1): the
+// shards in a host store of their own ("cpu") or on NVMe through staging buffers, each fetched
+// as a separate copy a unit ahead on the worker and stored back from the masters there, train
+// bitwise like memory too, and the "cpu" twin resumes bitwise from its own checkpoint.
 TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
   const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
   const std::string stage3 = "stage = 3\nstage3_param_persistence_threshold = 0\n";
@@ -289,11 +312,45 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
     return "offload_param = { device = \"nvme\", nvme_path = \"" + folder +
            "\", block_size = 8192, queue_depth = 2 }\n";
   };
+  // A staged twin run: bitwise `memory`, each unit fetched ahead twice a step, no fetched copy
+  // left between steps; its weights.
+  auto twin_run = [&](const std::string& zero, const fs::path& dir, const std::string& train_extra,
+                      const std::map<std::string, at::Tensor>* memory) {
+    struct TwinScope {
+      TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
+      ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
+    } twin;
+    auto trainer = Trainer::from_text(job(dir.string(), "adamw", zero, train_extra) + bf16, dir);
+    trainer->setup();
+    trainer->run();
+    EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
+        << "fetched copies outlived their gathers";
+    for (const auto& line : metric_lines(dir))
+      EXPECT_NE(line.find("\"offload_param_reads_ahead\":4"), std::string::npos) << line;
+    std::map<std::string, at::Tensor> weights;
+    for (const auto& item : trainer->engine().model().named_parameters(true))
+      weights[item.key()] = item.value().detach().to(at::kFloat).clone();
+    if (memory) expect_bitwise(*memory, weights);
+    return weights;
+  };
   for (const std::string rule : {"adamw", "adafactor"})
     for (bool optimizer_too : {false, true}) {
       SCOPED_TRACE(rule + (optimizer_too ? " with the optimizer state offloaded" : ""));
       TempDir memory_dir, nvme_dir, swap;
       const auto memory = trained(job(memory_dir.str(), rule, stage3) + bf16, memory_dir.path());
+      if (rule == "adamw" && !optimizer_too) {
+        // The twins, their masters on the "device": every new shard goes home by the worker.
+        TempDir host_dir, resumed_dir, staged_dir;
+        SCOPED_TRACE("twin");
+        const std::string host = stage3 + "offload_param = { device = \"cpu\" }\n";
+        const auto whole = twin_run(host, host_dir.path(), "save_steps = 3\n", &memory);
+        const auto resumed = twin_run(
+            host, resumed_dir.path(),
+            "resume = \"" + (host_dir.path() / "checkpoint-3").string() + "\"\n", nullptr);
+        expect_bitwise(whole, resumed);
+        twin_run(stage3 + params(swap.str()), staged_dir.path(), "", &memory);
+        EXPECT_TRUE(fs::is_empty(swap.path())) << "a swap file outlived the run";
+      }
       const std::string zero =
           stage3 + params(swap.str()) + (optimizer_too ? offload(swap.str()) : "");
       auto trainer = Trainer::from_text(job(nvme_dir.str(), rule, zero) + bf16, nvme_dir.path());

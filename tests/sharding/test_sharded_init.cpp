@@ -90,6 +90,50 @@ TEST(ShardedInit, ChunksAreTheWholeBuildsValuesBitwise) {
   }
 }
 
+// Stage 3's group rule in one place (unit_group_params): a unit's trainable tensors of at least
+// the threshold, in parameter order (its own, then its children's); frozen ones and smaller ones
+// left out. The observer cuts exactly those tensors.
+class Mixed : public nn::Unit {
+ public:
+  Mixed() {
+    register_parameter("big", at::zeros({3, 4}));                             // 12, trains
+    register_parameter("frozen", at::zeros({20}), /*requires_grad=*/false);   // 20, frozen
+    register_parameter("small", at::zeros({3}));                              // 3, trains
+    inner = register_module("inner", std::make_shared<torch::nn::Module>());
+    inner->register_parameter("w", at::zeros({2, 5}));                        // 10, trains
+    register_parameter("last", at::zeros({8}));                               // 8, trains
+  }
+  at::Tensor forward(const at::Tensor& x, const nn::UnitArgs&) override { return x; }
+  std::shared_ptr<torch::nn::Module> inner;
+};
+
+TEST(ShardedInit, UnitGroupIsTrainableTensorsAtTheThresholdInOrder) {
+  Mixed unit;
+  auto names = [&](int64_t threshold) {
+    std::vector<std::string> out;
+    for (const auto& member : sharding::unit_group_params(unit, threshold)) {
+      EXPECT_TRUE(member.tensor.is_same(unit.named_parameters()[member.name])) << member.name;
+      out.push_back(member.name);
+    }
+    return out;
+  };
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(names(0), (Names{"big", "small", "last", "inner.w"}));
+  EXPECT_EQ(names(8), (Names{"big", "last", "inner.w"}));  // at the threshold: in
+  EXPECT_EQ(names(11), (Names{"big"}));
+  EXPECT_EQ(names(13), Names{});  // the frozen 20 never
+
+  // The observer keeps the group's tensors, in its order.
+  Observed observed(8);
+  const auto group = sharding::unit_group_params(unit, 8);
+  observed.init->unit_initialised(unit);
+  const std::vector<at::Tensor>* kept = observed.init->kept_tensors(&unit);
+  ASSERT_NE(kept, nullptr);
+  ASSERT_EQ(kept->size(), group.size());
+  for (size_t i = 0; i < group.size(); ++i)
+    EXPECT_TRUE((*kept)[i].is_same(group[i].tensor)) << group[i].name;
+}
+
 TEST(ShardedInit, CopyFlatRangeReadsATransposedViewInPlace) {
   const at::Tensor stored = at::arange(7 * 5, at::kFloat).view({7, 5});  // (in, out), as HF's
   const at::Tensor view = stored.t();                                     // (out, in)

@@ -1,7 +1,8 @@
 // sharding/ZeroDriver, Note [Bucket memory]: a stage-2 backward never holds the whole fp32
 // gradient in bucket buffers. Groups whose reduce-scatter finished land during backward, and
 // past four reduce buckets in flight the oldest is waited for; the landed shard is still the
-// gradient that went in. One rank, with the tracking allocator counting every byte.
+// gradient that went in. At stage 3, one unit's reduce-scatter in flight at a time (Note [Unit
+// buckets in flight]). One rank, with the tracking allocator counting every byte.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -65,20 +66,27 @@ constexpr int kParams = 8;
 constexpr int64_t kNumel = 64 * 1024;          // 256 KiB of fp32 per parameter
 constexpr int64_t kGroupBytes = kNumel * 4;    // a bucket holds one parameter
 
+// kParams fp32 parameters of kNumel elements under `rule`, on `comm`, with the tracking
+// allocator counting from here.
+StepDriverOptions driver_options(Comm& comm, const UpdateRule& rule) {
+  memory::install_cpu_tracker();
+  StepDriverOptions options;
+  options.rule = &rule;
+  options.comm = &comm;
+  for (int i = 0; i < kParams; ++i)
+    options.params.push_back(
+        {"p" + std::to_string(i), at::zeros({64, 1024}).set_requires_grad(true)});
+  return options;
+}
+
 struct Backward {
   int64_t most_held = 0;  // tracked bytes above the start, at the most, during backward
   std::vector<at::Tensor> fed, landed;
 };
 
 Backward run_backward(Comm& comm) {
-  memory::install_cpu_tracker();
   auto rule = test::make_rule("adamw");
-  StepDriverOptions options;
-  options.rule = rule.get();
-  options.comm = &comm;
-  for (int i = 0; i < kParams; ++i)
-    options.params.push_back(
-        {"p" + std::to_string(i), at::zeros({64, 1024}).set_requires_grad(true)});
+  StepDriverOptions options = driver_options(comm, *rule);
   ZeroOptions zero;
   zero.stage = 2;
   zero.reduce_bucket_bytes = kGroupBytes;
@@ -128,6 +136,48 @@ TEST(ZeroDriver, BucketsInFlightAreCappedAtFourReduceBuckets) {
   // kGroupBytes; all eight would be 16 x.
   EXPECT_LE(b.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
   expect_landed_is_fed(b);
+}
+
+// Note [Unit buckets in flight]: at stage 3, a unit's reduce-scatter lands before the next
+// unit's buffers are made, whatever reduce_bucket_size would allow. Eight one-parameter units,
+// a reduce_bucket_size that would let all eight fly, and reduce-scatters that finish only when
+// waited for: backward holds the computing unit, the prefetched one, one .grad and two units'
+// reduce-scatter buffers at the most (all eight in flight would be 16 x kGroupBytes), and the
+// landed chunks are bitwise the gradients fed.
+TEST(ZeroDriver, Stage3HoldsOneUnitReduceScatterInFlight) {
+  DeferredComm comm;
+  auto rule = test::make_rule("adamw");
+  StepDriverOptions options = driver_options(comm, *rule);
+  int keys[kParams];
+  ZeroOptions zero;
+  zero.stage = 3;
+  zero.reduce_bucket_bytes = 100 * kGroupBytes;
+  for (int i = 0; i < kParams; ++i) zero.units.push_back({&keys[i], {static_cast<size_t>(i)}});
+  ZeroDriver driver(options, zero);
+
+  Backward out;
+  memory::reset_cpu_peak();
+  const int64_t start = memory::cpu_stats().current_bytes;
+  for (int i = kParams - 1; i >= 0; --i) {
+    driver.gather_unit(&keys[i], /*forward=*/false);
+    const Param& p = options.params[i];
+    at::Tensor grad = at::randn({64, 1024});
+    out.fed.insert(out.fed.begin(), grad.clone());
+    at::Tensor(p.tensor).mutable_grad() = grad;
+    grad = at::Tensor();
+    driver.grad_ready(p);
+    EXPECT_EQ(p.tensor.storage().nbytes(), 0u) << "unit " << i << " released once its gradient "
+                                                << "is in its bucket";
+  }
+  out.most_held = memory::cpu_stats().peak_bytes - start;
+  driver.finish_backward();
+  for (const at::Tensor& g : driver.grads()) out.landed.push_back(g.clone());
+  // The fed clones are the test's; beyond them: unit i whole, unit i-1 gathering, unit i's
+  // .grad and send buffer, unit i+1's send and received: 6 x kGroupBytes, plus alignment.
+  EXPECT_LE(out.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
+  ASSERT_EQ(out.landed.size(), static_cast<size_t>(kParams));
+  for (int i = 0; i < kParams; ++i)  // a unit's group is its position: forward order here
+    EXPECT_TRUE(at::equal(out.landed[i].narrow(0, 0, kNumel), out.fed[i].view(-1))) << "p" << i;
 }
 
 }  // namespace

@@ -73,19 +73,42 @@ inline void expect_close(const at::Tensor& a, const at::Tensor& b, double tol) {
   EXPECT_LE(diff, tol) << "max |difference| " << diff;
 }
 
-// transformers' logits of an exported `folder` (the reference script's `logits` mode) equal
-// the engine's model's on the same ids (below the vocabulary `vocab`) within 1e-5; `scratch`
-// holds the files between the two.
+// An exported `folder` and the engine whose model it holds; `scratch` holds the files between
+// loom and the reference script.
+struct ExportedModel {
+  Engine* engine;
+  std::filesystem::path folder, scratch;
+  std::string label = "";  // what a failure names (else the folder)
+};
+
+// transformers' logits of each exported folder (the reference script's `logits` mode) equal
+// its engine's model's on the same ids (below the vocabulary `vocab`) within 1e-5; all the
+// folders in one Python process (run_script_each), so transformers is imported once.
+inline void expect_exports_give_looms_logits(const std::string& script,
+                                             const std::vector<ExportedModel>& exports,
+                                             int64_t vocab = 64) {
+  const at::Tensor ids = (at::arange(32, at::kLong) * 5 % vocab).view({2, 16});
+  std::vector<std::string> each_args;
+  for (const ExportedModel& e : exports) {
+    safetensors::save(e.scratch / "ids.safetensors", {{"input_ids", ids}});
+    each_args.push_back("['logits', '" + e.folder.string() + "', '" +
+                        (e.scratch / "ids.safetensors").string() + "', '" +
+                        (e.scratch / "hf_logits.safetensors").string() + "']");
+  }
+  run_script_each(script, each_args);
+  for (const ExportedModel& e : exports) {
+    SCOPED_TRACE(e.label.empty() ? e.folder.string() : e.label);
+    expect_close(logits_of(*e.engine, ids), load(e.scratch / "hf_logits.safetensors").at("logits"),
+                 1e-5);
+  }
+}
+
+// The same for one exported folder.
 inline void expect_export_gives_looms_logits(Engine& engine, const std::string& script,
                                              const std::filesystem::path& folder,
                                              const std::filesystem::path& scratch,
                                              int64_t vocab = 64) {
-  const at::Tensor ids = (at::arange(32, at::kLong) * 5 % vocab).view({2, 16});
-  safetensors::save(scratch / "ids.safetensors", {{"input_ids", ids}});
-  run_script(script, "['logits', '" + folder.string() + "', '" +
-                         (scratch / "ids.safetensors").string() + "', '" +
-                         (scratch / "hf_logits.safetensors").string() + "']");
-  expect_close(logits_of(engine, ids), load(scratch / "hf_logits.safetensors").at("logits"), 1e-5);
+  expect_exports_give_looms_logits(script, {{&engine, folder, scratch}}, vocab);
 }
 
 inline void expect_same_ids(const std::vector<int64_t>& ids, const at::Tensor& expected) {

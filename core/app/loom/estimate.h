@@ -58,6 +58,11 @@ struct ModelCounts {
   double largest_unit_params = 0;    // one unit's: held gathered (twice: with prefetch)
   double unit_params = 0;            // all units': what stage 3 shards (and offload_param moves)
   double largest_tensor_params = 0;  // NVMe offload's buffers each hold this tensor's share
+  // Each unit's trainable tensors' elements, where they are known: stage 3's unit counts at any
+  // persistence threshold are then taken from them (MemoryContext::unit_params), and the two
+  // counts above are ignored. Empty (a parameter count, a report's counts): the two counts
+  // above stand at any threshold, the units' tensors taken as no smaller than it.
+  std::vector<std::vector<double>> unit_tensors;
   // Frozen tensors held only as Linear weights/biases: 2 B, not 4, under autocast (Note [Frozen
   // weights in half]; 0 where the job sets [precision] frozen_weights = "fp32").
   double frozen_linear_params = 0;

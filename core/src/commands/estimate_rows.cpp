@@ -214,10 +214,26 @@ memory::MemoryContext context_of(const ModelCounts& m, int world_size, bool cpu_
   c.optimizer_per_trainable = m.optimizer_per_trainable;
   c.largest_tensor_params = m.largest_tensor_params;
   c.frozen_linear_params = m.frozen_linear_params;
-  // The counts were taken at the job's persistence threshold already.
-  c.unit_params = [unit = m.unit_params, largest = m.largest_unit_params](double, bool one) {
-    return one ? largest : unit;
-  };
+  // Stage 3 shards a unit's trainable tensors of at least the threshold (unit_group_params in
+  // loom/sharding/sharded_init.h): counted from the units' tensors where they are known.
+  if (!m.unit_tensors.empty()) {
+    c.unit_params = [units = m.unit_tensors](double min_elements, bool largest_unit) {
+      double all = 0, largest = 0;
+      for (const auto& unit : units) {
+        double n = 0;
+        for (double elements : unit)
+          if (elements >= min_elements) n += elements;
+        all += n;
+        largest = std::max(largest, n);
+      }
+      return largest_unit ? largest : all;
+    };
+  } else {
+    // Bare counts: no tensor is known to fall below any threshold (ModelCounts::unit_tensors).
+    c.unit_params = [unit = m.unit_params, largest = m.largest_unit_params](double, bool one) {
+      return one ? largest : unit;
+    };
+  }
   c.world_size = world_size;
   c.cpu_device = cpu_device;
   c.buffer_count = buffer_count;
@@ -242,19 +258,9 @@ Declarers standalone_for(const ModelCounts& m) {
 memory::MemoryContext context_with_units(const ModelCounts& m,
                                          const std::vector<std::vector<double>>& units,
                                          int world_size, bool cpu_device, int buffer_count) {
-  memory::MemoryContext c = context_of(m, world_size, cpu_device, buffer_count);
-  c.unit_params = [units](double min_elements, bool largest_unit) {
-    double all = 0, largest = 0;
-    for (const auto& unit : units) {
-      double n = 0;
-      for (double elements : unit)
-        if (elements >= min_elements) n += elements;
-      all += n;
-      largest = std::max(largest, n);
-    }
-    return largest_unit ? largest : all;
-  };
-  return c;
+  ModelCounts with = m;
+  with.unit_tensors = units;
+  return context_of(with, world_size, cpu_device, buffer_count);
 }
 
 std::vector<std::string> legends(const Declarers& all, const std::vector<Combination>& table) {

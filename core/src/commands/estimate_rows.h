@@ -76,8 +76,10 @@ std::vector<Combination> combinations(const Declarers& all, const memory::Memory
 // The choice of the variants whose labels agree with `want` (-1 for plugins of no axis).
 Choice choice_for(const Declarers& all, const std::map<std::string, std::string>& want);
 
-// The context of bare counts (their unit counts already at the job's persistence threshold),
-// and of a probed model whose units' trainable tensors are known.
+// The context of counts: its unit_params(threshold) counts the units' tensors of at least the
+// threshold where ModelCounts::unit_tensors knows them, else (bare counts: a parameter count, a
+// report's counts, taken at the job's threshold) the counts' own; and of a probed model whose
+// units' trainable tensors are `units`.
 memory::MemoryContext context_of(const ModelCounts& m, int world_size, bool cpu_device,
                                  int buffer_count);
 memory::MemoryContext context_with_units(const ModelCounts& m,

@@ -8,10 +8,13 @@
 # initialised ([zero] sharded_init, the default: Note [Sharded initialization] in loom/nn.h);
 # SHARDED_INIT = false builds it whole on every rank first, as before. Rank 0's start-up peak
 # (the memory tracker's, setup to params_ready) is printed beside its shard then.
-# usage: examples/bench/zero/largest.sh STAGE N_EMBD N_LAYER [SHARDED_INIT]
+# Further arguments go to `loom run` as they are (e.g. --set checkpointing.every=1 to recompute
+# every unit's activations in backward).
+# usage: examples/bench/zero/largest.sh STAGE N_EMBD N_LAYER [SHARDED_INIT [--set KEY=VALUE ...]]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 stage=$1 embd=$2 layers=$3 sharded_init=${4:-true}
+shift $(($# < 4 ? $# : 4))
 sharded=()
 [ "$stage" = 3 ] && sharded=(--set "zero.sharded_init=$sharded_init")
 out=$(mktemp -d)
@@ -23,7 +26,7 @@ trap 'rm -rf "$out"; kill $(jobs -p) 2>/dev/null || true' EXIT
   --set "train.output_dir=$out/run" --set train.max_steps=2 --set "zero.stage=$stage" \
   --set "model.n_embd=$embd" --set "model.n_layer=$layers" --set "model.n_head=$((embd / 64))" \
   --set distributed.timeout_seconds=1800 --set zero.stage3_gather_weights_at_end=false \
-  "${sharded[@]}" >"$out/log" 2>&1 || { tail -5 "$out/log"; exit 1; }
+  "${sharded[@]}" "$@" >"$out/log" 2>&1 || { tail -5 "$out/log"; exit 1; }
 "$root/.venv/bin/python" - "$out" "$stage" <<'PY'
 import json, sys
 out, stage = sys.argv[1], sys.argv[2]

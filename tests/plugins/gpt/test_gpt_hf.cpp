@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -165,20 +166,23 @@ TEST(GptHf, FineTuneOnJsonlWithTheFoldersTokenizerMatchesTransformers) {
   export_checkpoint(summary.last_checkpoint, exported);
   for (const char* file : {"tokenizer.json", "tokenizer_config.json"})
     EXPECT_TRUE(fs::exists(exported / file)) << file << " was not exported";
-  python("['evaljsonl', '" + hf.string() + "', '" + (dir / "eval.jsonl").string() + "', '16', '" +
-         (dir / "ref_eval.safetensors").string() + "', '" + exported.string() + "']");
+  GenerateOptions options;
+  options.prompt = "the cat 東京";
+  options.max_new_tokens = 10;
+  const Generation out = generate(summary.last_checkpoint, options);
+  // transformers' evaluation and generation in one Python process.
+  test::hf::run_script_each(
+      "gpt/gpt_hf.py",
+      {"['evaljsonl', '" + hf.string() + "', '" + (dir / "eval.jsonl").string() + "', '16', '" +
+           (dir / "ref_eval.safetensors").string() + "', '" + exported.string() + "']",
+       "['generate_text', '" + exported.string() + "', '" + options.prompt + "', '10', '" +
+           (dir / "generated.json").string() + "']"});
   const auto ref = load(dir / "ref_eval.safetensors");
   ASSERT_GE(ref.at("windows").item<int64_t>(), 4);
   EXPECT_NEAR(eval_loss.front(), ref.at("loss.0").item<double>(), 1e-5) << "before the first step";
   EXPECT_NEAR(eval_loss.back(), ref.at("loss.1").item<double>(), 1e-5) << "after 6 steps";
   EXPECT_LT(eval_loss.back(), eval_loss.front() - 1e-2) << "the fine-tune did not learn";
 
-  GenerateOptions options;
-  options.prompt = "the cat 東京";
-  options.max_new_tokens = 10;
-  const Generation out = generate(summary.last_checkpoint, options);
-  python("['generate_text', '" + exported.string() + "', '" + options.prompt + "', '10', '" +
-         (dir / "generated.json").string() + "']");
   const auto expected = nlohmann::json::parse(test::read_text(dir / "generated.json"));
   EXPECT_EQ(out.ids, expected["ids"].get<std::vector<int64_t>>());
   EXPECT_EQ(out.text, expected["text"].get<std::string>());
@@ -194,23 +198,27 @@ TEST(GptHf, FineTuneOnJsonlWithTheFoldersTokenizerMatchesTransformers) {
 }
 
 TEST(GptHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
+  std::deque<TempDir> dirs;  // the runs live until transformers has read both exports
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::vector<test::hf::ExportedModel> exports;
   for (const bool tied : {true, false}) {
     SCOPED_TRACE(tied ? "tied" : "untied");
-    TempDir dir;
+    const TempDir& dir = dirs.emplace_back();
     std::string job = test::tiny_gpt_job(dir.str());
     job.replace(job.find("max_steps = 4"), 13, "max_steps = 20");
     if (!tied)
       job.replace(job.find("dropout = 0.0"), 13, "dropout = 0.0\ntie_word_embeddings = false");
-    auto trainer = Trainer::from_text(job, dir.path());
+    auto& trainer = trainers.emplace_back(Trainer::from_text(job, dir.path()));
     const auto summary = trainer->run();
     const fs::path out = dir / "exported";
     export_checkpoint(summary.last_checkpoint, out);
     ASSERT_TRUE(fs::exists(out / "config.json") && fs::exists(out / "model.safetensors"));
-    test::hf::expect_export_gives_looms_logits(trainer->engine(), "gpt/gpt_hf.py", out, dir.path());
+    exports.push_back({&trainer->engine(), out, dir.path(), tied ? "tied" : "untied"});
     // An export never overwrites.
     EXPECT_THROW_WITH(export_checkpoint(summary.last_checkpoint, out), CheckpointError,
                       "exists and is not an empty folder");
   }
+  test::hf::expect_exports_give_looms_logits("gpt/gpt_hf.py", exports);  // one Python process
 }
 
 // Note [Merged export]: a LoRA run (every Linear adapted, the fused qkv included, rsLoRA's
@@ -230,7 +238,6 @@ TEST(GptHf, LoraRunExportedMergedGivesLoomsLogits) {
                     "adapter.lora_", "--merge");
   const fs::path out = dir / "merged";
   export_checkpoint(summary.last_checkpoint, out, {.merge = true});
-  test::hf::expect_export_gives_looms_logits(trainer->engine(), "gpt/gpt_hf.py", out, dir.path());
 
   TempDir next;
   std::string more = test::tiny_gpt_job(next.str());
@@ -239,8 +246,10 @@ TEST(GptHf, LoraRunExportedMergedGivesLoomsLogits) {
   auto continued = Trainer::from_text(more, next.path());
   const auto continued_summary = continued->run();
   export_checkpoint(continued_summary.last_checkpoint, next / "merged", {.merge = true});
-  test::hf::expect_export_gives_looms_logits(continued->engine(), "gpt/gpt_hf.py", next / "merged",
-                                             next.path());
+  // Both exports against transformers in one Python process.
+  test::hf::expect_exports_give_looms_logits(
+      "gpt/gpt_hf.py", {{&trainer->engine(), out, dir.path()},
+                        {&continued->engine(), next / "merged", next.path()}});
 }
 
 TEST(GptHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {

@@ -6,6 +6,7 @@
 // PEFT loads a loom LoRA adapter onto the exported model; bad folders are clear errors.
 #include <ATen/ATen.h>
 
+#include <deque>
 #include <filesystem>
 #include <fstream>
 
@@ -114,12 +115,15 @@ TEST(LlamaHf, ImportedModelsGiveTransformersLogits) {
 }
 
 TEST(LlamaHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
+  std::deque<TempDir> dirs;  // the runs live until transformers has read the three exports
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::vector<test::hf::ExportedModel> exports;
   for (const std::string extra : {"", "tie_word_embeddings = true\nrope_theta = 300.0\n",
                                   "rope_type = \"llama3\"\nrope_factor = 2.0\n"
                                   "rope_original_max_position_embeddings = 8\n"}) {
     SCOPED_TRACE(extra.empty() ? "untied" : extra);
-    TempDir dir;
-    auto trainer = Trainer::from_text(scratch_job(dir.str(), extra), dir.path());
+    const TempDir& dir = dirs.emplace_back();
+    auto& trainer = trainers.emplace_back(Trainer::from_text(scratch_job(dir.str(), extra), dir.path()));
     const auto summary = trainer->run();
     const fs::path out = dir / "exported";
     // --merge on a run without adapters: an error naming the flag, and no folder.
@@ -128,9 +132,9 @@ TEST(LlamaHf, TrainedInLoomExportedLoadsInTransformersWithLoomsLogits) {
     EXPECT_FALSE(fs::exists(out));
     export_checkpoint(summary.last_checkpoint, out);
     ASSERT_TRUE(fs::exists(out / "config.json") && fs::exists(out / "model.safetensors"));
-    test::hf::expect_export_gives_looms_logits(trainer->engine(), "llama/llama_hf.py", out,
-                                               dir.path());
+    exports.push_back({&trainer->engine(), out, dir.path(), extra.empty() ? "untied" : extra});
   }
+  test::hf::expect_exports_give_looms_logits("llama/llama_hf.py", exports);  // one Python process
 }
 
 TEST(LlamaHf, FineTuneOfAnImportedModelFollowsTransformersAndTorchAdamW) {

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <random>
 
@@ -679,6 +680,69 @@ TEST(OptimQuantization, ArithmeticQuantizeEqualsTheTableForEveryFloatTried) {
     }
     EXPECT_LT(unsure8, static_cast<int>(spread.size() / 8 / 100)) << "AVX2 vectors unsure";
     EXPECT_LT(unsure16, static_cast<int>(spread.size() / 16 / 100)) << "AVX-512 vectors unsure";
+  }
+#else
+  GTEST_SKIP() << "not x86-64";
+#endif
+}
+
+#if defined(__x86_64__)
+// Every byte of `q` (as many as the vector holds, from q) dequantized by the AVX2 and AVX-512
+// arithmetic.
+template <bool kSigned>
+__attribute__((target("avx2,fma"))) void dequantize8(const optim::QuantMap& map, const uint8_t* q,
+                                                     float* out) {
+  const optim::QuantMap::Dequantizer8<kSigned> code(map);
+  _mm256_storeu_ps(out, code(_mm256_cvtepu8_epi32(
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+}
+template <bool kSigned>
+__attribute__((target("avx512f"))) void dequantize16(const optim::QuantMap& map, const uint8_t* q,
+                                                     float* out) {
+  const optim::QuantMap::Dequantizer16<kSigned> code(map);
+  _mm512_storeu_ps(out, code(_mm512_cvtepu8_epi32(
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+}
+#endif
+
+// Note [Dequantize by arithmetic]: the code of every byte, from the scalar statement and from
+// the AVX2 and AVX-512 code in every lane, is the map's float bit for bit (the zeros' sign
+// included).
+TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
+#if defined(__x86_64__)
+  const bool avx512 = cpu::cpu_kernel_isa() == cpu::KernelIsa::avx512;
+  ASSERT_TRUE(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      << "the AVX2 path must be tested";
+  auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
+    ASSERT_TRUE(map.dequantize_ready()) << "a code the arithmetic misses";
+    for (int q = 0; q < 256; ++q)
+      ASSERT_TRUE(same(map.dequantize_arith(static_cast<uint8_t>(q)), map.code[q]))
+          << "scalar, byte " << q << ": " << map.dequantize_arith(static_cast<uint8_t>(q))
+          << " against " << map.code[q];
+    std::vector<uint8_t> bytes(256 + 16);
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 % 256);
+    for (size_t at = 0; at + 16 <= bytes.size(); ++at) {  // every byte in every lane
+      float got[16];
+      if (is_signed) {
+        dequantize8<true>(map, bytes.data() + at, got);
+      } else {
+        dequantize8<false>(map, bytes.data() + at, got);
+      }
+      for (int lane = 0; lane < 8; ++lane)
+        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+            << "AVX2, byte " << int(bytes[at + lane]) << ": " << got[lane];
+      if (!avx512) continue;
+      if (is_signed) {
+        dequantize16<true>(map, bytes.data() + at, got);
+      } else {
+        dequantize16<false>(map, bytes.data() + at, got);
+      }
+      for (int lane = 0; lane < 16; ++lane)
+        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+            << "AVX-512, byte " << int(bytes[at + lane]) << ": " << got[lane];
+    }
   }
 #else
   GTEST_SKIP() << "not x86-64";

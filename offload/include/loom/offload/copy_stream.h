@@ -15,6 +15,9 @@
 // landed, which the side stream ran after every kernel that read the weight in this backward;
 // start() still makes it wait for the worker thread's current stream (the device's default
 // stream), which costs a little overlap where the compute stream is that stream, nothing more.
+// A copy whose reader is a kernel, not the host (stage 3's weight shard fetched for its gather,
+// Note [Offloaded parameters] in loom/sharding/shard_file.h), is started with start_for_stream:
+// the reader's stream waits for the copy's event on the device, and the host never blocks on it.
 // The CUDA half uses only device-generic c10 (c10::Stream,
 // c10::Event, the CUDA guard behind c10::impl::VirtualGuardImpl), since libloom_offload links
 // LibTorch's CPU half only (Note [CUDA loaded on demand]); it has not run on a GPU yet.
@@ -30,6 +33,10 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+
+namespace c10 {
+struct Event;
+}
 
 #pragma GCC visibility push(default)
 
@@ -76,6 +83,11 @@ class CopyStream {
   // CPU nothing happens yet. Call the returned function (on any thread) before reading dst:
   // it waits for the copy, or on the CPU makes it.
   std::function<void()> start(const at::Tensor& dst, const at::Tensor& src);
+  // As start(), but the returned function, called on the thread that will read dst, makes that
+  // thread's current stream wait for the copy on the device (the host goes on: no sync); on the
+  // CPU it makes the copy, as start()'s does. It holds src: keep it until the host knows the
+  // copy is done (a later host read of the current stream's results), then drop it.
+  std::function<void()> start_for_stream(const at::Tensor& dst, const at::Tensor& src);
   // On a GPU, the calling thread's current stream waits (on the device, not the host) for
   // every copy queued on the side stream so far: the next forward reads the copied weights.
   void join_current_stream();
@@ -83,6 +95,8 @@ class CopyStream {
   struct Streams;
 
  private:
+  // Queues the copy on the side stream after the calling thread's current stream; its event.
+  std::shared_ptr<c10::Event> enqueue(const at::Tensor& dst, const at::Tensor& src);
   c10::Device device_;
   std::unique_ptr<Streams> streams_;  // CUDA only
 };

@@ -37,21 +37,19 @@ class GradBuckets {
   void grad_ready(const Param& param);
   // Launches what is left, waits for every bucket, writes the rank-averaged gradients back.
   void finish();
-  // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): from now on grad_ready
-  // releases each .grad once copied into its bucket, and finish() hands each parameter's
-  // averaged gradient (its dtype) to Engine::grad_final as soon as its bucket has been waited
-  // for, instead of writing .grad, so the update of one bucket overlaps the later buckets'
-  // all-reduces.
-  void hand_final_grads_to(Engine& engine) {
-    final_grads_to_ = &engine;
-    engine.will_hand_final_grads();
-  }
-  // Note [Overlapped update] (loom/offload/offloaded_driver.h): finish() calls `final_grad`
-  // with each parameter as soon as its averaged gradient is written to its .grad, bucket by
-  // bucket, so what a driver does with it overlaps the later buckets' all-reduces.
-  void on_final_grad(std::function<void(const at::Tensor& param)> final_grad) {
-    on_final_grad_ = std::move(final_grad);
-  }
+  // Note [Final gradients]: finish() hands each parameter's averaged gradient to `final_grad`
+  // as soon as its bucket has been waited for, bucket by bucket, so what the caller does with
+  // it overlaps the later buckets' all-reduces. `grad` is the gradient in the parameter's dtype,
+  // valid during the call only (it may view the bucket). With `keep` = FinalGrad::in_grad it is
+  // the parameter's .grad, written first (Note [Overlapped update] in
+  // loom/offload/offloaded_driver.h: the offloaded host store reads it there); with
+  // FinalGrad::handed_over, Note [Optimizer in backward] (core/src/optimizer_in_backward.h),
+  // .grad is never written and grad_ready releases it once copied into its bucket, its bytes
+  // back at once (the caller passes engine.grad_final and says so with
+  // Engine::will_hand_final_grads). One receiver: set once.
+  enum class FinalGrad { in_grad, handed_over };
+  using FinalGradHandler = std::function<void(const at::Tensor& param, const at::Tensor& grad)>;
+  void on_final_grad(FinalGrad keep, FinalGradHandler final_grad);
   const BucketStats& last_stats() const { return stats_; }
   size_t bucket_count() const { return buckets_.size(); }
   // The buckets' own bytes (kept between steps: a second fp32 copy of the gradients).
@@ -75,8 +73,8 @@ class GradBuckets {
 
   Comm& comm_;
   bool overlap_;
-  Engine* final_grads_to_ = nullptr;  // hand_final_grads_to's
-  std::function<void(const at::Tensor&)> on_final_grad_;
+  FinalGrad keep_ = FinalGrad::in_grad;
+  FinalGradHandler final_grad_;  // on_final_grad's; empty: .grad is written, nothing called
   std::vector<Bucket> buckets_;
   std::unordered_map<const void*, std::pair<size_t, size_t>> where_;  // impl -> (bucket, slot)
   BucketStats stats_;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -17,6 +18,17 @@
 #pragma GCC visibility push(default)
 
 namespace loom::sharding {
+
+// Stage 3's rule for a unit's group, the tensors it shards: the unit's trainable tensors
+// (requires_grad) of at least `persistence_threshold` elements, in parameter order (the
+// engine's order, so the driver's too). Smaller and frozen ones stay whole on every rank. The
+// one statement of the rule: ShardedInit cuts these as the model is built, and the zero plugin
+// gives the driver these as the unit's group.
+struct UnitGroupParam {
+  std::string name;  // within the unit
+  at::Tensor tensor;
+};
+std::vector<UnitGroupParam> unit_group_params(nn::Unit& unit, int64_t persistence_threshold);
 
 struct ShardedInitOptions {
   Partitioning partitioning;          // the update rule's: the driver cuts with the same

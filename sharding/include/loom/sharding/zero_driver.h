@@ -14,8 +14,11 @@
 //            held as the rank's chunk only: all-gathered before the unit's forward (the next
 //            unit's gather prefetched), released after it, gathered again when backward
 //            reaches the unit's output (the previous unit prefetched), released once all its
-//            gradients are in their bucket. Parameters outside units (embeddings, final norm)
-//            and those below the persistence threshold stay whole, as at stage 2.
+//            gradients are in their bucket, before that bucket's reduce-scatter starts; the
+//            previous unit's reduce-scatter lands first, so one unit's is in flight at a time
+//            (Note [Unit buckets in flight]). On gloo the gather is one broadcast per rank
+//            (Note [Gathering without gloo's copy]). Parameters outside units (embeddings,
+//            final norm) and those below the persistence threshold stay whole, as at stage 2.
 // Then each rank updates its chunk (rules with whole-tensor statistics — Adafactor — add their
 // partial sums over ranks), and every whole-kept group's updated values are all-gathered into
 // the parameters, at most allgather_bucket_size bytes in flight.
@@ -51,7 +54,8 @@
 // file once per reduction round, reading only, before the updating walk.
 //
 // Note [Offloaded parameters] (loom/sharding/shard_file.h): with offload_param, stage 3's unit
-// shards live in a parameter swap file between uses, each read a unit ahead.
+// shards live in a parameter swap file or host memory between uses, each fetched a unit ahead
+// (on a GPU: copied to the device on a side stream).
 //
 // The driver's parts, one job each. They are files of the one class, not classes of their own
 // (a first step): every part reads and writes the same per-group state (a Group holds its
@@ -59,9 +63,11 @@
 // the reduction releases stage 3's units as their gradients go into their buckets.
 //   zero_driver.cpp  construction, the gradient norm and scaling, the update's order
 //   zero_reduce.cpp  gradient buckets packed, reduce-scattered and landed (Note [Bucket
-//                    memory]), and across shard groups (Note [Hybrid sharding])
+//                    memory], Note [Unit buckets in flight]), and across shard groups (Note
+//                    [Hybrid sharding])
 //   zero_gather.cpp  stage 3's unit weights gathered and released, and the updated values
-//                    all-gathered (Note [Diverged ranks], Note [Releasing a weight])
+//                    all-gathered (Note [Diverged ranks], Note [Releasing a weight], Note
+//                    [Gathering without gloo's copy])
 //   zero_update.cpp  the update rule over the rank's pieces, in memory or in the swap file
 //   zero_state.cpp   the checkpoint pieces and the bytes held
 // and ShardFile (shard_file.h), the parameter swap file, a class of its own.
@@ -97,8 +103,11 @@ struct ZeroOptions {
   int64_t max_live_elements = 1'000'000'000;    // gathered elements beyond which no prefetch
   // device = "nvme": masters and state in a swap file (Note [Offloaded ZeRO]).
   offload::OffloadOptions offload;
-  // Stage 3, device = "nvme": the weights' shards in a swap file (Note [Offloaded parameters]).
+  // Stage 3, device = "nvme" or "cpu": the weights' shards in a swap file or host memory
+  // (Note [Offloaded parameters]); twin: a CPU run stages them as a GPU run does (Note
+  // [Parameter offload twin]).
   offload::OffloadOptions offload_param;
+  bool offload_param_twin = false;
   // Ranks per shard group (Note [Hybrid sharding]); 0 or the world size: one group of every rank.
   int shard_group_size = 0;
   // Stage 3, Note [Sharded initialization] (loom/nn.h, sharding/sharded_init.h): units cut
@@ -114,8 +123,8 @@ struct ZeroStats {
   int64_t elements = 0;          // elements this rank put into collectives this step
   // Of those, the ones put into the all-reduce across shard groups (Note [Hybrid sharding]).
   int64_t cross_group_elements = 0;
-  // offload_param (Note [Offloaded parameters]), this step: shard reads issued a unit ahead,
-  // and the time gathers waited for a shard's read (what the read-ahead did not hide).
+  // offload_param (Note [Offloaded parameters]), this step: shard fetches issued a unit ahead,
+  // and the time gathers waited for a shard's fetch (what the read-ahead did not hide).
   int64_t shard_reads_ahead = 0;
   double shard_wait_seconds = 0.0;
 };
@@ -205,6 +214,7 @@ class ZeroDriver final : public StepDriver {
   void launch(size_t g);
   void land(Group& group);
   void land_finished();  // Note [Bucket memory]
+  void land_all();       // every launched group, oldest first (Note [Unit buckets in flight])
   // Note [Hybrid sharding]: a landed chunk's all-reduce across the groups started, and all of
   // them landed in the gradient chunks.
   void launch_across_replicas(size_t g, at::Tensor sum);
