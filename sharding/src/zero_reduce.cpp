@@ -93,10 +93,8 @@ int64_t ZeroDriver::bucket_bytes(const Group& group) {
 // buffers made: one unit's reduce-scatter in flight at a time. The sums are the same
 // collectives in the same order: the gradients are bitwise those of any other landing order.
 void ZeroDriver::land_all() {
-  for (; !flying_.empty(); flying_.pop_front()) {
-    flying_bytes_ -= bucket_bytes(groups_[flying_.front()]);
-    land(groups_[flying_.front()]);
-  }
+  for (; !flying_.empty(); flying_.pop_front()) land(groups_[flying_.front()]);
+  flying_bytes_ = 0;  // nothing in flight
 }
 
 void ZeroDriver::land_finished() {
@@ -158,8 +156,7 @@ void ZeroDriver::finish_backward(bool window_end) {
   for (size_t g = 0; g < groups_.size(); ++g)
     if (groups_[g].sharded) release(g);
   in_backward_ = false;
-  for (; !flying_.empty(); flying_.pop_front()) land(groups_[flying_.front()]);
-  flying_bytes_ = 0;
+  land_all();
   for (auto& group : groups_) group.launched_this_backward = false;
   std::fill(ready_.begin(), ready_.end(), false);
   LOOM_INTERNAL_ASSERT(!replica_comm_ || window_end == window_end_, "hybrid sharding: the zero "

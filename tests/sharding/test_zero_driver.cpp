@@ -84,6 +84,16 @@ struct Backward {
   std::vector<at::Tensor> fed, landed;
 };
 
+// Hands `p` a random gradient, as backward would (the driver takes .grad; the test keeps a
+// copy, first in out.fed, as backward runs in reverse).
+void feed_gradient(ZeroDriver& driver, const Param& p, Backward& out) {
+  at::Tensor grad = at::randn({64, 1024});
+  out.fed.insert(out.fed.begin(), grad.clone());
+  at::Tensor(p.tensor).mutable_grad() = grad;
+  grad = at::Tensor();
+  driver.grad_ready(p);
+}
+
 Backward run_backward(Comm& comm) {
   auto rule = test::make_rule("adamw");
   StepDriverOptions options = driver_options(comm, *rule);
@@ -98,11 +108,7 @@ Backward run_backward(Comm& comm) {
   // Backward's order is the reverse of the model's.
   for (int i = kParams - 1; i >= 0; --i) {
     const Param& p = options.params[i];
-    at::Tensor grad = at::randn({64, 1024});
-    out.fed.insert(out.fed.begin(), grad.clone());
-    at::Tensor(p.tensor).mutable_grad() = grad;
-    grad = at::Tensor();
-    driver.grad_ready(p);
+    feed_gradient(driver, p, out);
   }
   out.most_held = memory::cpu_stats().peak_bytes - start;
   driver.finish_backward();
@@ -161,11 +167,7 @@ TEST(ZeroDriver, Stage3HoldsOneUnitReduceScatterInFlight) {
   for (int i = kParams - 1; i >= 0; --i) {
     driver.gather_unit(&keys[i], /*forward=*/false);
     const Param& p = options.params[i];
-    at::Tensor grad = at::randn({64, 1024});
-    out.fed.insert(out.fed.begin(), grad.clone());
-    at::Tensor(p.tensor).mutable_grad() = grad;
-    grad = at::Tensor();
-    driver.grad_ready(p);
+    feed_gradient(driver, p, out);
     EXPECT_EQ(p.tensor.storage().nbytes(), 0u) << "unit " << i << " released once its gradient "
                                                 << "is in its bucket";
   }
