@@ -248,6 +248,7 @@ class EngineImpl final : public Engine, public Trainer {
         state_.grads_scaled = true;
       }
       nn::detail::set_aux_loss_grad_scale(state_.loss_scale / accumulation);
+      if (in_backward_) in_backward_->before_backward();  // Note [Optimizer in backward]
       loss.backward();
       sums.add_loss(output_.loss_sum);
       fire(Event::after_backward);

@@ -36,7 +36,12 @@ namespace loom {
 //   Engine::grad_final with the averaged gradient once that parameter's bucket has been reduced
 //   (ddp and zero stage 0 free .grad when they copy it into the bucket, and hand the bucket's
 //   values over as each bucket's all-reduce is waited for, after backward, while the later
-//   buckets are still on the wire).
+//   buckets are still on the wire). ZeRO stages 1-2 hold no parameter's whole gradient to hand
+//   over: their driver updates its own pieces (StepDriver::updates_pieces_in_backward), each
+//   rank's chunk of a flat group as its reduce-scatter lands, during backward or after it, and
+//   all-gathers the group's new values at once (Note [Updating chunks in backward] in
+//   loom/sharding/zero_driver.h); the engine arms it before the last backward and asks it for
+//   the norm after.
 // - The same arithmetic: update_param runs the rule on the one tensor exactly as update() would
 //   (the same segment, the same context from update_context, the same fp32 masters written
 //   back), and with clipping off nothing else reads the gradients, so the weights and the
@@ -48,10 +53,11 @@ namespace loom {
 //   gradient; set it to 0), fp16's dynamic loss scaler (an overflow anywhere must skip the whole
 //   update; the precision plugin refuses fp16/full_fp16, and a loss scale other than 1 at the
 //   first backward is refused here for any other scaler), a plugin that sets skip_update (an
-//   error at that step: the update already happened), ZeRO stages 1-3 and offloaded optimizers
-//   (the zero plugin refuses them; any other driver without updates_in_backward() is refused
-//   at setup), and parameters placed on some ranks only (expert parallelism: their norm needs a
-//   collective after backward).
+//   error at that step: the update already happened), ZeRO stage 3, offloaded optimizers and,
+//   at stages 1-2, rules with whole-tensor statistics (Adafactor) (the zero plugin refuses
+//   them; any other driver that updates neither one parameter nor its own pieces in backward
+//   is refused at setup), and parameters placed on some ranks only (expert parallelism: their
+//   norm needs a collective after backward).
 // - A parameter that had a gradient from an earlier micro-step but none in the last (a branch
 //   unused by the last micro-batch) is updated after backward, as the normal step would.
 // - A diverged loss is still an error (after before_update, as without it), but the parameters
@@ -71,6 +77,9 @@ class InBackwardUpdate {
   // After params_ready: several ranks need a grad_sync plugin that hands them over
   // (`grad_sync`: that plugin's name, empty for none).
   void check_sync(int world_size, const std::string& grad_sync) const;
+  // Before each micro-batch's backward: on the last, arms a driver that updates its own pieces
+  // (StepDriver::updates_pieces_in_backward) with this step's update.
+  void before_backward();
   // Runs after every plugin's grad_ready handler: when no plugin syncs gradients, on the last
   // micro-step, updates `param` from its .grad and frees it (else nothing).
   void grad_ready(const Param& param);
@@ -85,11 +94,13 @@ class InBackwardUpdate {
  private:
   size_t index_of(const at::Tensor& param) const;
   void update(size_t index, const at::Tensor& grad);
+  void check_unscaled() const;  // ConfigError while the loss is scaled
 
   std::vector<Param> params_;
   StepDriver& driver_;
   TrainState& state_;
   bool synced_by_plugin_;
+  bool by_pieces_;  // the driver updates its own pieces (ZeRO stages 1-2), no update_param
   std::string where_;  // the job's key, for messages
   std::unordered_map<const void*, size_t> index_;  // TensorImpl -> position in params_
   std::vector<at::Tensor> squares_;  // this step's sum(g^2) per parameter; undefined: not updated

@@ -280,6 +280,10 @@ void StepDriver::update_param(const Param& param, const at::Tensor&, int64_t, do
   LOOM_INTERNAL_ASSERT(false, "step driver ", name(), " cannot update ", param.name,
                        " in backward (updates_in_backward() is false)");
 }
+void StepDriver::begin_update_in_backward(int64_t, double) {
+  LOOM_INTERNAL_ASSERT(false, "step driver ", name(), " cannot update its pieces in backward "
+                       "(updates_pieces_in_backward() is false)");
+}
 StateReader::~StateReader() = default;
 
 StatePiece state_piece(const std::string& name, const at::Tensor& piece, const at::Tensor& whole,
@@ -368,7 +372,8 @@ void update_step(StepDriver& driver, TrainState& state, const at::Tensor& in_bac
     const double coefficient = max_grad_norm / (state.grad_norm + 1e-6);
     if (coefficient < 1.0) driver.scale_grads(coefficient);
   }
-  if (!in_backward) driver.update(state.step + 1, state.lr);
+  // Note [Optimizer in backward]: a driver that updated its own pieces completes the step here.
+  if (!in_backward || driver.updates_pieces_in_backward()) driver.update(state.step + 1, state.lr);
 }
 
 }  // namespace loom

@@ -28,7 +28,8 @@ std::unique_ptr<StepDriver> make_step_driver(const ResolvedJob& job, std::vector
 // checked for divergence (an Error saying what to do), the gradients clipped to
 // `max_grad_norm` (0: never) and the driver's update run with state.lr. `in_backward_norm`:
 // defined when Note [Optimizer in backward] updated the parameters during backward already, the
-// squared gradient norm it kept (a skip is then an error).
+// squared gradient norm it kept (a skip is then an error; a driver that updates its own pieces
+// in backward still runs update(), which completes the step).
 void update_step(StepDriver& driver, TrainState& state, const at::Tensor& in_backward_norm,
                  double max_grad_norm);
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "loom/kernel_isa.h"
@@ -43,6 +44,22 @@ struct Geometry {
 // lane order: the result depends on the row alone, never on threads or on where a shard cuts the
 // tensor.
 
+// Note [Adafactor's sums stay fp64 per element]: the column sums and w add every element's fp32
+// term in fp64, one widening each. That is what keeps them independent of where the rows are cut: a
+// sum of fp32 terms in fp64 is near exact (relative error ~n·2^-53), so its rounding to the fp32
+// factor does not depend on how the additions are grouped, and a ZeRO shard cut at any row gives
+// the bits of one process (OptimConformance.SplitRunsAreBitIdenticalToUnsplit; the offload tests
+// that train adafactor bitwise). fp32 partials of four rows, widened once per four rows, would cut
+// the widenings by four but tie the bits to where the four-row blocks fall: on a 390 x 1024
+// gradient, a cut at row 17, 101, 195 or 202 changed 81 to 117 of the 1024 fp32 column means
+// against the uncut sum (none with the per-element fp64 sums; docs/BENCHMARKS.md, 2026-11-27 second
+// session). w feeds only the clipping divisor, but through the same kind of rounding. The row sums
+// have no such constraint (a row is never cut); fp32 row lanes flushed to fp64 every 64 columns
+// were measured instead, and ran 0.94x as fast in L1: the row's adds are not what bounds
+// sum_four_rows_and_columns (on AVX2 it runs at ~0.5 cycles per element in L1, one port-0/1
+// operation per element: square, eps, widen, and the column's fp64 add), so the rows keep their
+// fp64 lanes and their bits.
+
 // Rows summed and folded together (adafactor_kernels.inc's sum_four_rows_and_columns, fold_w).
 constexpr int64_t kFoldRows = 4;
 
@@ -56,7 +73,8 @@ struct RowGroup {
 // column, written once and read once) costs at most 1 byte per parameter against the 16 the
 // update moves. The groups are small so that two threads get nearly equal shares of a tensor:
 // at 2^17 (when the fold was a pass of its own over a group in L2) a matrix of 390 rows of 1024
-// was 4 groups, cut 256 rows to 134 between two threads; at 2^14 it is 25, cut 208 to 182.
+// was 4 groups, cut 256 rows to 134 between two threads; at 2^14 it is 25, cut 192 to 198
+// (accumulate() cuts the threads' shares by rows).
 std::vector<RowGroup> row_groups(const Geometry& geo) {
   const int64_t size = std::max<int64_t>(16, (int64_t{1} << 14) / geo.C);
   std::vector<RowGroup> groups;
@@ -263,7 +281,8 @@ class Adafactor final : public UpdateRule {
     // Each group's rows get their new row factor (and p²) and are folded, in row order, into
     // the group's own column sums and w from zero (Note [Adafactor's one pass over the
     // gradient]); the accumulator adds the groups' sums in group order. One parallel region
-    // takes whole groups. The thread whose groups start at 0 adds each one into the
+    // takes whole groups, each thread a share cut where the rows split evenly. The thread
+    // whose groups start at 0 adds each one into the
     // accumulator as soon as it is folded (it is first in the order anyway: on one thread
     // nothing else happens); the others keep theirs, and a second region, threads splitting
     // the columns, adds them in order (for a tensor of a few MB, the calling thread alone). At
@@ -294,44 +313,63 @@ class Adafactor final : public UpdateRule {
     thread_local std::vector<double> kept_buffer;
     double* const kept =
         at::get_num_threads() > 1 ? cache_aligned(kept_buffer, n_groups * 2 * geo.C) : nullptr;
+    // Each thread's share of the groups, cut where the rows split evenly (the nearest group
+    // boundary), not by group count: 390 rows in groups of 16 were cut 208 / 182 by count (25
+    // groups, 13 and 12), 192 / 198 now. Which thread folds a group changes no bits: every
+    // group's partial is added in group order either way.
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_groups));
+    std::vector<int64_t> share_start(shares + 1, n_groups);
+    for (int64_t t = 0, gi = 0; t < shares; ++t) {
+      const int64_t target = geo.rows * t / shares;
+      while (gi + 1 < n_groups &&
+             std::abs(groups[gi + 1].begin - target) <= std::abs(groups[gi].begin - target))
+        ++gi;
+      share_start[t] = t == 0 ? 0 : gi;
+    }
     int64_t added_directly = 0;  // groups [0, added_directly) are in the accumulator
-    at::parallel_for(0, n_groups, 1, [&](int64_t first, int64_t last) {
-      thread_local std::vector<double> scratch;  // the first thread's one group, in L1
-      double* const own = first == 0 ? cache_aligned(scratch, 2 * geo.C) : nullptr;
-      for (int64_t gi = first; gi < last; ++gi) {
-        const RowGroup& grp = groups[gi];
-        double* part_col = first == 0 ? own : kept + gi * 2 * geo.C;
-        double* part_w = part_col + geo.C;
-        std::fill(part_col, part_col + 2 * geo.C, 0.0);
-        // Four rows at a time, read once (Note [Adafactor's one pass over the gradient]).
-        for (int64_t k = grp.begin; k < grp.end; k += kFoldRows) {
-          const int64_t count = std::min(kFoldRows, grp.end - k);
-          const float* g = s.g + k * geo.C;
-          double sums[kFoldRows];
-          if (count == kFoldRows) {
-            kern.sum_four_rows_and_columns(g, geo.C, eps1f(), sums, part_col);
-          } else {
-            for (int64_t r = 0; r < count; ++r)
-              sums[r] = kern.sum_row_and_columns(g + r * geo.C, geo.C, eps1f(), part_col);
+    at::parallel_for(0, shares, 1, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<double> scratch;  // the first share's one group, in L1
+      for (int64_t t = t0; t < t1; ++t) {
+        const bool direct = t == 0;  // share 0 holds group 0 and adds its groups at once
+        double* const own = direct ? cache_aligned(scratch, 2 * geo.C) : nullptr;
+        for (int64_t gi = share_start[t]; gi < share_start[t + 1]; ++gi) {
+          const RowGroup& grp = groups[gi];
+          double* part_col = direct ? own : kept + gi * 2 * geo.C;
+          double* part_w = part_col + geo.C;
+          // Four rows at a time, read once (Note [Adafactor's one pass over the gradient]).
+          // The group's first rows write its partials instead of adding to them, so they
+          // need no zeroing pass (16 bytes per column per group; 0.0 + t is t).
+          for (int64_t k = grp.begin; k < grp.end; k += kFoldRows) {
+            const int64_t count = std::min(kFoldRows, grp.end - k);
+            const float* g = s.g + k * geo.C;
+            const bool first_rows = k == grp.begin;
+            double sums[kFoldRows];
+            if (count == kFoldRows) {
+              kern.sum_four_rows_and_columns(g, geo.C, eps1f(), sums, part_col, first_rows);
+            } else {
+              for (int64_t r = 0; r < count; ++r)
+                sums[r] = kern.sum_row_and_columns(g + r * geo.C, geo.C, eps1f(), part_col,
+                                                   first_rows && r == 0);
+            }
+            float inv_row[kFoldRows];
+            for (int64_t r = 0; r < count; ++r) {
+              new_row[k + r] = new_row_factor(sums[r], geo.C, row[k + r], b2t);
+              inv_row[r] = 1.0f / new_row[k + r];
+            }
+            kern.fold_w(g, count, geo.C, inv_row, part_w, first_rows);
+            // The parameter's RMS only scales the step (scale_parameter): without it, no pass
+            // over the parameter here.
+            if (scale_parameter_)
+              for (int64_t r = 0; r < count; ++r)
+                p2[k + r] = kern.sum_of_squares(s.p + (k + r) * geo.C, geo.C);
           }
-          float inv_row[kFoldRows];
-          for (int64_t r = 0; r < count; ++r) {
-            new_row[k + r] = new_row_factor(sums[r], geo.C, row[k + r], b2t);
-            inv_row[r] = 1.0f / new_row[k + r];
+          if (direct) {
+            kern.add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
+            kern.add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
           }
-          kern.fold_w(g, count, geo.C, inv_row, part_w);
-          // The parameter's RMS only scales the step (scale_parameter): without it, no pass
-          // over the parameter here.
-          if (scale_parameter_)
-            for (int64_t r = 0; r < count; ++r)
-              p2[k + r] = kern.sum_of_squares(s.p + (k + r) * geo.C, geo.C);
         }
-        if (first == 0) {
-          kern.add_columns(part_col, 0, geo.C, col_sums + grp.matrix * geo.C);
-          kern.add_columns(part_w, 0, geo.C, w + grp.matrix * geo.C);
-        }
+        if (direct) added_directly = share_start[1];  // read after the region's join
       }
-      if (first == 0) added_directly = last;  // read after the region's join
     });
     // A region costs a barrier, and a barrier on a loaded machine costs a time slice: below
     // about 2^18 doubles to add (~0.1 ms), the calling thread adds them alone.

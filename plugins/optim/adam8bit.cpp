@@ -78,147 +78,110 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 // - the absmax is kept as std::max keeps it (a NaN never enters; max is order-free otherwise);
 // - dequantizing is code[q] · absmax, the code from the byte's own arithmetic (Note [Dequantize
 //   by arithmetic] in quantize.h: one fma and a bit from a register table, no gather), in the
-//   update's loop on both widths;
+//   loop that updates the moments, on both widths;
 // - requantizing follows Note [Quantize by arithmetic], the code from the float's exponent and
 //   one fused multiply-subtract, no gather; the rare vector with a lane too close to a
 //   threshold for that arithmetic to be sure (about 1 in 800 in training) takes Note [Quantize
 //   in one step]'s gather, the same byte as quantize_fast either way. (quantize()'s binary search
 //   with its thresholds in registers, twelve permutes per 16 values, was measured slower than
-//   the gather on the Xeon of issue 39: docs/BENCHMARKS.md.) On AVX-512 a block is
-//   requantized in the loop that updates the next (Note [adam8bit's blocks in a pipeline]).
+//   the gather on the Xeon of issue 39: docs/BENCHMARKS.md.) Both widths run a block in two
+//   loops (Note [adam8bit's divisions beside the quantizer]).
 // A tail of fewer than a vector runs scalar.
 
-// Note [adam8bit's blocks in a pipeline]: the update of a block waits on the divider (two
-// divisions and a square root per 16 elements, ~32 cycles on the Xeon of issue 39), its
-// requantization on the vector ports (Note [Quantize by arithmetic]); in passes of their own
-// neither overlaps the other. A block's requantization needs its new absmax, known only when its
-// update ends, so the AVX-512 kernel runs one loop over block b's update and block b-1's
-// requantization together (two pairs of block buffers), and the out-of-order core fills the
-// divider's wait with the quantizer's work. The bytes and floats are block_scalar's: each block
-// sees the same operations in the same order, only interleaved with its neighbour's.
-struct BlockBuffers {
-  float* m;
-  float* v;
-};
+// Note [adam8bit's divisions beside the quantizer]: a loop doing all of a vector's work (the
+// dequantizing arithmetic, the moments, then square root, division, add and division) is one
+// chain of ~80 cycles in 80-150 instructions, so the reorder buffer (224 entries on the Xeon
+// of issue 39) held one to three iterations and the loop waited on latency, not on ports. So a
+// block runs two loops whose chains are short and independent across iterations: (1) dequantize
+// and the moments, kept in the block buffers (L1) with their absmax; (2) the parameter's
+// division chain from the buffers, beside the requantization of the same moments, so the
+// divider works while the quantizer's arithmetic takes the other ports. Each value is made by
+// the operations block_scalar uses, in its order, so the bytes and floats stay its. (Until
+// issue 39's fourth session AVX-512 ran one fused loop per block, requantizing the block before
+// in it, and AVX2 a fused update loop and a requantizing loop: docs/BENCHMARKS.md.)
 
-// m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
-// 16 moments of each kind scaled by their blocks' inverse absmax and written as codes: by
+// 16 moments of each kind scaled by their block's inverse absmax and written as codes: by
 // arithmetic, or by the one-step table where a lane lies too close to a threshold (Note
-// [Quantize by arithmetic] in quantize.h). Shared by the fused loop and the lone requantizer.
+// [Quantize by arithmetic] in quantize.h).
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline void requantize16(
-    const QuantMap& ms, const QuantMap& vs, const float* m, const float* v, __m512 scale_m,
-    __m512 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
-  const __m512 ym = _mm512_mul_ps(_mm512_loadu_ps(m), scale_m);
-  const __m512 yv = _mm512_mul_ps(_mm512_loadu_ps(v), scale_v);
+    const QuantMap::Quantizer16<true>& quantize_m, const QuantMap::Quantizer16<false>& quantize_v,
+    __m512 m, __m512 v, __m512 scale_m, __m512 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
+  const __m512 ym = _mm512_mul_ps(m, scale_m);
+  const __m512 yv = _mm512_mul_ps(v, scale_v);
   __mmask16 unsure_m, unsure_v;
-  __m512i qm = ms.quantize16_arith(ym, unsure_m);
-  __m512i qv = vs.quantize16_arith(yv, unsure_v);
-  if (__builtin_expect(unsure_m != 0, 0)) qm = ms.quantize16_step(ym);
-  if (__builtin_expect(unsure_v != 0, 0)) qv = vs.quantize16_step(yv);
+  __m512i qm = quantize_m(ym, unsure_m);
+  __m512i qv = quantize_v(yv, unsure_v);
+  if (__builtin_expect(unsure_m != 0, 0)) qm = signed_map().quantize16_step(ym);
+  if (__builtin_expect(unsure_v != 0, 0)) qv = unsigned_map().quantize16_step(yv);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qm_out), _mm512_cvtepi32_epi8(qm));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qv_out), _mm512_cvtepi32_epi8(qv));
 }
 
+// m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
 __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominator(
     __m256 m, __m256 v, __m256 bc2, __m256 eps) {
   return _mm256_div_ps(m, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
 }
 
-// Block b's update over its whole vectors: AdamW from the dequantized buffers, the new m and v
-// kept in them, their absmax folded into most_m, most_v (lanes); with `prev`, block b-1's
-// requantization (its buffers `pbuf` times inv_m, inv_v) in the same loop.
-template <bool kWithPrevious>
-__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
-update_and_requantize(const Block& b, const Coefficients& c, BlockBuffers buffers, int64_t whole,
-    const Block& prev, BlockBuffers pbuf, float inv_m, float inv_v, __m512& most_m,
-    __m512& most_v) {
-  const QuantMap& ms = signed_map();
-  const QuantMap& vs = unsigned_map();
-  const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
-               decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size);
-  const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
-  const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
-  const __m512 absmax_m = _mm512_set1_ps(*b.am), absmax_v = _mm512_set1_ps(*b.av);
-  const QuantMap::Dequantizer16<true> code_m(ms);
-  const QuantMap::Dequantizer16<false> code_v(vs);
-  for (int64_t i = 0; i < whole; i += 16) {
-    __m512 m = _mm512_mul_ps(
-        code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qm + i)))),
-        absmax_m);
-    __m512 v = _mm512_mul_ps(
-        code_v(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qv + i)))),
-        absmax_v);
-    const __m512 g = _mm512_loadu_ps(b.g + i);
-    m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(g, m)));
-    v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
-    // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
-    // Xeon of issue 39 against 32 at 512 bits (the same roundings).
-    const __m256 low = divide_by_denominator(_mm512_castps512_ps256(m),
-                                             _mm512_castps512_ps256(v), bc2, eps);
-    const __m256 high = divide_by_denominator(_mm512_extractf32x8_ps(m, 1),
-                                              _mm512_extractf32x8_ps(v, 1), bc2, eps);
-    const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
-    const __m512 p = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(b.p + i), decay),
-                                   _mm512_mul_ps(step, ratio));
-    _mm512_storeu_ps(b.p + i, p);
-    _mm512_storeu_ps(buffers.m + i, m);
-    _mm512_storeu_ps(buffers.v + i, v);
-    const __m512 abs_m = _mm512_abs_ps(m);
-    most_m = _mm512_mask_mov_ps(most_m, _mm512_cmp_ps_mask(most_m, abs_m, _CMP_LT_OQ), abs_m);
-    most_v = _mm512_mask_mov_ps(most_v, _mm512_cmp_ps_mask(most_v, v, _CMP_LT_OQ), v);
-    if (!kWithPrevious) continue;
-    requantize16(ms, vs, pbuf.m + i, pbuf.v + i, scale_m, scale_v, prev.qm + i, prev.qv + i);
-  }
-}
-
-// A block's requantization alone (the range's last block, or one whose length differs from the
-// next's): the same operations as the fused loop's second half, then the scalar tail.
-__attribute__((target("avx512f,avx512bw"))) void requantize_avx512(const Block& b,
-                                                                   BlockBuffers buffers,
-                                                                   float inv_m, float inv_v) {
-  const QuantMap& ms = signed_map();
-  const QuantMap& vs = unsigned_map();
+// One block on AVX-512, in two loops (Note [adam8bit's divisions beside the quantizer]).
+__attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Block& b,
+                                                                       const Coefficients& c,
+                                                                       float* mbuf, float* vbuf) {
+  // Locals, not b's fields: a float store could alias `b`, which the loops would then reload.
+  float* const p = b.p;
+  const float* const g = b.g;
+  uint8_t* const qm = b.qm;
+  uint8_t* const qv = b.qv;
   const int64_t whole = b.len / 16 * 16;
-  const __m512 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
-  for (int64_t i = 0; i < whole; i += 16) {
-    requantize16(ms, vs, buffers.m + i, buffers.v + i, scale_m, scale_v, b.qm + i, b.qv + i);
-  }
-  requantize_range(b, buffers.m, buffers.v, whole, b.len, inv_m, inv_v);
-}
-
-// Blocks [0, count) of a range (Note [adam8bit's blocks in a pipeline]); `block_at(k)` gives
-// block k, scratch holds 4 x block_size floats.
-template <typename BlockAt>
-__attribute__((target("avx512f,avx512bw,avx512dq"))) void blocks_avx512(
-    BlockAt block_at, int64_t count, const Coefficients& c, float* scratch, int64_t block) {
-  const QuantMap& ms = signed_map();
-  const QuantMap& vs = unsigned_map();
-  const BlockBuffers pair[2] = {{scratch, scratch + block},
-                                {scratch + 2 * block, scratch + 3 * block}};
-  Block prev{};
-  float prev_inv_m = 0.0f, prev_inv_v = 0.0f;
-  for (int64_t k = 0; k < count; ++k) {
-    const Block b = block_at(k);
-    const BlockBuffers here = pair[k % 2], before = pair[(k + 1) % 2];
-    const int64_t whole = b.len / 16 * 16;
-    __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
-    if (k > 0 && prev.len / 16 * 16 == whole) {
-      update_and_requantize<true>(b, c, here, whole, prev, before, prev_inv_m, prev_inv_v,
-                                  most_m, most_v);
-      requantize_range(prev, before.m, before.v, whole, prev.len, prev_inv_m, prev_inv_v);
-    } else {
-      if (k > 0) requantize_avx512(prev, before, prev_inv_m, prev_inv_v);
-      update_and_requantize<false>(b, c, here, whole, prev, before, 0.0f, 0.0f, most_m, most_v);
+  __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
+  {
+    const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
+                 absmax_m = _mm512_set1_ps(*b.am), absmax_v = _mm512_set1_ps(*b.av);
+    const QuantMap::Dequantizer16<true> code_m(signed_map());
+    const QuantMap::Dequantizer16<false> code_v(unsigned_map());
+    for (int64_t i = 0; i < whole; i += 16) {
+      __m512 m = _mm512_mul_ps(
+          code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm + i)))),
+          absmax_m);
+      __m512 v = _mm512_mul_ps(
+          code_v(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qv + i)))),
+          absmax_v);
+      const __m512 grad = _mm512_loadu_ps(g + i);
+      m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(grad, m)));
+      v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, grad), grad));
+      _mm512_storeu_ps(mbuf + i, m);
+      _mm512_storeu_ps(vbuf + i, v);
+      // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
+      most_m = _mm512_max_ps(_mm512_abs_ps(m), most_m);
+      most_v = _mm512_max_ps(v, most_v);
     }
-    float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
-    update_range(b, c, here.m, here.v, whole, b.len, new_am, new_av);
-    *b.am = new_am;
-    *b.av = new_av;
-    prev = b;
-    prev_inv_m = inverse(new_am);
-    prev_inv_v = inverse(new_av);
   }
-  if (count > 0) requantize_avx512(prev, pair[(count - 1) % 2], prev_inv_m, prev_inv_v);
+  float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
+  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
+  const float inv_m = inverse(new_am), inv_v = inverse(new_av);
+  {
+    const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size),
+                 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
+    const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
+    const QuantMap::Quantizer16<true> quantize_m(signed_map());
+    const QuantMap::Quantizer16<false> quantize_v(unsigned_map());
+    for (int64_t i = 0; i < whole; i += 16) {
+      const __m512 m = _mm512_loadu_ps(mbuf + i), v = _mm512_loadu_ps(vbuf + i);
+      // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
+      // Xeon of issue 39 against 32 at 512 bits (the same roundings).
+      const __m256 low = divide_by_denominator(_mm512_castps512_ps256(m),
+                                               _mm512_castps512_ps256(v), bc2, eps);
+      const __m256 high = divide_by_denominator(_mm512_extractf32x8_ps(m, 1),
+                                                _mm512_extractf32x8_ps(v, 1), bc2, eps);
+      const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+      _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay),
+                                            _mm512_mul_ps(step, ratio)));
+      requantize16(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
+    }
+  }
+  requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
+  *b.am = new_am;
+  *b.av = new_av;
 }
 
 // Eight int32 codes of each state (each in [0, 255]) to eight bytes each: three shuffles for
@@ -236,10 +199,10 @@ __attribute__((target("avx2"))) inline void store8_codes(uint8_t* out_m, uint8_t
 // 8 moments of each kind scaled and written as codes (requantize16's AVX2 twin).
 template <typename QuantizeM, typename QuantizeV>
 __attribute__((target("avx2,fma"), always_inline)) inline void requantize8(
-    const QuantizeM& quantize_m, const QuantizeV& quantize_v, const float* m, const float* v,
+    const QuantizeM& quantize_m, const QuantizeV& quantize_v, __m256 m, __m256 v,
     __m256 scale_m, __m256 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
-  const __m256 ym = _mm256_mul_ps(_mm256_loadu_ps(m), scale_m);
-  const __m256 yv = _mm256_mul_ps(_mm256_loadu_ps(v), scale_v);
+  const __m256 ym = _mm256_mul_ps(m, scale_m);
+  const __m256 yv = _mm256_mul_ps(v, scale_v);
   int unsure_m, unsure_v;
   __m256i qm = quantize_m(ym, unsure_m);
   __m256i qv = quantize_v(yv, unsure_v);
@@ -257,49 +220,56 @@ __attribute__((target("avx2"))) inline float lanes_max(__m256 most) {
   return out;
 }
 
-// One block on AVX2: dequantize (Note [Dequantize by arithmetic]) and update, then requantize,
-// in two loops. (Run as AVX-512 runs, each block's requantization in the loop updating the next,
-// it measured no faster: 0.27x of torch's fused AdamW against 0.29x, one in-process run on the
-// Xeon of issue 39; with 16 registers the fused loop spills its tables.)
+// One block on AVX2, in two loops (Note [adam8bit's divisions beside the quantizer]).
 __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coefficients& c,
                                                     float* mbuf, float* vbuf) {
+  // Locals, not b's fields: a float store could alias `b`, which the loops would then reload.
+  float* const p = b.p;
+  const float* const g = b.g;
+  uint8_t* const qm = b.qm;
+  uint8_t* const qv = b.qv;
   const int64_t whole = b.len / 8 * 8;
-  const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
-               decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
-               eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
-               absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av),
-               sign = _mm256_set1_ps(-0.0f);
-  const QuantMap::Dequantizer8<true> code_m(signed_map());
-  const QuantMap::Dequantizer8<false> code_v(unsigned_map());
   __m256 most_m = _mm256_setzero_ps(), most_v = _mm256_setzero_ps();
-  for (int64_t i = 0; i < whole; i += 8) {
-    const __m256i im =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qm + i)));
-    const __m256i iv =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qv + i)));
-    __m256 m = _mm256_mul_ps(code_m(im), absmax_m);
-    __m256 v = _mm256_mul_ps(code_v(iv), absmax_v);
-    const __m256 g = _mm256_loadu_ps(b.g + i);
-    m = _mm256_add_ps(m, _mm256_mul_ps(w1, _mm256_sub_ps(g, m)));
-    v = _mm256_add_ps(_mm256_mul_ps(b2, v), _mm256_mul_ps(_mm256_mul_ps(w2, g), g));
-    const __m256 p = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(b.p + i), decay),
-                                   _mm256_mul_ps(step, divide_by_denominator(m, v, bc2, eps)));
-    _mm256_storeu_ps(b.p + i, p);
-    _mm256_storeu_ps(mbuf + i, m);
-    _mm256_storeu_ps(vbuf + i, v);
-    // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
-    most_m = _mm256_max_ps(_mm256_andnot_ps(sign, m), most_m);
-    most_v = _mm256_max_ps(v, most_v);
+  {
+    const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
+                 absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av),
+                 sign = _mm256_set1_ps(-0.0f);
+    const QuantMap::Dequantizer8<true> code_m(signed_map());
+    const QuantMap::Dequantizer8<false> code_v(unsigned_map());
+    for (int64_t i = 0; i < whole; i += 8) {
+      const __m256i im =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qm + i)));
+      const __m256i iv =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qv + i)));
+      __m256 m = _mm256_mul_ps(code_m(im), absmax_m);
+      __m256 v = _mm256_mul_ps(code_v(iv), absmax_v);
+      const __m256 grad = _mm256_loadu_ps(g + i);
+      m = _mm256_add_ps(m, _mm256_mul_ps(w1, _mm256_sub_ps(grad, m)));
+      v = _mm256_add_ps(_mm256_mul_ps(b2, v), _mm256_mul_ps(_mm256_mul_ps(w2, grad), grad));
+      _mm256_storeu_ps(mbuf + i, m);
+      _mm256_storeu_ps(vbuf + i, v);
+      // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
+      most_m = _mm256_max_ps(_mm256_andnot_ps(sign, m), most_m);
+      most_v = _mm256_max_ps(v, most_v);
+    }
   }
   float new_am = lanes_max(most_m), new_av = lanes_max(most_v);
-  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);
+  update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  const __m256 scale_m = _mm256_set1_ps(inv_m), scale_v = _mm256_set1_ps(inv_v);
-  const QuantMap::Quantizer8<true> quantize_m(signed_map());
-  const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
-  for (int64_t i = 0; i < whole; i += 8)
-    requantize8(quantize_m, quantize_v, mbuf + i, vbuf + i, scale_m, scale_v, b.qm + i,
-                b.qv + i);
+  {
+    const __m256 decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+                 eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
+                 scale_m = _mm256_set1_ps(inv_m), scale_v = _mm256_set1_ps(inv_v);
+    const QuantMap::Quantizer8<true> quantize_m(signed_map());
+    const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
+    for (int64_t i = 0; i < whole; i += 8) {
+      const __m256 m = _mm256_loadu_ps(mbuf + i), v = _mm256_loadu_ps(vbuf + i);
+      _mm256_storeu_ps(p + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay),
+                                            _mm256_mul_ps(step, divide_by_denominator(
+                                                                    m, v, bc2, eps))));
+      requantize8(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
+    }
+  }
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
   *b.av = new_av;
@@ -418,12 +388,9 @@ class Adam8bit final : public UpdateRule {
                      std::min(block, n - start)};
       };
 #if defined(__x86_64__)
-      if (path == cpu::KernelIsa::avx512) {
-        std::vector<float> scratch(4 * block);
-        blocks_avx512(block_at, last - first, c, scratch.data(), block);
-        return;
-      }
-      const auto kernel = path == cpu::KernelIsa::avx2 ? block_avx2 : block_scalar;
+      const auto kernel = path == cpu::KernelIsa::avx512 ? block_avx512
+                          : path == cpu::KernelIsa::avx2 ? block_avx2
+                                                         : block_scalar;
 #else
       const auto kernel = block_scalar;
 #endif

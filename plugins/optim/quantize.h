@@ -228,44 +228,61 @@ struct QuantMap {
   // gather of ~35 cycles on the Xeon of issue 39 (docs/BENCHMARKS.md).
   static constexpr float kArithMargin = 1.0f / 4096;
   bool arithmetic_ready() const { return arith_fits; }
-  // |y| as an integer to compare with a decade's lower edge (integers order as non-negative
-  // floats do): y at an edge goes to the decade below, as the search rounds a tie, but on the
-  // signed map's negative half the tie rounds away from zero, so a negative y counts as one ulp
-  // larger (its key is |y| + 1: an edge E is below y exactly when |y| < E).
-  __attribute__((target("avx512f"))) __m512i edge_key(__m512 y, __m512 a) const {
-    const __m512i magnitude = _mm512_castps_si512(a);
-    const __m512i negative = _mm512_srai_epi32(_mm512_castps_si512(y), 31);  // 0 or -1
-    return is_signed_map ? _mm512_sub_epi32(magnitude, negative) : magnitude;
-  }
+  // Both widths compare a lane's key with its decade's lower edge: |y| as an integer (integers
+  // order as non-negative floats do). y at an edge goes to the decade below, as the search
+  // rounds a tie, but on the signed map's negative half the tie rounds away from zero, so a
+  // negative y counts as one ulp larger (its key is |y| + 1: an edge E is below y exactly when
+  // |y| < E).
   __attribute__((target("avx512f,avx512bw"))) __m512i quantize16_arith(__m512 y,
                                                                        __mmask16& unsure) const {
-    const __m512 zero = _mm512_setzero_ps();
-    const __m512 a = is_signed_map ? _mm512_abs_ps(y) : _mm512_max_ps(y, zero);
-    // The binade, 0 for anything below 2^-26, 31 from 2^5 up (inf and NaN included).
-    const __m512i binade = _mm512_min_epu32(
-        _mm512_subs_epu16(_mm512_srli_epi32(_mm512_castps_si512(a), 23),
-                          _mm512_set1_epi32(kArithFirstExponent)),
-        _mm512_set1_epi32(31));
-    __m512i decade = _mm512_permutex2var_epi32(_mm512_loadu_si512(arith_binade_decade.data()),
-                                               binade,
-                                               _mm512_loadu_si512(arith_binade_decade.data() + 16));
-    const __mmask16 below_edge = _mm512_cmple_epi32_mask(
-        edge_key(y, a), _mm512_permutexvar_epi32(
-                            decade, _mm512_castps_si512(_mm512_loadu_ps(arith_lower.data()))));
-    decade = _mm512_mask_add_epi32(decade, below_edge, decade, _mm512_set1_epi32(1));
-    const __m512 x = _mm512_min_ps(
-        _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_top.data())),
-        _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_scale.data())),
-                        _mm512_permutexvar_ps(decade, _mm512_loadu_ps(arith_offset.data()))));
-    __m512i q = _mm512_cvttps_epi32(x);  // NaN last in min: a NaN x stays NaN, so unsure
-    const __m512 from_half = _mm512_abs_ps(
-        _mm512_sub_ps(_mm512_sub_ps(x, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(0.5f)));
-    unsure = _mm512_cmp_ps_mask(from_half, _mm512_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
-    if (is_signed_map)
-      q = _mm512_mask_xor_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ), q,
-                                _mm512_set1_epi32(0xff));
-    return q;
+    return is_signed_map ? Quantizer16<true>(*this)(y, unsure)
+                         : Quantizer16<false>(*this)(y, unsure);
   }
+  // quantize16_arith's tables in registers, made per block (a local: kSigned must be the map's),
+  // so the kernel's loop neither reloads them nor tests the map's signedness per vector.
+  template <bool kSigned>
+  struct Quantizer16 {
+    __m512i binade_decade_low, binade_decade_high, lower;
+    __m512 top, scale, offset;
+    __attribute__((target("avx512f"))) explicit Quantizer16(const QuantMap& map)
+        : binade_decade_low(_mm512_loadu_si512(map.arith_binade_decade.data())),
+          binade_decade_high(_mm512_loadu_si512(map.arith_binade_decade.data() + 16)),
+          lower(_mm512_castps_si512(_mm512_loadu_ps(map.arith_lower.data()))),
+          top(_mm512_loadu_ps(map.arith_top.data())),
+          scale(_mm512_loadu_ps(map.arith_scale.data())),
+          offset(_mm512_loadu_ps(map.arith_offset.data())) {}
+    __attribute__((target("avx512f,avx512bw"), always_inline)) __m512i operator()(
+        __m512 y, __mmask16& unsure) const {
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 a = kSigned ? _mm512_abs_ps(y) : _mm512_max_ps(y, zero);
+      const __m512i magnitude = _mm512_castps_si512(a);
+      // The key: a negative y on the signed map counts one ulp larger.
+      const __m512i key =
+          kSigned ? _mm512_sub_epi32(magnitude, _mm512_srai_epi32(_mm512_castps_si512(y), 31))
+                  : magnitude;
+      // The binade, 0 for anything below 2^-26, 31 from 2^5 up (inf and NaN included).
+      const __m512i binade = _mm512_min_epu32(
+          _mm512_subs_epu16(_mm512_srli_epi32(magnitude, 23),
+                            _mm512_set1_epi32(kArithFirstExponent)),
+          _mm512_set1_epi32(31));
+      __m512i decade = _mm512_permutex2var_epi32(binade_decade_low, binade, binade_decade_high);
+      const __mmask16 below_edge =
+          _mm512_cmple_epi32_mask(key, _mm512_permutexvar_epi32(decade, lower));
+      decade = _mm512_mask_add_epi32(decade, below_edge, decade, _mm512_set1_epi32(1));
+      const __m512 x = _mm512_min_ps(
+          _mm512_permutexvar_ps(decade, top),
+          _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, scale),
+                          _mm512_permutexvar_ps(decade, offset)));
+      __m512i q = _mm512_cvttps_epi32(x);  // NaN last in min: a NaN x stays NaN, so unsure
+      const __m512 from_half = _mm512_abs_ps(
+          _mm512_sub_ps(_mm512_sub_ps(x, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(0.5f)));
+      unsure = _mm512_cmp_ps_mask(from_half, _mm512_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
+      if (kSigned)
+        q = _mm512_mask_xor_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ), q,
+                                  _mm512_set1_epi32(0xff));
+      return q;
+    }
+  };
   // The same for 8 lanes, by a Quantizer8 (below) made for the call.
   __attribute__((target("avx2,fma"))) __m256i quantize8_arith(__m256 y, int& unsure) const {
     return is_signed_map ? Quantizer8<true>(*this)(y, unsure)
@@ -296,7 +313,7 @@ struct QuantMap {
       const __m256 a =
           kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y) : _mm256_max_ps(y, zero);
       const __m256i magnitude = _mm256_castps_si256(a);
-      // As edge_key: a negative y on the signed map counts one ulp larger.
+      // The key: a negative y on the signed map counts one ulp larger.
       const __m256i key =
           kSigned ? _mm256_sub_epi32(magnitude, _mm256_srai_epi32(_mm256_castps_si256(y), 31))
                   : magnitude;

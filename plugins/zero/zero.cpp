@@ -257,12 +257,13 @@ class Zero final : public loom::Plugin {
   void validate(const std::string&, const loom::ConfigSection&,
                 const JobTables& job) const override {
     // Note [Optimizer in backward] (core/src/optimizer_in_backward.h): stage 0 hands each
-    // bucket's averaged gradients over as they land; the sharded and swapped drivers update
-    // after backward.
+    // bucket's averaged gradients over as they land; stages 1-2 update each chunk as it lands
+    // (Note [Updating chunks in backward]); stage 3 and the swapped drivers update after
+    // backward.
     if (job("train")->get_bool("optimizer_in_backward")) {
-      LOOM_CHECK_AS(ConfigError, stage_ == 0, where_stage_, ": [zero] stage ", stage_,
-                    " with [train] optimizer_in_backward is not built (the sharded update runs "
-                    "after backward, over each rank's chunks); use stage = 0 or [ddp], or turn "
+      LOOM_CHECK_AS(ConfigError, stage_ <= 2, where_stage_, ": [zero] stage 3 with [train] "
+                    "optimizer_in_backward is not built (a unit's weight shards, which its next "
+                    "gather reads, are updated after backward); use stage = 1 or 2, or turn "
                     "optimizer_in_backward off");
       LOOM_CHECK_AS(ConfigError, offload_.device != "nvme", where_offload_, ": [zero] "
                     "offload_optimizer to NVMe with [train] optimizer_in_backward is not built "
@@ -403,7 +404,12 @@ class Zero final : public loom::Plugin {
         return offloaded;
       }
       // Stages 1-3: the ZeRO driver with its rank's pieces in a swap file (Note [Offloaded
-      // ZeRO]).
+      // ZeRO]), whose walk runs after backward.
+      LOOM_CHECK_AS(ConfigError, !engine.section("train").get_bool("optimizer_in_backward"),
+                    where_offload_, ": [zero] offload_optimizer at stage ", stage_, " with "
+                    "[train] optimizer_in_backward is not built (the offloaded pieces are "
+                    "updated in one walk after backward); leave offload_optimizer out or turn "
+                    "optimizer_in_backward off");
       options_.offload = offload_;
     }
     if (stage_ == 0) {
@@ -442,6 +448,14 @@ class Zero final : public loom::Plugin {
       LOOM_CHECK_AS(ConfigError, !dense.params.empty(), where_stage_,
                     ": [zero] has no dense parameters to shard: every trainable one is placed");
     }
+    // Note [Updating chunks in backward]: a rule's whole-tensor sums need every chunk first.
+    LOOM_CHECK_AS(ConfigError, !engine.section("train").get_bool("optimizer_in_backward") ||
+                                   options.rule->reduction_rounds() == 0,
+                  engine.section("train").where("optimizer_in_backward"), ": [train] "
+                  "optimizer_in_backward at [zero] stage ", stage_, " updates each rank's chunk "
+                  "as it lands, but update rule '", options.rule->name(), "' sums statistics over "
+                  "whole tensors across the ranks before any update; use stage = 0 or [ddp] for "
+                  "it, or turn optimizer_in_backward off");
     if (stage_ == 3) {
       find_units(engine, options);
       if (sharded_init_observer_) take_built_chunks(engine, options);

@@ -31,17 +31,20 @@ ConfigValue table_of(const std::string& device) {
 std::vector<memory::MemoryVariant> memory_variants() {
   std::vector<memory::MemoryVariant> out;
   for (int64_t stage = 0; stage <= 3; ++stage)
-    for (const char* offload : {"none", "cpu", "nvme", "nvme+p"}) {
-      // offload_param exists for stage 3 only.
-      if (std::string(offload) == "nvme+p" && stage != 3) continue;
+    for (const char* offload : {"none", "cpu", "nvme", "cpu+p", "nvme+p"}) {
+      // offload_param exists for stage 3 only; its rows move the optimizer state to the same
+      // device as the weight shards (ZeRO-Infinity's usual pairing).
+      const std::string label = offload;
+      const bool params = label == "cpu+p" || label == "nvme+p";
+      if (params && stage != 3) continue;
+      const std::string device = params ? label.substr(0, label.size() - 2) : label;
       memory::MemoryVariant v;
-      v.labels = {{"stage", std::to_string(stage)}, {"offload", offload}};
+      v.labels = {{"stage", std::to_string(stage)}, {"offload", label}};
       ConfigValue s;
       s.value = stage;
-      const bool params = std::string(offload) == "nvme+p";
       v.overrides = {{"stage", s},
-                     {"offload_optimizer", table_of(params ? "nvme" : offload)},
-                     {"offload_param", table_of(params ? "nvme" : "none")}};
+                     {"offload_optimizer", table_of(device)},
+                     {"offload_param", table_of(params ? device : "none")}};
       // Stage 0 shards nothing, so it takes no shard groups (configure() refuses them): the
       // stage-0 variants run, as the estimate's probes (the first variant: the unsharded
       // layout in memory) whatever the job's group size; the stages' arithmetic does not
@@ -58,7 +61,12 @@ std::vector<memory::MemoryVariant> memory_variants() {
         off.value = false;
         v.overrides.emplace_back("sharded_init", off);
       }
-      if (params)
+      if (label == "cpu+p")
+        v.legend = "cpu+p: offload_param too, the units' weight shards in page-locked host "
+                   "memory beside the optimizer state, fetched to the GPU a unit ahead (stage 3, "
+                   "full_bf16; on a CPU run the weights are in host memory already: the row is "
+                   "stage 3's cpu row)";
+      if (label == "nvme+p")
         v.legend = "nvme+p: offload_param too, the units' weight shards on NVMe (stage 3, "
                    "full_bf16)";
       out.push_back(std::move(v));
@@ -73,17 +81,24 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
                     memory::MemoryTerms& r) {
   const int stage = static_cast<int>(t.get_int("stage"));
   const std::string optimizer_device = offload_device(t, "offload_optimizer");
-  const bool offload_params = offload_device(t, "offload_param") == "nvme";
-  // offload_param alone keeps the optimizer state in memory; its estimate is the nvme+p
-  // variant's (the state on NVMe too), and the table's note says how the two differ.
-  const std::string offload = offload_params ? "nvme+p" : optimizer_device;
+  const std::string param_device = offload_device(t, "offload_param");
+  const bool offload_params = param_device == "nvme" || param_device == "cpu";
+  // The row is named by where the weight shards go ("cpu+p", "nvme+p"), and the table's row
+  // moves the optimizer state there too; a job that keeps its state elsewhere is told how its
+  // own numbers differ.
+  const std::string offload = offload_params ? param_device + "+p" : optimizer_device;
   r.labels["stage"] = std::to_string(stage);
   r.labels["offload"] = offload;
-  if (offload_params && optimizer_device != "nvme") {
+  if (offload_params && optimizer_device == "none") {
     r.labels["optimizer_state"] = "memory";
     r.table_notes.push_back("this job offloads the weight shards but keeps the optimizer state "
-                            "in memory: its RAM is the nvme+p row's plus that row's masters and "
-                            "optimizer state");
+                            "in memory: its device memory is the " + offload + " row's plus "
+                            "that row's masters and optimizer state");
+  } else if (offload_params && optimizer_device != param_device) {
+    r.table_notes.push_back("this job offloads the weight shards to " + param_device +
+                            " and the optimizer state to " + optimizer_device + ": the " +
+                            offload + " row counts the masters and optimizer state on " +
+                            param_device + " too");
   }
   // offload_param drops the weight shards from memory only where the fp32 masters are the
   // truth (half weights): with fp32 weights nothing could go.
@@ -123,15 +138,11 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   // Stage 3 gathers two units whole (the one computing, the next one prefetched).
   if (stage >= 3 && N > 1) r.weights += 2 * largest_unit * w;
 
-  double offloaded = r.masters + r.optimizer;
-  double staging = 0;
-  const bool on_nvme = offload == "nvme" || offload == "nvme+p";
-  if (on_nvme) {
-    // Each buffer holds the largest tensor's share: its fp32 master and its state.
-    double share = c.largest_tensor_params * (4 + k);
-    if (stage >= 1) share /= N;
-    staging = buffer_count * share;
-  }
+  // Where the optimizer state and the weight shards go. "cpu" on a CPU run moves nothing: the
+  // compute device's memory is host memory already (the zero plugin says so when it runs).
+  const bool state_to_host = optimizer_device == "cpu" && !c.cpu_device;
+  const bool state_offloaded = optimizer_device == "nvme" || state_to_host;
+  const bool shards_move = param_device == "nvme" || (param_device == "cpu" && !c.cpu_device);
   // Stage 0 over ranks: the gradient buckets the all-reduce runs on, an fp32 copy of the
   // gradients (one rank has none; the probes run on one).
   if (stage == 0 && c.world_size > 1) r.buffers += c.trainable * 4;
@@ -145,30 +156,58 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     const double bucketed = stage >= 3 ? largest_unit : c.trainable;
     r.buffers += std::min(bucketed * 4, t.get_float("reduce_bucket_size"));
   }
-  if (on_nvme && stage >= 1 && m > 0) {
+  if (state_offloaded && stage >= 1 && m > 0) {
     // Note [Offloaded ZeRO]: what the all-gather sends stays in memory in the weights' dtype;
     // for the groups stage 3 does not shard (all of them below stage 3) that is a values chunk
-    // beside the weights.
+    // beside the weights. The host store (Note [Host store]) keeps it as the swap file does.
     r.buffers += (stage == 3 ? c.trainable - unit_params : c.trainable) * w / N;
   }
-  if (offload == "nvme+p") {
-    // Note [Offloaded parameters]: the units' shards live in the file; memory keeps the weights
-    // outside units whole, two units gathered (the one computing, the one whose gather lands
-    // next), and three shards in flight (one read ahead, two being written).
+  if (state_offloaded && m <= 0 && !c.cpu_device) {
+    // fp32 weights on a GPU: the CPU updates a copy of them where the state lives (a CPU run
+    // updates its fp32 weights in place), an fp32 master in all but name.
+    r.masters += (stage >= 1 ? c.trainable / N : c.trainable) * 4;
+  }
+  if (state_offloaded) {
+    const double state = r.masters + r.optimizer;
+    if (optimizer_device == "nvme") {
+      r.to_nvme += state;
+      // Each buffer holds the largest tensor's share: its fp32 master and its state.
+      double share = c.largest_tensor_params * (4 + k);
+      if (stage >= 1) share /= N;
+      r.host_buffers += buffer_count * share;
+    } else {
+      r.to_host += state;
+    }
+  }
+  if (state_to_host && stage == 0) {
+    // Note [Overlapped update] and Note [Delayed update] (loom/offload/offloaded_driver.h): the
+    // unsharded host store lands each gradient in a host copy and stages each updated weight
+    // for its way back to the GPU, both in the weights' dtype (unless overlap_update = false
+    // without the delayed update: then the update reads the gradients after backward).
+    const ConfigValue* o = t.get("offload_optimizer");
+    auto flag = [o](const char* key, bool otherwise) {
+      const ConfigValue* v = o && o->is_table() ? o->find(key) : nullptr;
+      const auto* b = v ? std::get_if<bool>(&v->value) : nullptr;
+      return b ? *b : otherwise;
+    };
+    if (flag("delayed_update", false) || flag("overlap_update", true))
+      r.host_buffers += 2 * c.trainable * w;
+  }
+  if (shards_move) {
+    // Note [Offloaded parameters]: the units' shards live in the file or the host arena between
+    // uses; the device keeps the weights outside units whole and two units gathered (the one
+    // computing, and the next, whose shard is fetched while it computes). "nvme" adds three
+    // shards in flight in host buffers (one read ahead, two being written); "cpu" copies
+    // straight from and into the arena (page-locked on a GPU).
     const double shards = unit_params / N * w;
     r.weights = whole_weights - unit_params * w + 2 * largest_unit * w + shards;
-    offloaded += shards;
-    staging += 3 * largest_unit / N * w;
+    if (param_device == "nvme") {
+      r.to_nvme += shards;
+      r.host_buffers += 3 * largest_unit / N * w;
+    } else {
+      r.to_host += shards;
+    }
   }
-  if (optimizer_device == "cpu" && !offload_params) r.to_host += offloaded;
-  if (on_nvme) {
-    r.to_nvme += offloaded;
-    r.host_buffers += staging;
-  }
-  // What loom runs today: the optimizer state offloaded to host memory or NVMe at every stage;
-  // the weight shards on NVMe only where the compute is on the CPU already (a GPU's would
-  // travel through pinned host buffers, still to come).
-  r.buildable = r.buildable && (!offload_params || c.cpu_device);
   if (group >= 1 && group < world)
     r.notes.push_back("stages 1-3 sharded over groups of " +
                       std::to_string(static_cast<int64_t>(group)) + ", [zero] shard_group_size");

@@ -151,8 +151,8 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
     } else if (separate_master_) {
       group.master = at::zeros({group.plan.chunk}, fp32);
     }
-    if (options_.stage >= 2)
-      group.grad = at::zeros({group.plan.chunk}, fp32.dtype(weight_dtype_));
+    // Stages 2-3: the gradient shard is made when the group first lands (zero_reduce.cpp), so
+    // no step before it holds it (Note [Updating chunks in backward] frees it after each update).
     // Stage 3: the chunk, then one element that travels with every gather: the unit's position,
     // so a rank that gathered another unit is caught (Note [Diverged ranks]).
     if (group.sharded) {
@@ -295,7 +295,10 @@ void ZeroDriver::zero_grad() {
     for (auto& group : groups_) group.grad = at::Tensor();
   } else {
     for (auto& p : params_) at::Tensor(p.tensor).mutable_grad() = at::Tensor();
-    for (auto& group : groups_) group.grad.zero_();
+    // A shard not made yet, or freed by Note [Updating chunks in backward], is made (zeros)
+    // when its group lands.
+    for (auto& group : groups_)
+      if (group.grad.defined()) group.grad.zero_();
   }
   // Note [Offloaded parameters]: the step's first unit is read while the step starts.
   if (param_file_ && options_.prefetch_elements > 0 && !unit_order_.empty())
@@ -310,23 +313,33 @@ std::vector<at::Tensor> ZeroDriver::grads() {
 }
 
 at::Tensor ZeroDriver::grad_norm_squared() {
-  // Per piece, in parameter order, as the default driver sums per tensor, so one rank
-  // reproduces it bit for bit; then the sum over ranks.
-  std::vector<std::pair<size_t, at::Tensor>> pieces;
-  for (const auto& group : groups_) {
-    if (!group.grad.defined()) continue;
-    for (const Piece& piece : group.plan.ranks[rank_])
-      pieces.emplace_back(piece.tensor, group.grad.narrow(0, piece.chunk_offset, piece.numel));
-  }
-  std::sort(pieces.begin(), pieces.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<at::Tensor> grads;
-  for (auto& [index, grad] : pieces) grads.push_back(grad);
   at::Tensor total;
-  if (grads.empty()) {
-    total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  if (backward_update_.armed) {
+    // Note [Updating chunks in backward]: the pieces' sums kept before their chunks were freed,
+    // totalled as squared_norm totals them (stacked in parameter order, then summed).
+    std::vector<at::Tensor> squares;
+    for (const at::Tensor& square : backward_update_.squares)
+      if (square.defined()) squares.push_back(square);
+    total = squares.empty() ? at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_))
+                            : at::stack(squares).sum();
   } else {
-    total = squared_norm(grads);  // the default driver's sum, so every cut sums alike
+    // Per piece, in parameter order, as the default driver sums per tensor, so one rank
+    // reproduces it bit for bit; then the sum over ranks.
+    std::vector<std::pair<size_t, at::Tensor>> pieces;
+    for (const auto& group : groups_) {
+      if (!group.grad.defined()) continue;
+      for (const Piece& piece : group.plan.ranks[rank_])
+        pieces.emplace_back(piece.tensor, group.grad.narrow(0, piece.chunk_offset, piece.numel));
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<at::Tensor> grads;
+    for (auto& [index, grad] : pieces) grads.push_back(grad);
+    if (grads.empty()) {
+      total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    } else {
+      total = squared_norm(grads);  // the default driver's sum, so every cut sums alike
+    }
   }
   if (world_ > 1) {
     total = total.reshape({1}).to(comm_.device());
@@ -345,6 +358,16 @@ void ZeroDriver::scale_grads(double factor) {
 
 void ZeroDriver::update(int64_t step, double lr) {
   at::NoGradGuard no_grad;
+  if (backward_update_.armed) {  // Note [Updating chunks in backward]: the chunks are updated
+    LOOM_INTERNAL_ASSERT(backward_update_.step == step && backward_update_.lr == lr &&
+                             backward_update_.groups_updated == groups_.size(),
+                         "ZeRO's update in backward: ", backward_update_.groups_updated, " of ",
+                         groups_.size(), " groups updated at step ", backward_update_.step,
+                         ", completed at step ", step);
+    finish_values_gathers();
+    backward_update_ = BackwardUpdate{};
+    return;
+  }
   // A prefetch nobody used (a unit a step did not reach) holds the old weights: drop it.
   for (auto& group : groups_) {
     if (group.gather_work) {

@@ -204,30 +204,46 @@ at::Tensor ZeroDriver::chunk_values(const Group& group) const {
   return out;
 }
 
+void ZeroDriver::finish_values_gather(ValuesGather& gather) {
+  gather.work->wait();
+  const Group& group = groups_[gather.group];
+  const bool half = c10::elementSize(weight_dtype_) == 2;
+  at::Tensor values = half ? gather.gathered.view(weight_dtype_) : gather.gathered;
+  for (size_t index : group.plan.tensors) {
+    at::Tensor flat = params_[index].tensor.detach().view(-1);
+    for (const Placement& where : placements_[index])
+      flat.narrow(0, where.piece.offset, where.piece.numel)
+          .copy_(values.narrow(0, where.rank * group.plan.chunk + where.piece.chunk_offset,
+                               where.piece.numel));
+  }
+  values_gather_bytes_ -= gather.bytes;
+}
+
+void ZeroDriver::start_values_gather(size_t g, Comm& comm) {
+  at::NoGradGuard no_grad;
+  at::Tensor values = chunk_values(groups_[g]);
+  stats_.elements += values.numel() * world_;
+  // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
+  if (c10::elementSize(weight_dtype_) == 2) values = values.view(at::kByte);
+  ValuesGather gather{g, at::empty({values.numel() * world_}, values.options()), nullptr,
+                      values.numel() * world_ * static_cast<int64_t>(values.element_size())};
+  gather.work = comm.all_gather(gather.gathered, values);
+  values_gather_bytes_ += gather.bytes;
+  values_gathers_.push_back(std::move(gather));
+  while (values_gather_bytes_ > options_.allgather_bucket_bytes && values_gathers_.size() > 1) {
+    finish_values_gather(values_gathers_.front());
+    values_gathers_.pop_front();
+  }
+}
+
+void ZeroDriver::finish_values_gathers() {
+  at::NoGradGuard no_grad;
+  for (; !values_gathers_.empty(); values_gathers_.pop_front())
+    finish_values_gather(values_gathers_.front());
+}
+
 void ZeroDriver::all_gather_params() {
   at::NoGradGuard no_grad;
-  struct InFlight {
-    size_t group;
-    at::Tensor gathered;
-    std::shared_ptr<Work> work;
-    int64_t bytes;
-  };
-  std::deque<InFlight> flying;
-  int64_t bytes_in_flight = 0;
-  const bool half = c10::elementSize(weight_dtype_) == 2;
-  auto finish = [&](InFlight& f) {
-    f.work->wait();
-    const Group& group = groups_[f.group];
-    at::Tensor values = half ? f.gathered.view(weight_dtype_) : f.gathered;
-    for (size_t index : group.plan.tensors) {
-      at::Tensor flat = params_[index].tensor.detach().view(-1);
-      for (const Placement& where : placements_[index])
-        flat.narrow(0, where.piece.offset, where.piece.numel)
-            .copy_(values.narrow(0, where.rank * group.plan.chunk + where.piece.chunk_offset,
-                                 where.piece.numel));
-    }
-    bytes_in_flight -= f.bytes;
-  };
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].sharded) {  // stage 3: the chunk is the weights; gathered at the next use
       if (groups_[g].master.defined()) {  // offloaded masters wrote their shard already
@@ -237,21 +253,9 @@ void ZeroDriver::all_gather_params() {
       }
       continue;
     }
-    at::Tensor values = chunk_values(groups_[g]);
-    stats_.elements += values.numel() * world_;
-    // Half types travel as bytes: every backend moves those bit for bit (gloo has no int16).
-    if (half) values = values.view(at::kByte);
-    InFlight f{g, at::empty({values.numel() * world_}, values.options()), nullptr,
-               values.numel() * world_ * static_cast<int64_t>(values.element_size())};
-    f.work = comm_.all_gather(f.gathered, values);
-    bytes_in_flight += f.bytes;
-    flying.push_back(std::move(f));
-    while (bytes_in_flight > options_.allgather_bucket_bytes && flying.size() > 1) {
-      finish(flying.front());
-      flying.pop_front();
-    }
+    start_values_gather(g, comm_);
   }
-  for (auto& f : flying) finish(f);
+  finish_values_gathers();
 }
 
 }  // namespace loom::sharding

@@ -41,8 +41,10 @@ void ZeroDriver::grad_ready(const Param& param) {
   // launch (completed() never blocks).
   if (group.sharded) land_finished();
   pack(group, index, param.tensor.grad());
-  // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes.
-  if (options_.stage >= 2) at::Tensor(param.tensor).mutable_grad() = at::Tensor();
+  // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes; so does stage 1's
+  // window gradient when the update runs in backward (Note [Updating chunks in backward]).
+  if (options_.stage >= 2 || backward_update_.armed)
+    at::Tensor(param.tensor).mutable_grad() = at::Tensor();
   if (--group.pending == 0) {
     // Backward is done with this unit: its weights go, and the reduce-scatters launched
     // before it land, before its reduce-scatter's buffers come (Note [Unit buckets in flight]).
@@ -119,7 +121,12 @@ void ZeroDriver::land(Group& group) {
   // (over every rank, the other shard groups' part added by reduce_across_replicas).
   group.received.div_(world_comm_.world_size());
   const size_t g = static_cast<size_t>(&group - groups_.data());
-  if (replica_comm_ && window_end_) {
+  // Stages 2-3: the shard is made at the group's first landing, and again after Note
+  // [Updating chunks in backward] freed it.
+  if (options_.stage >= 2 && !group.grad.defined())
+    group.grad = at::zeros({group.plan.chunk}, group.received.options().dtype(weight_dtype_));
+  const bool across = replica_comm_ && window_end_;
+  if (across) {
     // Note [Hybrid sharding]: the window's chunk so far plus this one, in fp32, across groups.
     at::Tensor sum = group.received;
     if (options_.stage >= 2) sum = group.grad.to(at::kFloat).add_(group.received);
@@ -135,6 +142,7 @@ void ZeroDriver::land(Group& group) {
   group.send = at::Tensor();
   group.received = at::Tensor();
   group.pending = group.plan.tensors.size();
+  if (!across) chunk_final(g);  // else once its sum across the groups lands
 }
 
 void ZeroDriver::finish_backward(bool window_end) {
@@ -149,7 +157,8 @@ void ZeroDriver::finish_backward(bool window_end) {
     for (size_t index : group.plan.tensors)
       if (!ready_[index]) {
         pack(group, index, at::Tensor());
-        if (options_.stage >= 2) at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
+        if (options_.stage >= 2 || backward_update_.armed)
+          at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
       }
     launch(g);
   }
@@ -197,6 +206,7 @@ void ZeroDriver::land_across(size_t g) {
   across_bytes_ -= group.across.nbytes();
   group.across = at::Tensor();
   group.across_work.reset();
+  chunk_final(g);  // Note [Updating chunks in backward]
 }
 
 void ZeroDriver::reduce_across_replicas() {

@@ -160,8 +160,11 @@ int64_t ZeroDriver::sharded_weight_bytes() const {
 
 int64_t ZeroDriver::grad_bytes() const {
   if (options_.stage == 1) return -1;  // whole gradients in .grad, as without ZeRO
+  // The shards' size, whether or not an update in backward freed them (Note [Updating chunks
+  // in backward]).
   int64_t bytes = 0;
-  for (const auto& group : groups_) bytes += group.grad.numel() * group.grad.element_size();
+  for (const auto& group : groups_)
+    bytes += group.plan.chunk * static_cast<int64_t>(c10::elementSize(weight_dtype_));
   return bytes;
 }
 

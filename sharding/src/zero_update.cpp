@@ -1,6 +1,7 @@
-// ZeRO's update rule over the rank's pieces: all of them at once in memory, or one at a time as
-// the swap file's walk brings them in (Note [Offloaded ZeRO]); rules with whole-tensor
-// statistics add their partial sums over the ranks first. Part of ZeroDriver (zero_driver.h).
+// ZeRO's update rule over the rank's pieces: all of them at once in memory, a group's as its
+// chunk lands (Note [Updating chunks in backward]), or one at a time as the swap file's walk
+// brings them in (Note [Offloaded ZeRO]); rules with whole-tensor statistics add their partial
+// sums over the ranks first. Part of ZeroDriver (zero_driver.h).
 #include "loom/sharding/zero_driver.h"
 
 #include <ATen/ATen.h>
@@ -11,14 +12,11 @@
 
 namespace loom::sharding {
 
-void ZeroDriver::run_rule(int64_t step, double lr) {
-  struct Held {
-    Segment* segment;
-    size_t param;
-  };
+std::vector<ZeroDriver::Held> ZeroDriver::hold_pieces(const std::vector<size_t>& groups,
+                                                      std::vector<at::Tensor>& fp32_grads) {
   std::vector<Held> held;
-  std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
-  for (auto& group : groups_) {
+  for (size_t g : groups) {
+    Group& group = groups_[g];
     LOOM_INTERNAL_ASSERT(group.grad.defined(), "ZeRO update without a reduced gradient");
     at::Tensor grad = group.grad.scalar_type() == at::kFloat ? group.grad : group.grad.to(at::kFloat);
     fp32_grads.push_back(grad);
@@ -30,45 +28,58 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
       held.push_back({&segment, piece.tensor});
     }
   }
-  auto context_of = [&](size_t index) {
-    return update_context(params_[index], step, lr, weight_decay_);
-  };
+  return held;
+}
+
+void ZeroDriver::update_groups(const std::vector<size_t>& groups, int64_t step, double lr) {
+  std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
+  const std::vector<Held> held = hold_pieces(groups, fp32_grads);
+  // As the default driver: segments sharing lr and weight decay go to the rule together.
+  std::map<std::pair<double, double>, std::vector<Segment*>> batches;
+  for (const Held& h : held) {
+    const auto context = update_context(params_[h.param], step, lr, weight_decay_);
+    batches[{context.lr, context.weight_decay}].push_back(h.segment);
+  }
+  for (auto& [key, segments] : batches) {
+    UpdateContext context;
+    context.step = step;
+    context.lr = key.first;
+    context.weight_decay = key.second;
+    rule_.update_many(segments, context);
+  }
+  for (const Held& h : held) h.segment->grad = at::Tensor();
+}
+
+void ZeroDriver::run_rule(int64_t step, double lr) {
+  std::vector<size_t> all(groups_.size());
+  for (size_t g = 0; g < all.size(); ++g) all[g] = g;
   const int rounds = rule_.reduction_rounds();
   if (rounds == 0) {
-    // As the default driver: segments sharing lr and weight decay go to the rule together.
-    std::map<std::pair<double, double>, std::vector<Segment*>> batches;
-    for (const Held& h : held) {
-      const auto context = context_of(h.param);
-      batches[{context.lr, context.weight_decay}].push_back(h.segment);
-    }
-    for (auto& [key, segments] : batches) {
-      UpdateContext context;
-      context.step = step;
-      context.lr = key.first;
-      context.weight_decay = key.second;
-      rule_.update_many(segments, context);
-    }
-  } else {
-    // Whole-tensor statistics: every rank folds its pieces into a zero accumulator per tensor,
-    // the accumulators of all tensors go into one all-reduce per round, and each piece is then
-    // updated with its tensor's totals (UpdateRule::reduction_rounds).
-    std::vector<Segment*> mine(params_.size(), nullptr);
-    for (const Held& h : held) mine[h.param] = h.segment;
-    std::vector<UpdateContext> contexts;
-    for (size_t i = 0; i < params_.size(); ++i) contexts.push_back(context_of(i));
-    for (int round = 0; round < rounds; ++round) {
-      std::vector<at::Tensor> accumulators;
-      for (size_t i = 0; i < params_.size(); ++i) {
-        at::Tensor accumulator =
-            mine[i] ? rule_.make_accumulator(*mine[i], round) : empty_accumulator(i, round);
-        if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
-        accumulators.push_back(accumulator);
-      }
-      reduce_accumulators(accumulators);
-      for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
-    }
-    for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
+    update_groups(all, step, lr);
+    return;
   }
+  // Whole-tensor statistics: every rank folds its pieces into a zero accumulator per tensor,
+  // the accumulators of all tensors go into one all-reduce per round, and each piece is then
+  // updated with its tensor's totals (UpdateRule::reduction_rounds).
+  std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
+  const std::vector<Held> held = hold_pieces(all, fp32_grads);
+  std::vector<Segment*> mine(params_.size(), nullptr);
+  for (const Held& h : held) mine[h.param] = h.segment;
+  std::vector<UpdateContext> contexts;
+  for (size_t i = 0; i < params_.size(); ++i)
+    contexts.push_back(update_context(params_[i], step, lr, weight_decay_));
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<at::Tensor> accumulators;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor accumulator =
+          mine[i] ? rule_.make_accumulator(*mine[i], round) : empty_accumulator(i, round);
+      if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
+      accumulators.push_back(accumulator);
+    }
+    reduce_accumulators(accumulators);
+    for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
+  }
+  for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
   for (const Held& h : held) h.segment->grad = at::Tensor();
 }
 

@@ -1,16 +1,22 @@
 // `loom estimate` (loom/estimate.h): the model-state arithmetic against the ZeRO paper's
 // published numbers, the job estimate against the peak the same job measures when it trains
-// (every precision), the largest batch for a budget, [train] auto_find_batch_size, and bad
-// input.
+// (every precision; the offload rows, cpu+p's host memory against its CPU twin), a GPU job
+// estimated on a machine without a GPU, the largest batch for a budget, [train]
+// auto_find_batch_size, and bad input.
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 
 #include <array>
+#include <chrono>
+#include <cstdlib>
 #include <fstream>
 
+#include "loom/engine.h"
 #include "loom/error.h"
 #include "loom/estimate.h"
 #include "loom/memory.h"
+#include "loom/step_driver.h"
 #include "loom/trainer.h"
 #include "test_util.h"
 
@@ -93,7 +99,9 @@ TEST(Estimate, OffloadMovesMastersAndStateOffTheDevice) {
   const estimate::Row in_memory = gpu(Offload::none), cpu = gpu(Offload::cpu),
                       nvme = gpu(Offload::nvme);
   const double moved = (4 + 8) * 1e9 / 8;  // masters and AdamW moments, a rank's share
-  EXPECT_DOUBLE_EQ(in_memory.device - cpu.device, moved);
+  // ... less the values chunk (bf16) the all-gather sends, which stays on the device (Note
+  // [Offloaded ZeRO]).
+  EXPECT_DOUBLE_EQ(in_memory.device - cpu.device, moved - 2 * 1e9 / 8);
   EXPECT_DOUBLE_EQ(cpu.host, moved);
   EXPECT_DOUBLE_EQ(nvme.nvme, moved);
   EXPECT_DOUBLE_EQ(nvme.host, 4 * 5e7 * 12 / 8);  // four buffers of the largest tensor's share
@@ -104,8 +112,9 @@ TEST(Estimate, OffloadMovesMastersAndStateOffTheDevice) {
   EXPECT_EQ(on_cpu.host, 0);
 }
 
-// offload_param (nvme+p): stage 3's unit shards go to NVMe beside the optimizer state; memory
-// keeps the weights outside units, two gathered units and three shards in flight.
+// offload_param (nvme+p, cpu+p): stage 3's unit shards go to NVMe or host memory beside the
+// optimizer state; the device keeps the weights outside units and two gathered units, and
+// nvme+p's host RAM three shards in flight. On a CPU run "cpu" moves nothing.
 TEST(Estimate, ParameterOffloadMovesTheUnitShards) {
   estimate::ModelCounts m;
   m.params = m.trainable = 1e9;
@@ -125,17 +134,29 @@ TEST(Estimate, ParameterOffloadMovesTheUnitShards) {
   EXPECT_DOUBLE_EQ(params.buffers, 1e8 * 2 / 8 + std::min(3e7 * 4, 25.0 * (1 << 20)));
   EXPECT_DOUBLE_EQ(params.device, 1e8 * 2 + 2 * 3e7 * 2 + params.grads + params.buffers);
   EXPECT_DOUBLE_EQ(params.host - nvme.host, 3 * 3e7 / 8 * 2);
+  // cpu+p: the same device memory; the shards, masters and moments in host memory, no staging.
+  const estimate::Row host = rank_of_8(Offload::cpu_params), cpu = rank_of_8(Offload::cpu);
+  EXPECT_DOUBLE_EQ(host.device, params.device);
+  EXPECT_DOUBLE_EQ(host.weights, params.weights);
+  EXPECT_DOUBLE_EQ(host.host, shards + (4 + 8) * 1e9 / 8);
+  EXPECT_DOUBLE_EQ(host.host - cpu.host, shards);
+  EXPECT_EQ(host.nvme, 0);
+  const auto on_cpu = [&](Offload o) {
+    return estimate::row(m, 3, o, Precision::full_bf16, 8, none, 0, /*cpu_device=*/true);
+  };
+  EXPECT_DOUBLE_EQ(on_cpu(Offload::cpu_params).device, on_cpu(Offload::none).device);
+  EXPECT_DOUBLE_EQ(on_cpu(Offload::cpu_params).device, on_cpu(Offload::cpu).device);
   // Only stage 3 with half-precision weights can drop its weights from memory.
   std::vector<estimate::Row> table = estimate::rows(m, std::array<estimate::Activations, 3>{}.data(),
                                                      8, 0, false);
   int rows_with_params = 0;
   for (const auto& r : table)
-    if (r.offload == Offload::nvme_params) {
+    if (r.offload == Offload::nvme_params || r.offload == Offload::cpu_params) {
       ++rows_with_params;
       EXPECT_EQ(r.stage, 3);
       EXPECT_EQ(r.precision, Precision::full_bf16);
     }
-  EXPECT_EQ(rows_with_params, 1);
+  EXPECT_EQ(rows_with_params, 2);
 }
 
 // A job that offloads its weight shards is estimated (the probes run it unsharded, in memory)
@@ -156,6 +177,39 @@ TEST(Estimate, JobWithParameterOffloadFindsItsRow) {
     EXPECT_LT(r.model.unit_params, r.model.params);  // the embeddings are outside the units
     EXPECT_NE(estimate::format(r).find("keeps the optimizer state in memory"), std::string::npos);
   }
+}
+
+// Note [GPU jobs estimated on a CPU]: a job for a GPU, estimated where there is none, is probed
+// on the CPU and split as the GPU run's: its cpu+p row's device memory is the nvme+p row's,
+// host RAM holds the shards and the optimizer state; auto_find_batch_size refuses it by name.
+TEST(Estimate, AGpuJobIsSplitAsOnTheGpuWhereThereIsNone) {
+  if (at::hasCUDA() && c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount() > 0)
+    GTEST_SKIP() << "this machine has a CUDA device";
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  std::string text = test::tiny_gpt_job((dir.path() / "run").string());
+  text.replace(text.find("[train]\n"), 8, "[train]\ndevice = \"cuda\"\n");
+  std::ofstream(job) << text << "\n[precision]\nmode = \"full_bf16\"\n\n[zero]\nstage = 3\n"
+                        "stage3_param_persistence_threshold = 0\n"
+                        "offload_optimizer = { device = \"cpu\" }\n"
+                        "offload_param = { device = \"cpu\" }\n";
+  const estimate::Report r = estimate::estimate_job(job, {}, {.probe = false});
+  EXPECT_EQ(r.device, "cuda");
+  EXPECT_TRUE(r.gpu_probed_on_cpu);
+  EXPECT_EQ(r.job_offload, Offload::cpu_params);
+  const estimate::Row mine = estimate::job_row(r, r.batch);
+  const double state = 12 * r.model.trainable, shards = 2 * r.model.unit_params;
+  EXPECT_NEAR(mine.host, state + shards, 1e-6 * state);
+  EXPECT_EQ(mine.nvme, 0);
+  const std::string table = estimate::format(r);
+  EXPECT_NE(table.find("host RAM"), std::string::npos) << table;
+  EXPECT_NE(table.find("this machine has no CUDA device: the probes ran the job on the CPU"),
+            std::string::npos) << table;
+  EXPECT_THROW_WITH(Trainer::from_text(text, dir.path(),
+                                       {"train.auto_find_batch_size=true",
+                                        "train.memory_budget=\"1GiB\""}),
+                    ConfigError, "auto_find_batch_size", "device = \"cuda\"",
+                    "no CUDA device");
 }
 
 // Stage 3 shards only what trains (ZeRO's driver holds no frozen tensor): a LoRA job's frozen
@@ -240,7 +294,8 @@ TEST(Estimate, APluginsDeclaredTermIsInEveryRow) {
       report(plugins + "\n[memory_declarer]\ncopies = 2\nplace = \"host\"\n");
   ASSERT_EQ(device.rows.size(), plain.rows.size());
   ASSERT_EQ(host.rows.size(), plain.rows.size());
-  ASSERT_EQ(plain.rows.size(), 37u);  // stages 0-3 x none, cpu, nvme x 3 precisions, + nvme+p
+  // stages 0-3 x none, cpu, nvme x 3 precisions, + cpu+p and nvme+p
+  ASSERT_EQ(plain.rows.size(), 38u);
   const double trainable = plain.model.trainable;
   ASSERT_GT(trainable, 0);
   for (size_t i = 0; i < plain.rows.size(); ++i) {
@@ -320,7 +375,8 @@ TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
 // The same bar for the ZeRO and offload configurations the offload tests run on one rank
 // (full_bf16: the layout offload needs): the row of the job's stage and offload against the
 // peak of tensor memory the configured job measures. The swap files' staging buffers are not
-// tensors (aligned host memory), so the row's host part is left out of the comparison.
+// tensors (aligned host memory), so the row's host part is left out of the comparison; cpu+p's
+// host part is held to its CPU twin, where the host stores are tensors.
 TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
   TempDir swap;
   const std::string nvme = "{ device = \"nvme\", nvme_path = \"" + swap.str() + "\" }";
@@ -368,6 +424,48 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
                 estimate::to_string(c.offload), estimated / 1048576.0, measured / 1048576.0);
     EXPECT_NEAR(estimated / measured, 1.0, 0.10)
         << "estimated " << estimated << " B, measured " << measured << " B";
+    if (c.offload != Offload::nvme_params) continue;
+    // cpu+p, from the same report (the probes run the same unsharded layout): the weight shards
+    // and the optimizer state in host memory. Its CPU twin (Note [Parameter offload twin]) keeps
+    // them in host stores of their own beside the staged "device" copies: the shards' arena is a
+    // tensor (in the tracked peak), the optimizer's host store aligned memory whose size the
+    // driver reports, so the GPU row's device peak and host memory together are held to the
+    // twin's peak plus that store, and the row's masters and moments to the store alone.
+    const estimate::Row gpu = estimate::row(report.model, 3, Offload::cpu_params,
+                                            Precision::full_bf16, 1, report.activations[2],
+                                            report.batch, /*cpu_device=*/false);
+    EXPECT_EQ(gpu.nvme, 0);
+    const std::string host = "{ device = \"cpu\" }";
+    const std::string twin_zero = "\n[zero]\nstage = 3\n" + all_sharded +
+                                  "offload_optimizer = " + host + "\noffload_param = " + host + "\n";
+    TempDir twin_run;
+    const auto started = std::chrono::steady_clock::now();
+    double twin = 0, host_store = 0;
+    setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1);
+    {
+      const int64_t before = memory::cpu_stats().current_bytes;
+      memory::reset_cpu_peak();
+      {
+        auto trainer = Trainer::from_text(test::tiny_gpt_job(twin_run.str()) + twin_zero,
+                                          twin_run.path(),
+                                          with(kShape, "precision.mode=\"full_bf16\""));
+        trainer->run();
+        host_store = static_cast<double>(trainer->engine().step_driver().state_bytes());
+      }
+      twin = static_cast<double>(memory::cpu_stats().peak_bytes - before);
+    }
+    unsetenv("LOOM_OFFLOAD_CPU_STORE");
+    std::printf("stage 3 cpu+p (the CPU twin): estimated %.2f MiB on the device + %.2f MiB host "
+                "(%.2f MiB of masters and moments), measured %.2f MiB of tensors + %.2f MiB "
+                "host store (its run: %.1f s)\n",
+                gpu.peak / 1048576.0, gpu.host / 1048576.0,
+                (gpu.masters + gpu.optimizer) / 1048576.0, twin / 1048576.0,
+                host_store / 1048576.0,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    EXPECT_NEAR((gpu.masters + gpu.optimizer) / host_store, 1.0, 0.10);
+    EXPECT_NEAR((gpu.peak + gpu.host) / (twin + host_store), 1.0, 0.10)
+        << "estimated " << gpu.peak << " + " << gpu.host << " B, measured " << twin << " + "
+        << host_store << " B";
   }
 }
 

@@ -2,7 +2,9 @@
 # [train] optimizer_in_backward on 2 ranks (Note [Optimizer in backward]): ddp and zero stage 0
 # free each .grad into its bucket and hand the bucket's averaged gradients to the update as it
 # lands; after 6 steps the parameters are bitwise those of the normal step (clipping off in
-# both), under mpirun (mpi) and loom-launch (gloo). ZeRO stage 2 with it is refused by name.
+# both), under mpirun (mpi) and loom-launch (gloo). ZeRO stage 2 updates each rank's chunk as
+# its reduce-scatter lands (Note [Updating chunks in backward]): weights and every rank's
+# optimizer state bitwise the normal stage-2 step's. Stage 3 with it is refused by name.
 # usage: optimizer_in_backward_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 # shellcheck source=testlib.sh
@@ -40,10 +42,27 @@ for backend in mpi gloo; do
   done
 done
 
-{ sed '/^\[ddp\]/,$d' "$job"; printf '[zero]\nstage = 2\n'; } >"$work/zero2_job.toml"
-expect_error "zero stage 2 with optimizer_in_backward is refused by name" \
-  "[zero] stage 2 with [train] optimizer_in_backward is not built" \
-  "$loom" check "$work/zero2_job.toml" "${sets[@]}" --set train.optimizer_in_backward=true
+# Stage 2 over groups of about one tensor, the shard accumulated over 2 micro-steps, the
+# updated values' all-gathers capped below the model's size.
+{ sed '/^\[ddp\]/,$d' "$job"
+  printf '[zero]\nstage = 2\nreduce_bucket_size = 20000\nallgather_bucket_size = 30000\n'; } >"$work/zero2_job.toml"
+name=gloo-zero2
+d="" n=0
+if run2 gloo "$work/zero2_job.toml" "$work/$name-off" "${sets[@]}" --set train.gradient_accumulation_steps=2 &&
+   run2 gloo "$work/zero2_job.toml" "$work/$name" "${sets[@]}" --set train.gradient_accumulation_steps=2 \
+     --set train.optimizer_in_backward=true; then
+  for f in "$work/$name-off/checkpoint-6/"{model,optimizer-*}.safetensors; do
+    d=$("$python" "$src/tests/support/tensors.py" compare "$f" "$work/$name/checkpoint-6/${f##*/}" 0) &&
+      [[ $d == *bitwise* ]] && n=$((n + 1)) || { d="${f##*/}: $d"; break; }
+  done
+fi
+if [ $n -eq 3 ]; then ok "gloo, 2 ranks, zero stage 2, accumulation 2: optimizer_in_backward bitwise the normal step (weights and both ranks' state)"
+else fail "gloo, 2 ranks, zero stage 2: ${d:-} ($n of 3 files equal) $(tail -n 3 "$work/$name.log" "$work/$name-off.log")"; fi
+
+{ sed '/^\[ddp\]/,$d' "$job"; printf '[zero]\nstage = 3\n'; } >"$work/zero3_job.toml"
+expect_error "zero stage 3 with optimizer_in_backward is refused by name" \
+  "[zero] stage 3 with [train] optimizer_in_backward is not built" \
+  "$loom" check "$work/zero3_job.toml" "${sets[@]}" --set train.optimizer_in_backward=true
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

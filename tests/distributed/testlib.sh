@@ -85,3 +85,32 @@ same_params() {
   consolidated "$1" "${4:-20}" && consolidated "$2" "${4:-20}" &&
   "$python" "$src/tests/support/tensors.py" compare "$1.c${4:-20}.safetensors" "$2.c${4:-20}.safetensors" "$3"
 }
+# same_checkpoint_files A B: two checkpoint folders hold the same files, every safetensors file
+# byte for byte (the weights or their pieces, masters, optimizer and trainer state), and manifests
+# that agree but for what names the job itself (its text, its hash, the manifest's checksum);
+# prints "N files byte for byte". For two runs whose state has the same layout (same world size,
+# stage and shard groups) this checks what same_params ... 0 checks and more: `loom consolidate`
+# builds its model from these files and the manifest alone (core/src/checkpoint_io.cpp), so
+# equal inputs give the same model, and no loom process (~1 s of start-up each on 2 cores) runs
+# per run and step compared.
+same_checkpoint_files() {
+  if [ ! -f "$1/manifest.json" ] || [ "$(cd "$1" && echo *)" != "$(cd "$2" && echo *)" ]; then
+    echo "different files: $(cd "$1" && echo *) vs $(cd "$2" && echo *)"; return 1
+  fi
+  local file n=0
+  for file in "$1"/*.safetensors; do
+    cmp -s "$file" "$2/${file##*/}" || { echo "${file##*/} differs"; return 1; }
+    n=$((n + 1))
+  done
+  "$python" - "$1/manifest.json" "$2/manifest.json" <<'PY' || return 1
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+for m in (a, b):
+    for key in ("job", "config_hash", "manifest_crc32"):
+        m.pop(key, None)
+if a != b:
+    print("the manifests differ in", ", ".join(k for k in sorted(a | b) if a.get(k) != b.get(k)))
+    sys.exit(1)
+PY
+  echo "$n files byte for byte"
+}

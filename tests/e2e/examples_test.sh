@@ -10,7 +10,8 @@
 # metrics; activation checkpointing's weights bitwise those without it; the long fp16 run's
 # background saves, its fallback (forced) in metrics.jsonl and the manifest, and its resume in
 # the fallen-back mode; the hang-debugging job naming both ranks' calls when the test's chaos
-# plugin skips a collective on one. The stories run by other tests (demo, finetune_lm,
+# plugin skips a collective on one; the one-GPU offload job `loom check`ed as written (for CUDA)
+# and run as its CPU twin. The stories run by other tests (demo, finetune_lm,
 # classify) are checked to still be run there; finetune_lm and classify are `loom check`ed on
 # examples/tiny_models.py's folders, which the chat SFT trains from.
 # usage: examples_test.sh BUILD_DIR SOURCE_DIR PYTHON
@@ -341,6 +342,28 @@ if story delayed "build/bin/loom run examples/offload/delayed_update.toml" "${ti
    grep -q "one step late" "$work/delayed.log" && [ -z "$(ls -A "$delayed_swap")" ]; then
   ok "delayed update: losses $losses, the updates one step late, no swap file after"
 else fail "delayed update: $(grep -v '^\s*$' "$work/delayed.log" | tail -3)"; fi
+
+# --- 18: one GPU, the weights and the optimizer in host memory (stage 3, offload_param and
+# offload_optimizer on "cpu"). The job as written is for a GPU: `loom check` takes it here; its
+# CPU twin (LOOM_OFFLOAD_CPU_STORE=1, Note [Parameter offload twin]) runs the GPU's staging at
+# tiny scale: finite losses, every unit's shard fetched ahead, the log saying it is the twin.
+if out=$("$build/bin/loom" check examples/offload/one_gpu_llama_1b.toml 2>&1); then
+  ok "loom check one_gpu_llama_1b.toml (device cuda) on this machine"
+else fail "check one_gpu_llama_1b.toml: $(tail -3 <<<"$out")"; fi
+export LOOM_OFFLOAD_CPU_STORE=1
+if story gpu-offload "build/bin/loom run examples/offload/one_gpu_llama_1b.toml" \
+     --set 'train.device="cpu"' --set train.max_steps=3 --set train.per_device_train_batch_size=2 \
+     --set train.save_steps=0 --set train.logging_steps=1 --set train.progress_bar=false \
+     --set train.log_level=info --set data.seq_len=32 --set model.hidden_size=32 \
+     --set model.intermediate_size=64 --set model.num_hidden_layers=2 \
+     --set model.num_attention_heads=2 --set model.num_key_value_heads=1 \
+     --set zero.stage3_param_persistence_threshold=0 &&
+   losses=$(steps_ok gpu-offload 3 offload_param_reads_ahead) &&
+   grep -q "staged as on a GPU (the CPU twin)" "$work/gpu-offload.log" &&
+   grep -q "optimizer state and fp32 masters offloaded to host memory" "$work/gpu-offload.log"; then
+  ok "one GPU, weights and optimizer in host memory, its CPU twin: losses $losses"
+else fail "one GPU offload twin: $(grep -v '^\s*$' "$work/gpu-offload.log" | tail -3)"; fi
+unset LOOM_OFFLOAD_CPU_STORE
 
 echo "$passed passed, $failed failed in $((SECONDS - start)) s"
 [ "$failed" -eq 0 ]

@@ -9,9 +9,14 @@ src=$1 build=$2/fuzz runs=${3:-${RUNS:-20000}}
 command -v clang++ >/dev/null || { echo "skip: clang++ is not installed (scripts/setup installs it)"; exit 77; }
 # Through ccache where it is installed, in loom's own cache (scripts/build's): a fresh build
 # folder (a CI run's) takes the sanitized objects of unchanged sources from the cache instead of
-# compiling them again; a changed source compiles afresh.
+# compiling them again (~100 s of CPU); a changed source compiles afresh. The paths in
+# the compile commands are made relative to the source tree (CCACHE_BASEDIR, as scripts/build
+# does, and the prefix map of tests/fuzz/CMakeLists.txt), so a clone at another path hits too.
 launcher=$(command -v ccache || true)
-[ -n "$launcher" ] && export CCACHE_DIR=${CCACHE_DIR:-${LOOM_CACHE:-$HOME/.cache/loom}/ccache}
+if [ -n "$launcher" ]; then
+  CCACHE_BASEDIR=$(cd "$src" && pwd)
+  export CCACHE_DIR=${CCACHE_DIR:-${LOOM_CACHE:-$HOME/.cache/loom}/ccache} CCACHE_BASEDIR
+fi
 cmake -S "$src/tests/fuzz" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
   ${launcher:+-DCMAKE_CXX_COMPILER_LAUNCHER=$launcher} \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$build.log" 2>&1 && cmake --build "$build" >>"$build.log" 2>&1 ||

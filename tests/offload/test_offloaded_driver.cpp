@@ -304,7 +304,9 @@ TEST(Offload, HostMemoryThatCannotBeAllocatedIsNamed) {
 // path's staging, run on the CPU (Note [Parameter offload twin], LOOM_OFFLOAD_CPU_STORE=1): the
 // shards in a host store of their own ("cpu") or on NVMe through staging buffers, each fetched
 // as a separate copy a unit ahead on the worker and stored back from the masters there, train
-// bitwise like memory too, and the "cpu" twin resumes bitwise from its own checkpoint.
+// bitwise like memory too, and the "cpu" twin resumes bitwise from its own checkpoint; with the
+// optimizer's host store too (a GPU job with everything in host memory) for adafactor and
+// adam8bit as well.
 TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
   const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
   const std::string stage3 = "stage = 3\nstage3_param_persistence_threshold = 0\n";
@@ -312,15 +314,17 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
     return "offload_param = { device = \"nvme\", nvme_path = \"" + folder +
            "\", block_size = 8192, queue_depth = 2 }\n";
   };
+  const std::string host_optimizer = "offload_optimizer = { device = \"cpu\" }\n";
   // A staged twin run: bitwise `memory`, each unit fetched ahead twice a step, no fetched copy
   // left between steps; its weights.
   auto twin_run = [&](const std::string& zero, const fs::path& dir, const std::string& train_extra,
-                      const std::map<std::string, at::Tensor>* memory) {
+                      const std::map<std::string, at::Tensor>* memory,
+                      const std::string& rule = "adamw") {
     struct TwinScope {
       TwinScope() { setenv("LOOM_OFFLOAD_CPU_STORE", "1", 1); }
       ~TwinScope() { unsetenv("LOOM_OFFLOAD_CPU_STORE"); }
     } twin;
-    auto trainer = Trainer::from_text(job(dir.string(), "adamw", zero, train_extra) + bf16, dir);
+    auto trainer = Trainer::from_text(job(dir.string(), rule, zero, train_extra) + bf16, dir);
     trainer->setup();
     trainer->run();
     EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
@@ -351,6 +355,14 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
         twin_run(stage3 + params(swap.str()), staged_dir.path(), "", &memory);
         EXPECT_TRUE(fs::is_empty(swap.path())) << "a swap file outlived the run";
       }
+      if (rule == "adafactor" && !optimizer_too) {
+        // The twin of a GPU job with everything in host memory (the weight shards and the
+        // optimizer's masters and state: examples/offload/one_gpu_llama_1b.toml), adafactor's
+        // reduction walks over its host store.
+        TempDir host_dir;
+        twin_run(stage3 + "offload_param = { device = \"cpu\" }\n" + host_optimizer,
+                 host_dir.path(), "", &memory, rule);
+      }
       const std::string zero =
           stage3 + params(swap.str()) + (optimizer_too ? offload(swap.str()) : "");
       auto trainer = Trainer::from_text(job(nvme_dir.str(), rule, zero) + bf16, nvme_dir.path());
@@ -373,6 +385,14 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
       trainer.reset();
       EXPECT_TRUE(fs::is_empty(swap.path())) << "a swap file outlived the run";
     }
+  {
+    // ... and adam8bit's blocks, the third rule of the offload matrix.
+    SCOPED_TRACE("adam8bit, everything in host memory (the twin)");
+    TempDir memory_dir, host_dir;
+    const auto memory = trained(job(memory_dir.str(), "adam8bit", stage3) + bf16, memory_dir.path());
+    twin_run(stage3 + "offload_param = { device = \"cpu\" }\n" + host_optimizer,
+             host_dir.path(), "", &memory, "adam8bit");
+  }
   TempDir whole_dir, resumed_dir, swap;
   const std::string zero = stage3 + params(swap.str()) + offload(swap.str());
   const auto whole =
@@ -652,6 +672,13 @@ TEST(Offload, DelayedUpdateResumesBitwiseAndBadSettingsAreNamed) {
   EXPECT_THROW_WITH(setup("stage = 3\noffload_param = { device = \"cpu\", "
                           "delayed_update = true }"),
                     ConfigError, "offload_param.delayed_update", "set it in offload_optimizer");
+  // The one update that cannot be delayed: one already moved into backward. Schedules,
+  // clipping and fp16's skip delay as they are (Note [Delayed update]).
+  EXPECT_THROW_WITH(setup("stage = 0\noffload_optimizer = { device = \"cpu\", "
+                          "delayed_update = true }",
+                          "optimizer_in_backward = true\nmax_grad_norm = 0\n"),
+                    ConfigError, "offload_optimizer.delayed_update", "optimizer_in_backward",
+                    "choose one");
 }
 
 }  // namespace

@@ -2,13 +2,24 @@
 // gradient in bucket buffers. Groups whose reduce-scatter finished land during backward, and
 // past four reduce buckets in flight the oldest is waited for; the landed shard is still the
 // gradient that went in. At stage 3, one unit's reduce-scatter in flight at a time (Note [Unit
-// buckets in flight]). One rank, with the tracking allocator counting every byte.
+// buckets in flight]). One rank, with the tracking allocator counting every byte. And Note
+// [Updating chunks in backward]: with the update in backward, the weights, masters, state and
+// gradient norm of ranks run as threads are bitwise the normal step's.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "loom/comm.h"
+#include "loom/error.h"
 #include "loom/memory.h"
 #include "loom/sharding/zero_driver.h"
 #include "loom/step_driver.h"
@@ -128,9 +139,10 @@ void expect_landed_is_fed(const Backward& b) {
 TEST(ZeroDriver, FinishedBucketsLandDuringBackward) {
   auto comm = make_comm(CommOptions{});  // one process: local, every collective done at once
   const Backward b = run_backward(*comm);
-  // The fed gradients (kParams clones) are the test's; beyond them, one .grad and one group's
-  // buffers (send + received) at any moment, not all eight groups' (16 x kGroupBytes).
-  EXPECT_LE(b.most_held, kParams * kGroupBytes + 4 * (kGroupBytes + 1024));
+  // The fed gradients (kParams clones) are the test's, and the shards are made as their groups
+  // first land (kParams chunks); beyond them, one .grad and one group's buffers (send +
+  // received) at any moment, not all eight groups' (16 x kGroupBytes).
+  EXPECT_LE(b.most_held, 2 * kParams * (kGroupBytes + 1024) + 4 * (kGroupBytes + 1024));
   expect_landed_is_fed(b);
 }
 
@@ -139,8 +151,8 @@ TEST(ZeroDriver, BucketsInFlightAreCappedAtFourReduceBuckets) {
   const Backward b = run_backward(comm);
   // Unfinished groups are waited for once more than 4 x reduce_bucket_size is in flight (send
   // + received: 2 x kGroupBytes a group), so at most three groups' at a moment, 6 x
-  // kGroupBytes; all eight would be 16 x.
-  EXPECT_LE(b.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
+  // kGroupBytes; all eight would be 16 x. (Beside the fed clones and the landed shards.)
+  EXPECT_LE(b.most_held, 2 * kParams * (kGroupBytes + 1024) + 6 * (kGroupBytes + 1024));
   expect_landed_is_fed(b);
 }
 
@@ -174,13 +186,296 @@ TEST(ZeroDriver, Stage3HoldsOneUnitReduceScatterInFlight) {
   out.most_held = memory::cpu_stats().peak_bytes - start;
   driver.finish_backward();
   for (const at::Tensor& g : driver.grads()) out.landed.push_back(g.clone());
-  // The fed clones are the test's; beyond them: unit i whole, unit i-1 gathering, unit i's
-  // .grad and send buffer, unit i+1's send and received: 6 x kGroupBytes, plus alignment.
-  EXPECT_LE(out.most_held, kParams * kGroupBytes + 6 * (kGroupBytes + 1024));
+  // The fed clones and the landed shards are the test's; beyond them: unit i whole, unit i-1
+  // gathering, unit i's .grad and send buffer, unit i+1's send and received: 6 x kGroupBytes,
+  // plus alignment.
+  EXPECT_LE(out.most_held, 2 * kParams * (kGroupBytes + 1024) + 6 * (kGroupBytes + 1024));
   ASSERT_EQ(out.landed.size(), static_cast<size_t>(kParams));
   for (int i = 0; i < kParams; ++i)  // a unit's group is its position: forward order here
     EXPECT_TRUE(at::equal(out.landed[i].narrow(0, 0, kNumel), out.fed[i].view(-1))) << "p" << i;
 }
+
+// ---- Note [Updating chunks in backward], over ranks as threads ----
+
+// The collectives of ranks that are threads of this process. Each Comm numbers its calls; the
+// n-th call of every rank of a Comm meets on the board, so collectives must start in the same
+// order on every rank, as any backend's. Inputs are copied when a call starts; a call's result
+// is made when it is waited for, summing in rank order.
+class Board {
+ public:
+  struct Call {
+    std::vector<at::Tensor> inputs;  // by rank in the Comm
+    int posted = 0;
+  };
+  std::shared_ptr<Call> post(const std::string& comm, int64_t n, int world, int rank,
+                             at::Tensor input) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& call = calls_[{comm, n}];
+    if (!call) {
+      call = std::make_shared<Call>();
+      call->inputs.resize(world);
+    }
+    call->inputs[rank] = std::move(input);
+    ++call->posted;
+    posted_.notify_all();
+    return call;
+  }
+  void wait(const Call& call) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    posted_.wait(lock, [&] { return call.posted == static_cast<int>(call.inputs.size()); });
+  }
+  bool done(const Call& call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return call.posted == static_cast<int>(call.inputs.size());
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable posted_;
+  std::map<std::pair<std::string, int64_t>, std::shared_ptr<Call>> calls_;
+};
+
+class ThreadComm final : public Comm {
+ public:
+  ThreadComm(std::shared_ptr<Board> board, std::string id, int rank, int world)
+      : board_(std::move(board)), id_(std::move(id)), rank_(rank), world_(world) {}
+  std::string backend() const override { return "threads"; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  int local_rank() const override { return rank_; }
+  int local_world_size() const override { return world_; }
+  std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp) override {
+    at::Tensor out = tensor;
+    return start(tensor, [out](const Board::Call& call) mutable { out.copy_(sum(call, 0, 0)); });
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                                       ReduceOp) override {
+    at::Tensor out = output;
+    const int64_t n = output.numel(), offset = rank_ * n;
+    return start(input, [out, n, offset](const Board::Call& call) mutable {
+      out.copy_(sum(call, offset, n));
+    });
+  }
+  std::shared_ptr<Work> all_gather(at::Tensor& output, const at::Tensor& input) override {
+    at::Tensor out = output;
+    return start(input, [out](const Board::Call& call) mutable {
+      const int64_t n = call.inputs.front().numel();
+      for (size_t r = 0; r < call.inputs.size(); ++r)
+        out.narrow(0, static_cast<int64_t>(r) * n, n).copy_(call.inputs[r]);
+    });
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root) override {
+    at::Tensor out = tensor;
+    return start(tensor, [out, root](const Board::Call& call) mutable {
+      out.copy_(call.inputs[root]);
+    });
+  }
+  std::shared_ptr<Work> all_to_all(at::Tensor&, const at::Tensor&) override {
+    throw Error("ThreadComm has no all_to_all");
+  }
+  void barrier() override { start(at::zeros({1}), [](const Board::Call&) {})->wait(); }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    const int64_t n = calls_;
+    at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)});
+    std::vector<std::pair<int64_t, int>> members;  // (key, rank) of this color
+    start(mine, [&](const Board::Call& call) {
+      for (size_t r = 0; r < call.inputs.size(); ++r)
+        if (call.inputs[r][0].item<int64_t>() == color)
+          members.emplace_back(call.inputs[r][1].item<int64_t>(), static_cast<int>(r));
+    })->wait();
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[new_rank].second != rank_) ++new_rank;
+    return std::make_unique<ThreadComm>(
+        board_, id_ + "/" + std::to_string(n) + "." + std::to_string(color), new_rank,
+        static_cast<int>(members.size()));
+  }
+
+ private:
+  class ThreadWork final : public Work {
+   public:
+    ThreadWork(std::shared_ptr<Board> board, std::shared_ptr<Board::Call> call,
+               std::function<void(const Board::Call&)> finish)
+        : board_(std::move(board)), call_(std::move(call)), finish_(std::move(finish)) {}
+    void wait() override {
+      board_->wait(*call_);
+      if (finish_) finish_(*call_);
+      finish_ = nullptr;
+    }
+    bool completed() override { return board_->done(*call_); }
+
+   private:
+    std::shared_ptr<Board> board_;
+    std::shared_ptr<Board::Call> call_;
+    std::function<void(const Board::Call&)> finish_;
+  };
+
+  // Elements [offset, offset + n) of every rank's input summed in rank order (n = 0: all).
+  static at::Tensor sum(const Board::Call& call, int64_t offset, int64_t n) {
+    auto part = [&](const at::Tensor& t) { return n == 0 ? t : t.narrow(0, offset, n); };
+    at::Tensor total = part(call.inputs.front()).clone();
+    for (size_t r = 1; r < call.inputs.size(); ++r) total.add_(part(call.inputs[r]));
+    return total;
+  }
+  std::shared_ptr<Work> start(const at::Tensor& input,
+                              std::function<void(const Board::Call&)> finish) {
+    auto call = board_->post(id_, calls_++, world_, rank_, input.detach().clone());
+    return std::make_shared<ThreadWork>(board_, std::move(call), std::move(finish));
+  }
+
+  std::shared_ptr<Board> board_;
+  std::string id_;
+  int rank_, world_;
+  int64_t calls_ = 0;
+};
+
+// What one rank holds after the steps: its parameters (whole, every rank's), its pieces of
+// masters and state, and each step's squared gradient norm.
+struct RankRun {
+  std::vector<at::Tensor> weights;
+  StatePieces state;
+  std::vector<double> norms;
+};
+
+struct InBackwardCase {
+  const char* name;
+  int ranks;
+  ZeroOptions zero;
+  at::ScalarType dtype;
+  int accumulation;
+};
+
+constexpr int kSteps = 3;
+
+// Parameters of odd sizes in `dtype`, the same on every rank, half of them without weight decay.
+std::vector<Param> odd_params(at::ScalarType dtype) {
+  const std::vector<std::vector<int64_t>> shapes = {{48, 33}, {7},   {64, 16},
+                                                    {5, 5},   {100}, {3, 90}};
+  std::vector<Param> params;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    at::Generator gen = at::detail::createCPUGenerator(1000 + i);
+    at::Tensor t = at::randn(shapes[i], gen).to(dtype).set_requires_grad(true);
+    params.push_back({"p" + std::to_string(i), t, static_cast<int>(i % 2)});
+  }
+  return params;
+}
+
+// Steps 1..kSteps of a ZeroDriver on `comm`, fed the gradients backward would give, as the zero
+// plugin feeds them: at stage 1 they accumulate in .grad and are handed over on the window's
+// last micro-step; at stage 2 each micro-step's are.
+RankRun run_rank(Comm& comm, const InBackwardCase& c, bool in_backward) {
+  auto rule = test::make_rule("adamw");
+  StepDriverOptions options;
+  options.rule = rule.get();
+  options.comm = &comm;
+  options.weight_decay = 0.1;
+  options.params = odd_params(c.dtype);
+  ZeroDriver driver(options, c.zero);
+  RankRun out;
+  const double lr = 1e-2;
+  for (int64_t step = 1; step <= kSteps; ++step) {
+    driver.zero_grad();
+    for (int k = 0; k < c.accumulation; ++k) {
+      const bool last = k + 1 == c.accumulation;
+      driver.begin_backward(last);
+      if (in_backward && last) driver.begin_update_in_backward(step, lr);
+      for (size_t i = options.params.size(); i-- > 0;) {  // backward's order
+        const Param& p = options.params[i];
+        at::Generator gen = at::detail::createCPUGenerator(
+            ((step * 8 + k) * 16 + static_cast<int64_t>(i)) * 16 + comm.rank());
+        at::Tensor grad = at::randn(p.tensor.sizes(), gen).to(c.dtype);
+        at::Tensor& held = at::Tensor(p.tensor).mutable_grad();
+        if (held.defined()) held.add_(grad);  // as autograd accumulates
+        else held = grad;
+        if (c.zero.stage >= 2 || last) driver.grad_ready(p);
+      }
+      if (c.zero.stage >= 2 || last) driver.finish_backward(last);
+    }
+    out.norms.push_back(driver.grad_norm_squared().item<double>());
+    driver.update(step, lr);
+  }
+  for (const Param& p : options.params) out.weights.push_back(p.tensor.detach().clone());
+  for (auto piece : driver.state_pieces()) {
+    piece.tensor = piece.tensor.clone();
+    out.state.push_back(std::move(piece));
+  }
+  return out;
+}
+
+// Every rank of `c` as a thread; their runs by rank.
+std::vector<RankRun> run_ranks(const InBackwardCase& c, bool in_backward) {
+  auto board = std::make_shared<Board>();
+  std::vector<RankRun> runs(c.ranks);
+  std::vector<std::exception_ptr> errors(c.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ThreadComm comm(board, "world", r, c.ranks);
+        runs[r] = run_rank(comm, c, in_backward);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return runs;
+}
+
+class UpdateInBackward : public ::testing::TestWithParam<InBackwardCase> {};
+
+TEST_P(UpdateInBackward, IsBitwiseTheNormalStep) {
+  const InBackwardCase& c = GetParam();
+  const auto normal = run_ranks(c, false);
+  const auto in_backward = run_ranks(c, true);
+  const auto start = odd_params(c.dtype);
+  for (int r = 0; r < c.ranks; ++r) {
+    const RankRun &want = normal[r], &got = in_backward[r];
+    ASSERT_EQ(want.weights.size(), got.weights.size());
+    for (size_t i = 0; i < want.weights.size(); ++i) {
+      EXPECT_TRUE(at::equal(want.weights[i], got.weights[i])) << "rank " << r << " p" << i;
+      EXPECT_FALSE(at::equal(start[i].tensor, got.weights[i])) << "rank " << r << " p" << i
+                                                                << " never updated";
+    }
+    ASSERT_EQ(want.state.size(), got.state.size()) << "rank " << r;
+    // Note [Hybrid sharding]: the first shard group's ranks write the state; the other groups
+    // hold the same chunks (their weights, equal above, came from them).
+    const int writers = c.zero.shard_group_size > 0 ? c.zero.shard_group_size : c.ranks;
+    if (r < writers) ASSERT_FALSE(want.state.empty()) << "rank " << r;
+    for (size_t i = 0; i < want.state.size(); ++i) {
+      EXPECT_EQ(want.state[i].name, got.state[i].name);
+      EXPECT_EQ(want.state[i].offset, got.state[i].offset) << want.state[i].name;
+      EXPECT_TRUE(at::equal(want.state[i].tensor, got.state[i].tensor))
+          << "rank " << r << " " << want.state[i].name;
+    }
+    EXPECT_EQ(want.norms, got.norms) << "rank " << r;
+    EXPECT_GT(got.norms.front(), 0.0);
+  }
+}
+
+ZeroOptions zero_options(int stage, int shard_group_size = 0) {
+  ZeroOptions zero;
+  zero.stage = stage;
+  zero.reduce_bucket_bytes = 4000;    // groups of about one tensor
+  zero.allgather_bucket_bytes = 3000;  // the updated values' gathers capped below the model
+  zero.shard_group_size = shard_group_size;
+  return zero;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, UpdateInBackward,
+    ::testing::Values(
+        // The window's whole gradient accumulated in .grad, reduce-scattered on the last one.
+        InBackwardCase{"stage1_fp32_accumulation2", 2, zero_options(1), at::kFloat, 2},
+        // Shards accumulated over the micro-steps; bf16 weights from fp32 masters.
+        InBackwardCase{"stage2_bf16_accumulation2", 2, zero_options(2), at::kBFloat16, 2},
+        // Note [Hybrid sharding]: each chunk updated once its sum across the groups lands.
+        InBackwardCase{"stage2_bf16_hybrid_4_ranks", 4, zero_options(2, 2), at::kBFloat16, 2},
+        InBackwardCase{"stage1_fp32_hybrid_4_ranks", 4, zero_options(1, 2), at::kFloat, 1}),
+    [](const ::testing::TestParamInfo<InBackwardCase>& info) {
+      return std::string(info.param.name);
+    });
 
 }  // namespace
 }  // namespace loom::sharding

@@ -29,18 +29,22 @@ namespace loom::estimate {
 // (an fp32 copy of the gradients), and offloaded stages 1-3 the values chunk the all-gather
 // sends (the weights' dtype, outside stage 3's shards). Offloading moves masters
 // and optimizer state to host RAM (cpu) or NVMe (nvme; host RAM keeps buffer_count buffers of the
-// largest tensor's share); nvme+p (stage 3, offload_param) also moves the units' weight shards
-// there, memory keeping the weights outside units, two gathered units and three shards in
-// flight. Activations and the rest of the peak (workspace, data, autocast's half
+// largest tensor's share); with fp32 weights on a GPU the CPU updates an fp32 copy of them there
+// (counted as masters), and stage 0's host store on a GPU keeps a host copy of the gradients and
+// of the weights on their way back (Note [Overlapped update]). cpu+p and nvme+p (stage 3,
+// offload_param) also move the units' weight shards there, the device keeping the weights
+// outside units and two gathered units, and nvme+p's host RAM three shards in flight. On a CPU
+// run "cpu" moves nothing (one memory), so cpu+p is stage 3's cpu row there. Activations and the rest of the peak (workspace, data, autocast's half
 // copies, the driver's buffers) are measured: the job runs two steps at per-device batches 2
 // and 3 (1 and 2 where the job's batch is below 3: Note [Probe batches]; the second step's
 // peaks count) in each precision on one rank, and the peak above the model states is split into a part per
 // sample and a fixed part. With bf16 autocast the half copies are 2 B per parameter of the fixed
 // part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
 enum class Precision { fp32, bf16, full_bf16 };
-// nvme_params: the optimizer state and (stage 3, half-precision weights) the units' weight
-// shards on NVMe, [zero] offload_param (Note [Offloaded parameters]).
-enum class Offload { none, cpu, nvme, nvme_params };
+// cpu_params ("cpu+p") and nvme_params ("nvme+p"): the optimizer state and (stage 3,
+// half-precision weights) the units' weight shards in host memory or on NVMe, [zero]
+// offload_param (Note [Offloaded parameters]).
+enum class Offload { none, cpu, nvme, cpu_params, nvme_params };
 const char* to_string(Precision p);
 const char* to_string(Offload o);
 
@@ -115,6 +119,9 @@ struct Options {
 struct Report {
   std::string job;  // empty for a parameter count alone
   std::string model_name, device;
+  // The job's [train] device is CUDA and this machine has none: probed on the CPU, the rows
+  // split as the GPU run's (Note [GPU jobs estimated on a CPU] in estimate.cpp).
+  bool gpu_probed_on_cpu = false;
   ModelCounts model;
   Options options;
   int64_t batch = 0;            // per-device batch the activations are for
@@ -122,7 +129,7 @@ struct Report {
   Activations activations[3];   // by Precision
   int job_stage = 0;
   Offload job_offload = Offload::none;
-  bool job_offload_params_only = false;  // offload_param without the optimizer state on NVMe
+  bool job_offload_params_only = false;  // offload_param, the optimizer state in memory
   Precision job_precision = Precision::fp32;
   int64_t units = 0;            // the model's units (its UnitLists' children)
   bool uniform_units = true;    // each of them holds as many elements

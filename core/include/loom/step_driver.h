@@ -125,6 +125,16 @@ class StepDriver {
   // updated values back to the parameter. Called only when updates_in_backward().
   virtual void update_param(const Param& param, const at::Tensor& grad, int64_t step,
                             double lr);
+  // Note [Optimizer in backward], for a driver that updates the pieces it holds itself, each as
+  // soon as its gradient is final (ZeRO stages 1-2: the rank's chunk of a flat group when its
+  // reduce-scatter lands), instead of one parameter at a time through update_param: whether it
+  // does. The engine then calls begin_update_in_backward(step, lr) before the window's last
+  // backward, with the step and lr update() will get; after backward grad_norm_squared() (the
+  // driver keeps each piece's sum of squares before freeing its gradient) and update(step, lr),
+  // which then only completes the step (every parameter holds its updated values after it).
+  // grads() and scale_grads() are not called (a loss scaler and clipping are refused).
+  virtual bool updates_pieces_in_backward() const { return false; }
+  virtual void begin_update_in_backward(int64_t step, double lr);
 
   // This rank's checkpoint state as pieces of global tensors ("state/<param>/<key>",
   // "master/<param>"): see StatePiece. Every rank writes its pieces when state_is_sharded(),

@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 
+#include "device.h"
 #include "dist_env.h"
 #include "job.h"
 #include "loom/engine.h"
@@ -42,6 +43,7 @@ const char* to_string(Offload o) {
     case Offload::none: return "none";
     case Offload::cpu: return "cpu";
     case Offload::nvme: return "nvme";
+    case Offload::cpu_params: return "cpu+p";
     case Offload::nvme_params: return "nvme+p";
   }
   return "?";
@@ -200,6 +202,17 @@ Report estimate_loaded(const Job& job, const Options& options) {
   report.effective_batch = job_batch * accumulation;
   if (const ConfigValue* v = key_of(job, "train", "model"))
     if (auto* s = std::get_if<std::string>(&v->value)) report.model_name = *s;
+  // Note [GPU jobs estimated on a CPU]: a job written for a GPU is planned on a machine without
+  // one (a laptop, a login node), where its probes cannot run on CUDA. They run on the CPU
+  // instead, and the rows are split as the GPU run's: device memory apart from host RAM, which
+  // is what the job's offload settings decide. Model states, buffers and what moves to the host
+  // are arithmetic and hold as they are; the activations and the fixed part are the CPU's
+  // kernels', which the note under the table says. auto_find_batch_size sizes the batch of a
+  // run on this machine: it refuses a GPU job here before any probe runs.
+  std::string gpu_device;
+  if (const ConfigValue* v = key_of(job, "train", "device"))
+    if (auto* s = std::get_if<std::string>(&v->value))
+      if (s->rfind("cuda", 0) == 0 && cuda_device_count() == 0) gpu_device = *s;
 
   // The model plugin's key for its unit count (Note [Proxy probes]), from the job resolved as
   // `loom check` resolves it: a bad job fails here.
@@ -219,8 +232,8 @@ Report estimate_loaded(const Job& job, const Options& options) {
     for (Offload o : kOffloads)
       if (offload == to_string(o)) report.job_offload = o;
     report.job_precision = kPrecisions[precision_index(mine)];
-    // offload_param alone (the optimizer state in memory) has no row of its own: the nvme+p
-    // row counts the state on NVMe too, and the note under the table says so.
+    // offload_param alone (the optimizer state in memory) has no row of its own: the cpu+p and
+    // nvme+p rows count the state where the shards go, and the note under the table says so.
     report.job_offload_params_only = label(mine, "optimizer_state", "") == "memory";
     report.notes = mine.notes;
     report.table_notes = mine.table_notes;
@@ -240,6 +253,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
       const auto lines = set_lines(d, d.variants.front());
       layout.insert(layout.end(), lines.begin(), lines.end());
     }
+  if (!gpu_device.empty()) layout.push_back("train.device=\"cpu\"");
   ScratchDir scratch;
   memory::install_cpu_tracker();
   std::optional<c10::Device> device;  // known after the first probe
@@ -431,6 +445,15 @@ Report estimate_loaded(const Job& job, const Options& options) {
     }
   }
   LOOM_CHECK(counted, "no probe of '", job.file.string(), "' ran");
+  if (!gpu_device.empty()) {  // Note [GPU jobs estimated on a CPU]
+    report.device = gpu_device;
+    report.gpu_probed_on_cpu = true;
+    report.table_notes.push_back(
+        "[train] device = \"" + gpu_device + "\", but this machine has no CUDA device: the "
+        "probes ran the job on the CPU and the rows are split as the GPU run's (device, host "
+        "RAM, NVMe); the activations and the fixed part are the CPU kernels', so estimate on the "
+        "GPU machine for its own");
+  }
   // Every combination of the axes' variants over the job's tables, each the sum of what the
   // job's plugins (and the axes') declare (see Note [Memory declarations]).
   const bool cpu = report.device == "cpu";
@@ -683,6 +706,14 @@ Job with_auto_batch(Job job) {
     budget_text = *text;
   }
   const std::string where = budget_value ? budget_value->where : "[train] memory_budget";
+  // Note [GPU jobs estimated on a CPU]: the probes could only stand in for a GPU this machine
+  // lacks, and the batch is sized for a run here; refused before any probe runs.
+  if (const ConfigValue* device = estimate::key_of(job, "train", "device"))
+    if (const auto* name = std::get_if<std::string>(&device->value))
+      LOOM_CHECK_AS(ConfigError, name->rfind("cuda", 0) != 0 || cuda_device_count() > 0,
+                    device->where, ": auto_find_batch_size: [train] device = \"", *name,
+                    "\", but this machine has no CUDA device; run the job on a GPU machine, "
+                    "or set [train] device = \"cpu\" or \"auto\"");
   double budget = 0;
   if (budget_text != "auto") budget = estimate::parse_size(where + ": [train] memory_budget", budget_text);
   log::info("auto_find_batch_size: probing ", job.file.string(), " at two small batches");

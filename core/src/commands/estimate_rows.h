@@ -18,7 +18,7 @@ namespace loom::estimate {
 inline constexpr Precision kPrecisions[] = {Precision::fp32, Precision::bf16,
                                             Precision::full_bf16};
 inline constexpr Offload kOffloads[] = {Offload::none, Offload::cpu, Offload::nvme,
-                                        Offload::nvme_params};
+                                        Offload::cpu_params, Offload::nvme_params};
 
 // The core's part of Note [Memory declarations] (loom/memory_declarations.h): the plugins that
 // declare, in Note [Plugin order] — the job's active ones and, whether or not the job has their

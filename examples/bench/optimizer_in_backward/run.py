@@ -3,9 +3,14 @@ interleaved over several rounds (who goes first rotates): the normal step (backw
 update of every parameter), [train] optimizer_in_backward = true (each parameter updated as its
 gradient is final, the gradient freed at once), and forward + backward alone (the test plugin
 `skip_updates` skips every update). Reports the median step time (the first step of each run
-left out) and the tracked allocator's peak.
+left out) and the tracked allocator's peak (rank 0's). With --zero-stage 1 or 2 and --ranks N
+every variant runs ZeRO over N gloo ranks, its flat groups of --reduce-bucket-size bytes (Note
+[Updating chunks in backward]: each chunk is updated as its reduce-scatter lands, so the saving
+needs several groups).
 usage: .venv/bin/python examples/bench/optimizer_in_backward/run.py [--rounds 5] [--steps 6]
-       [--accumulation 1] [--threads 0] [--build build] [--write]   (needs the loom_test_skip_updates target built)"""
+       [--accumulation 1] [--threads 0] [--ranks 1] [--zero-stage -1]
+       [--reduce-bucket-size 2000000] [--build build] [--write]
+       (needs the loom_test_skip_updates target built)"""
 import argparse
 import os
 import statistics
@@ -31,19 +36,28 @@ def main():
     p.add_argument("--accumulation", type=int, default=1)
     p.add_argument("--threads", type=int, default=0,
                    help="[train] num_threads (0: the job's, every core)")
+    p.add_argument("--ranks", type=int, default=1, help="processes (several: loom-launch, gloo)")
+    p.add_argument("--zero-stage", type=int, default=-1, help="[zero] stage (-1: no [zero])")
+    p.add_argument("--reduce-bucket-size", type=int, default=2000000,
+                   help="[zero] reduce_bucket_size, with --zero-stage")
     p.add_argument("--build", default="build", help="the build folder (relative to the root)")
     p.add_argument("--write", action="store_true", help="replace docs/BENCHMARKS.md's table")
     args = p.parse_args()
     build = os.path.join(benchlib.ROOT, args.build)
     benchlib.LOOM = os.path.join(build, "bin/loom")
+    benchlib.LAUNCH = os.path.join(build, "bin/loom-launch")
     os.environ["LOOM_PLUGIN_PATH"] = os.path.join(build, "tests/plugins")
     with open(os.path.join(HERE, "gpt.toml")) as f:
         job_text = f.read()
+    zero = ""
+    if args.zero_stage >= 0:
+        zero = (f"\n[zero]\nstage = {args.zero_stage}\n"
+                f"reduce_bucket_size = {args.reduce_bucket_size}\n")
     jobs = {}
     for name, (_, table) in VARIANTS.items():
         fd, jobs[name] = tempfile.mkstemp(prefix="loom-bench-oib-", suffix=".toml")
         with os.fdopen(fd, "w") as f:
-            f.write(job_text + table)
+            f.write(job_text + zero + table)
     results = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
         names = list(VARIANTS)
@@ -52,7 +66,7 @@ def main():
             rows = benchlib.run_loom(jobs[name], [
                 f"train.max_steps={args.steps}",
                 f"train.gradient_accumulation_steps={args.accumulation}",
-                f"train.num_threads={args.threads}"] + VARIANTS[name][0])
+                f"train.num_threads={args.threads}"] + VARIANTS[name][0], ranks=args.ranks)
             results[name].append((statistics.median(x["step_time_s"] for x in rows[1:]),
                                   rows[-1]["mem_peak_bytes"]))
             print(f"round {r}: {name}: {results[name][-1]}", file=sys.stderr, flush=True)
@@ -64,7 +78,11 @@ def main():
     base_peak = statistics.median(x[1] for x in results["normal step"])
     lines = [f"{benchlib.cpu_name()}, {os.cpu_count()} cores (loaded machine: other builds and "
              f"tests ran beside it); gpt 4 x 256, vocab 8192, batch 4 x 128 tokens, "
-             f"accumulation {args.accumulation}, {args.threads or 'all'} thread(s); median of {args.rounds} interleaved rounds x "
+             f"accumulation {args.accumulation}, {args.threads or 'all'} thread(s)"
+             + (f", {args.ranks} gloo ranks" if args.ranks > 1 else "")
+             + (f", [zero] stage {args.zero_stage} in groups of {args.reduce_bucket_size} B"
+                if args.zero_stage >= 0 else "")
+             + f"; median of {args.rounds} interleaved rounds x "
              f"{args.steps - 1} steps", "",
              "| variant | step time (s) | vs normal | vs forward + backward | peak (MiB) | "
              "peak vs normal (MiB) |", "|---|---|---|---|---|---|"]
@@ -76,7 +94,8 @@ def main():
     text = "\n".join(lines)
     print(text)
     if args.write:
-        benchlib.write_section("optimizer_in_backward", text)
+        benchlib.write_section("optimizer_in_backward" + (
+            f"_zero{args.zero_stage}" if args.zero_stage >= 0 else ""), text)
 
 
 if __name__ == "__main__":

@@ -252,10 +252,11 @@ TEST(OptimParity, AdafactorUnclippedStepsMatchTransformers) {
 
 // Note [Adafactor's column sums in row groups]: tensors of several row groups (512 rows of 256
 // columns each; three matrices of 200 rows, where matrices cut the groups; a vector of two
-// chunks) follow Transformers, give the same bits on one thread and on two, and give the same
-// bits cut at a group's edge as whole.
+// chunks; five matrices of 3 rows, groups whose first rows are fewer than four, which write
+// the group's partial sums row by row) follow Transformers, give the same bits on one thread
+// and on two, and give the same bits cut at a group's edge as whole.
 TEST(OptimParity, AdafactorRowGroupsMatchTransformersAtAnyThreadCount) {
-  const Problem problem = make_problem({{1100, 256}, {3, 200, 256}, {20000}}, 4, 8);
+  const Problem problem = make_problem({{1100, 256}, {3, 200, 256}, {20000}, {5, 3, 7}}, 4, 8);
   const std::string common =
       R"("eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": null, "warmup_init": false)";
   const auto want = run_references(
@@ -266,7 +267,7 @@ TEST(OptimParity, AdafactorRowGroupsMatchTransformersAtAnyThreadCount) {
   const Trajectory one = run_rule(*rule, problem, 0.0, 0.0);
   at::set_num_threads(2);
   const Trajectory two = run_rule(*rule, problem, 0.0, 0.0);
-  const Trajectory cut = run_rule(*rule, problem, 0.0, 0.0, {{512 * 256}, {}, {16384}});
+  const Trajectory cut = run_rule(*rule, problem, 0.0, 0.0, {{512 * 256}, {}, {16384}, {}});
   at::set_num_threads(threads);
   EXPECT_LT(max_relative_error(one, want[0]), 1e-6);
   for (size_t s = 0; s < one.size(); ++s)
@@ -755,10 +756,10 @@ TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
 // tails of every kind. The paths this CPU lacks are skipped, and said so.
 TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
   // 64-element blocks; 23, 9 and 7 leave tails shorter than either vector in the last block,
-  // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16. The AVX-512 kernel
-  // requantizes each block in the loop that updates the next (Note [adam8bit's blocks in a
-  // pipeline]): a last block as long as the others (64 x 48), shorter in whole vectors (the
-  // tails) or in its tail only (16 x 64 + 3), and a range of 256 blocks.
+  // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16; a last block as long as
+  // the others (64 x 48), shorter in whole vectors (the tails) or in its tail only (16 x 64 + 3),
+  // and a range of 256 blocks (each block's two loops: Note [adam8bit's divisions beside the
+  // quantizer]).
   const Problem problem = make_problem(
       {{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}, {2048 + 12}, {16 * 64 + 3}, {256, 64}}, 6, 11);
   auto rule = make_rule("adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{8}}});
@@ -797,9 +798,10 @@ TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
 
 // Note [Adafactor's kernels per ISA]: the AVX-512, AVX2 and baseline copies of adafactor's loops
 // give the same parameters and factors after every step, bit for bit (matrices, a rank-3
-// tensor, vectors; momentum on; columns that end inside and past a vector).
+// tensor, vectors; momentum on; columns that end inside and past a vector; matrices of three
+// rows, whose groups start with fewer than four rows).
 TEST(OptimConformance, AdafactorKernelsAgreeAcrossIsas) {
-  const Problem problem = make_problem({{24, 40}, {3, 8, 13}, {77}, {9, 1031}}, 5, 3);
+  const Problem problem = make_problem({{24, 40}, {3, 8, 13}, {77}, {9, 1031}, {2, 3, 1031}}, 5, 3);
   auto rule = make_rule("adafactor", {{"beta1", 0.9}});
   auto run = [&](const char* isa) {
     setenv("LOOM_KERNEL_ISA", isa, 1);

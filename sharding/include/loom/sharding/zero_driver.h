@@ -53,6 +53,26 @@
 // weights are updated in place as without offload. Rules with whole-tensor statistics walk the
 // file once per reduction round, reading only, before the updating walk.
 //
+// Note [Updating chunks in backward]: with [train] optimizer_in_backward (Note [Optimizer in
+// backward], core/src/optimizer_in_backward.h) stages 1 and 2 update each group's chunk as
+// soon as it is final: on the window's last micro-step, when the group's reduce-scatter lands
+// (with shard groups: when its all-reduce across them lands), its pieces' sums of squares are
+// kept for the gradient norm, the rule runs on the chunk (update_groups, the normal update's
+// batching of the same segments with the same contexts: the rules are elementwise within a
+// segment, so the values are bitwise the normal step's), the chunk's gradient is freed (stage
+// 2's shard is made again at the group's next landing; stage 1's whole .grad goes once it is
+// in its bucket) and the group's updated values are all-gathered into the parameters. Every
+// parameter of a landed group has had its gradient accumulated, so autograd has run every node
+// that reads it and writing it disturbs no saved tensor. The all-gathers go over a Comm of their
+// own (split from the shard group's once): groups land in launch order, the same on every rank,
+// but interleaved with the next reduce-scatters' launches as each rank's timing gives, and
+// collectives on one Comm must start in the same order everywhere. update() then only waits for
+// the last of them (at most allgather_bucket_size bytes in flight, as after a normal update).
+// The gradient norm is the normal step's: per piece, in parameter order, summed over the
+// ranks once backward is over. Not built: stage 3 (its shards are the weights the next unit's
+// backward gathers), offloaded optimizers (one pipelined walk over the swap file) and rules
+// with whole-tensor statistics (Adafactor: their sums need every chunk's before any update).
+//
 // Note [Offloaded parameters] (loom/sharding/shard_file.h): with offload_param, stage 3's unit
 // shards live in a parameter swap file or host memory between uses, each fetched a unit ahead
 // (on a GPU: copied to the device on a side stream).
@@ -69,6 +89,7 @@
 //                    all-gathered (Note [Diverged ranks], Note [Releasing a weight], Note
 //                    [Gathering without gloo's copy])
 //   zero_update.cpp  the update rule over the rank's pieces, in memory or in the swap file
+//   zero_in_backward.cpp  each chunk updated as it lands (Note [Updating chunks in backward])
 //   zero_state.cpp   the checkpoint pieces and the bytes held
 // and ShardFile (shard_file.h), the parameter swap file, a class of its own.
 #pragma once
@@ -166,6 +187,10 @@ class ZeroDriver final : public StepDriver {
   // as LoRA's adapter file read the model). Collective.
   void gather_all_weights();
 
+  // Note [Updating chunks in backward].
+  bool updates_pieces_in_backward() const override;
+  void begin_update_in_backward(int64_t step, double lr) override;
+
   void zero_grad() override;
   at::Tensor grad_norm_squared() override;
   std::vector<at::Tensor> grads() override;
@@ -223,9 +248,21 @@ class ZeroDriver final : public StepDriver {
   static int64_t bucket_bytes(const Group& group);  // a launched group's send + received
 
   // zero_gather.cpp: stage 3's units, and the updated values to every rank.
+  struct ValuesGather {  // one group's updated values on their way to every rank
+    size_t group;
+    at::Tensor gathered;  // (world * chunk), in the weights' dtype (half types as bytes)
+    std::shared_ptr<Work> work;
+    int64_t bytes;
+  };
   // The rank's chunk of group g's current values (masters or weights) in the weights' dtype.
   at::Tensor chunk_values(const Group& group) const;
   void all_gather_params();
+  // Starts group g's all-gather of its updated values over `comm`, finishing the oldest in
+  // flight past allgather_bucket_size; and finishes every one in flight (copied into the
+  // parameters).
+  void start_values_gather(size_t g, Comm& comm);
+  void finish_values_gathers();
+  void finish_values_gather(ValuesGather& gather);
   void start_gather(Group& group);
   void gather(size_t g);
   void release(size_t g);
@@ -234,7 +271,17 @@ class ZeroDriver final : public StepDriver {
   void flush_resident();
 
   // zero_update.cpp: the rule over the rank's pieces.
+  struct Held {  // a piece being updated, its gradient set
+    Segment* segment;
+    size_t param;
+  };
+  // The rank's pieces of `groups` with their gradients (fp32 views of fp32_grads' chunks).
+  std::vector<Held> hold_pieces(const std::vector<size_t>& groups,
+                                std::vector<at::Tensor>& fp32_grads);
   void run_rule(int64_t step, double lr);
+  // The rule over the pieces of `groups` (rules without reduction rounds), segments sharing lr
+  // and weight decay batched together as the default driver does.
+  void update_groups(const std::vector<size_t>& groups, int64_t step, double lr);
   void run_rule_offloaded(int64_t step, double lr);
   // The accumulator of a tensor this rank holds no piece of (rules with reduction rounds).
   at::Tensor empty_accumulator(size_t index, int round) const;
@@ -242,6 +289,9 @@ class ZeroDriver final : public StepDriver {
   void reduce_accumulators(std::vector<at::Tensor>& accumulators);
   // Offload: where segment i's updated values go in the weights' dtype (Note [Offloaded ZeRO]).
   at::Tensor values_of(size_t i) const;
+
+  // zero_in_backward.cpp: Note [Updating chunks in backward]. Group g's chunk is final.
+  void chunk_final(size_t g);
 
   // zero_state.cpp: a rank's piece k of group g, its state and master as checkpoint pieces
   // (views of segment).
@@ -283,6 +333,18 @@ class ZeroDriver final : public StepDriver {
   std::deque<size_t> across_flying_;  // Note [Hybrid sharding]: all-reduces across groups
   int64_t across_bytes_ = 0;
   bool window_end_ = true;            // this backward is the window's last
+  std::deque<ValuesGather> values_gathers_;  // updated values in flight, oldest first
+  int64_t values_gather_bytes_ = 0;
+  // Note [Updating chunks in backward]: this step's update, armed by begin_update_in_backward
+  // until update() completes it.
+  struct BackwardUpdate {
+    bool armed = false;
+    int64_t step = 0;
+    double lr = 0.0;
+    std::vector<at::Tensor> squares;  // per parameter: its piece's sum of squares, this step
+    size_t groups_updated = 0;
+  } backward_update_;
+  std::unique_ptr<Comm> values_comm_;  // the updated values' all-gathers in backward
 };
 
 }  // namespace loom::sharding
