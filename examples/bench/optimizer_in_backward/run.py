@@ -76,8 +76,8 @@ def main():
     base = statistics.median(x[0] for x in results["normal step"])
     fwd_bwd = statistics.median(x[0] for x in results["forward + backward alone"])
     base_peak = statistics.median(x[1] for x in results["normal step"])
-    lines = [f"{benchlib.cpu_name()}, {os.cpu_count()} cores (loaded machine: other builds and "
-             f"tests ran beside it); gpt 4 x 256, vocab 8192, batch 4 x 128 tokens, "
+    lines = [f"{benchlib.cpu_name()}, {os.cpu_count()} cores (load average "
+             f"{os.getloadavg()[0]:.1f} at the end); gpt 4 x 256, vocab 8192, batch 4 x 128 tokens, "
              f"accumulation {args.accumulation}, {args.threads or 'all'} thread(s)"
              + (f", {args.ranks} gloo ranks" if args.ranks > 1 else "")
              + (f", [zero] stage {args.zero_stage} in groups of {args.reduce_bucket_size} B"
