@@ -269,6 +269,14 @@ class Zero final : public loom::Plugin {
                     "offload_optimizer to NVMe with [train] optimizer_in_backward is not built "
                     "(the swapped state is updated in one pipelined walk after backward); leave "
                     "offload_optimizer out or turn optimizer_in_backward off");
+      // The host store's driver updates after backward (or bucket by bucket, Note [Overlapped
+      // update]), never through the engine's hooks; with delayed_update it is refused below,
+      // naming both.
+      LOOM_CHECK_AS(ConfigError, offload_.device == "none" || offload_.delayed_update,
+                    where_offload_, ": [zero] offload_optimizer.device = \"cpu\" with [train] "
+                    "optimizer_in_backward is not built (the host store runs the update itself, "
+                    "not as each gradient becomes final); leave offload_optimizer out or turn "
+                    "optimizer_in_backward off");
     }
     // Note [Delayed update] (loom/offload/offloaded_driver.h).
     if (offload_.delayed_update) {

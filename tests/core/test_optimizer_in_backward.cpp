@@ -246,6 +246,13 @@ TEST(OptimizerInBackward, RefusesWhatNeedsEveryGradientFirst) {
                                        {kInBackward, "train.max_grad_norm=0"}),
                     ConfigError, "[zero] stage 3 with [train] optimizer_in_backward is not built",
                     "use stage = 1 or 2");
+  // The host store updates by itself: refused when the job is read, as `loom check` reads it.
+  for (const char* stage : {"0", "1"})
+    EXPECT_THROW_WITH(Trainer::from_text(job + "\n[zero]\nstage = " + stage +
+                                             "\noffload_optimizer = { device = \"cpu\" }\n",
+                                         dir.path(), {kInBackward, "train.max_grad_norm=0"}),
+                      ConfigError, "[zero] offload_optimizer.device = \"cpu\" with [train] "
+                      "optimizer_in_backward is not built", "leave offload_optimizer out");
   // Adafactor's column and row sums need every rank's chunk of a tensor before any update: at
   // setup, once the rule is known.
   EXPECT_THROW_WITH(Trainer::from_text(job + "\n[zero]\nstage = 2\n", dir.path(),
