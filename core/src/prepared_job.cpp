@@ -121,11 +121,10 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   if (resolved_.eval_data.provider && purpose_ != Purpose::inference)
     resolved_.eval_data.provider->plugin->validate(resolved_.eval_data.name, section("eval_data"),
                                                    tables);
-  for (auto* plugin : resolved_.table_plugins)
-    plugin->plugin->validate(plugin->name, section(plugin->name), tables);
 
   // Built now, so every value the rule takes is checked before anything else is; it holds no
-  // state until the engine hands it parameters.
+  // state until the engine hands it parameters. The table plugins validate against it
+  // (JobTables::update_rule): what the rule needs is known here, not only at setup.
   rule_ = resolved_.update_rule.provider->plugin->create_update_rule(resolved_.update_rule.name,
                                                                      optimizer);
   LOOM_INTERNAL_ASSERT(rule_, "plugin ", resolved_.update_rule.provider->name,
@@ -143,6 +142,9 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                                   "state_dtype"));
   }
   rule_->set_seed(static_cast<uint64_t>(train.get_int("seed")));
+  tables.update_rule = rule_.get();
+  for (auto* plugin : resolved_.table_plugins)
+    plugin->plugin->validate(plugin->name, section(plugin->name), tables);
   if (purpose_ == Purpose::train) check_output_dir();
 }
 

@@ -19,7 +19,9 @@ namespace loom {
 // plugin's configure() and every active plugin's validate() against the whole job (the data's
 // files readable, cross-table rules such as ZeRO's offload_param needing half weights); the
 // update rule built, so its values are checked (beta2 >= 1 is refused here, not at the first
-// step); the schedule and the log level derived; and, for training, the output folder's state
+// step), between the providers' validate() and the table plugins', which see it
+// (JobTables::update_rule: ZeRO refuses a rule with whole-tensor statistics in backward); the
+// schedule and the log level derived; and, for training, the output folder's state
 // (an earlier run's checkpoints without `resume`, a resume folder that is not there). `loom run`,
 // `check`, `estimate`, `export` and `generate` all start from one of these, so `loom check`
 // says "ok" for exactly the jobs `loom run` goes on to build: what `run` refuses after this

@@ -1,7 +1,8 @@
 // The `checkpointing` plugin: activation (gradient) checkpointing of the units of every
 // loom::nn::UnitList. A chosen unit, or with a selective policy only its attention core or its
 // MLP (Note [Recompute policies]), runs forward without keeping its internal activations and is
-// recomputed in backward by one autograd node.
+// recomputed in backward by one autograd node; with a whole-unit policy the units not chosen
+// may recompute one region instead (`others`).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -239,20 +240,30 @@ std::vector<at::Tensor> trainable(const torch::nn::Module& module) {
 //   mlp: its MLP: the (B,T,4C) hidden activations before and after the nonlinearity.
 // A selective policy keeps the rest of the unit's activations, so it saves less than full
 // but recomputes less: no projections (attention) or no attention (mlp).
+// The units are chosen by `every` (0, k, 2k, ...), `units` (listed) or `first` (0..N-1, as
+// Megatron's recompute_num_layers with its block method); one of the three at most.
+// `others` (attention or mlp) is what the units a whole-unit policy does not choose recompute:
+// per unit, full buys the most memory for its time and attention the most for its time (on
+// GPT-2 124M's shape, seq 256: full ~82 MiB a unit for ~2.1 % of a step, attention ~38 MiB for
+// ~0.25 %), so full on some units plus attention on the rest reaches cuts (-60 %) that neither
+// reaches alone at the same time (docs/BENCHMARKS.md "Recompute policies"). With a selective
+// policy the other units recompute nothing: `others` is refused there, as it is where the
+// chosen units are every unit (it would do nothing).
 enum class Policy { full, every_n, attention, mlp };
 constexpr const char* kPolicies = "full, attention, mlp, every_n";
+// What one unit recomputes: all of it, one region of it, or nothing.
+enum class Part { nothing, unit, attention, mlp };
+constexpr const char* kOthers = "none, attention, mlp";
 
 class Checkpointer final : public loom::nn::UnitInterceptor {
  public:
-  Checkpointer(std::function<bool(int64_t)> chosen, Policy policy)
-      : chosen_(std::move(chosen)), policy_(policy) {}
+  explicit Checkpointer(std::function<Part(int64_t)> part_of) : part_of_(std::move(part_of)) {}
   std::string name() const override { return "checkpointing"; }
 
   // x is the unit's input (B,T,C); returns its output, whose grad_fn is a Recompute.
   at::Tensor intercept(int64_t index, loom::nn::Unit& unit, const at::Tensor& x,
                        const loom::nn::UnitFn& next) override {
-    const bool whole = policy_ == Policy::full || policy_ == Policy::every_n;
-    if (!whole || !chosen_(index) || !at::GradMode::is_enabled()) return next(x);
+    if (part_of_(index) != Part::unit || !at::GradMode::is_enabled()) return next(x);
     return run_checkpointed([next](const std::vector<at::Tensor>& in) { return next(in[0]); },
                             {x}, trainable(unit),
                             "checkpointed unit " + std::to_string(index));
@@ -260,9 +271,10 @@ class Checkpointer final : public loom::nn::UnitInterceptor {
 
   at::Tensor intercept_region(int64_t index, const loom::nn::RegionCall& call,
                               const loom::nn::RegionFn& next) override {
-    const bool wanted = (policy_ == Policy::attention && call.region == loom::nn::Region::attention) ||
-                        (policy_ == Policy::mlp && call.region == loom::nn::Region::mlp);
-    if (!wanted || !chosen_(index) || !at::GradMode::is_enabled() || call.inputs.empty())
+    const Part part = part_of_(index);
+    const bool wanted = (part == Part::attention && call.region == loom::nn::Region::attention) ||
+                        (part == Part::mlp && call.region == loom::nn::Region::mlp);
+    if (!wanted || !at::GradMode::is_enabled() || call.inputs.empty())
       return next(call.inputs);
     ++regions_seen_;
     return run_checkpointed(next, call.inputs,
@@ -274,8 +286,7 @@ class Checkpointer final : public loom::nn::UnitInterceptor {
   int64_t regions_seen() const { return regions_seen_; }
 
  private:
-  std::function<bool(int64_t)> chosen_;
-  Policy policy_;
+  std::function<Part(int64_t)> part_of_;
   int64_t regions_seen_ = 0;
 };
 
@@ -297,6 +308,11 @@ class CheckpointingPlugin final : public loom::Plugin {
                          "checkpoint every k-th unit (units 0, k, 2k, ...); 1 = every unit")
                 .key_optional("units", loom::ValueType::Array,
                               "explicit unit indices to checkpoint (instead of every)")
+                .key_int("first", 0,
+                         "checkpoint units 0..N-1 (instead of every or units); 0 = not used")
+                .key_string("others", "none",
+                            "with policy full or every_n: what the units not chosen "
+                            "recompute: none, attention (their attention core) or mlp")
                 .key_bool("enabled", true, "false keeps the table but checkpoints nothing")};
   }
 
@@ -316,10 +332,21 @@ class CheckpointingPlugin final : public loom::Plugin {
     LOOM_CHECK_AS(ConfigError, every_ > 0, table.where("every"),
                   ": [checkpointing] every must be >= 1 (1 = every unit, 2 = every 2nd), got ",
                   every_);
+    first_ = table.get_int("first");
+    LOOM_CHECK_AS(ConfigError, !table.has("first") || first_ >= 1, table.where("first"),
+                  ": [checkpointing] first must be >= 1 (the units 0..first-1 are "
+                  "checkpointed), got ", first_);
+    LOOM_CHECK_AS(ConfigError, !(table.has("first") && table.has("every")), table.where("first"),
+                  ": [checkpointing] set either first or every, not both");
+    LOOM_CHECK_AS(ConfigError, !(table.has("first") && table.has("units")), table.where("first"),
+                  ": [checkpointing] set either first or units, not both");
     if (policy_ == Policy::every_n) {
-      LOOM_CHECK_AS(ConfigError, !table.has("units"), table.where("units"),
-                    ": [checkpointing] policy = \"every_n\" picks units by every; drop units, "
-                    "or use policy = \"full\" to recompute the listed units");
+      LOOM_CHECK_AS(ConfigError, !table.has("units") && !table.has("first"),
+                    table.where(table.has("units") ? "units" : "first"),
+                    ": [checkpointing] policy = \"every_n\" picks units by every; drop ",
+                    table.has("units") ? "units" : "first",
+                    ", or use policy = \"full\" to recompute the ",
+                    table.has("units") ? "listed units" : "first units");
       LOOM_CHECK_AS(ConfigError, table.has("every") && every_ >= 2, table.where("policy"),
                     ": [checkpointing] policy = \"every_n\" needs every = N >= 2 (every N-th "
                     "unit recomputed)",
@@ -345,22 +372,60 @@ class CheckpointingPlugin final : public loom::Plugin {
                     "checkpoint every unit");
       units_ = std::move(chosen);
     }
-    where_units_ = table.where("units");
+    // Note [Recompute policies]: others, for the units a whole-unit policy leaves.
+    others_name_ = table.get_string("others");
+    if (others_name_ == "none") others_ = Part::nothing;
+    else if (others_name_ == "attention") others_ = Part::attention;
+    else if (others_name_ == "mlp") others_ = Part::mlp;
+    else
+      throw loom::ConfigError(loom::detail::cat(
+          table.where("others"), ": [checkpointing] others '", others_name_,
+          "' is unknown; the choices are ", kOthers));
+    if (others_ != Part::nothing) {
+      LOOM_CHECK_AS(ConfigError, policy_ == Policy::full || policy_ == Policy::every_n,
+                    table.where("others"), ": [checkpointing] others = \"", others_name_,
+                    "\" is for the whole-unit policies (full, every_n): it says what the units "
+                    "they do not choose recompute; with policy = \"", policy_name_,
+                    "\" the units not chosen recompute nothing. Use policy = \"full\", or drop "
+                    "others");
+      LOOM_CHECK_AS(ConfigError, table.has("units") || table.has("first") || every_ >= 2,
+                    table.where("others"), ": [checkpointing] others = \"", others_name_,
+                    "\" applies to the units policy = \"full\" does not choose, but every = 1 "
+                    "chooses every unit; choose fewer with first = N, units = [...] or every = N");
+    }
+    where_units_ = table.where(table.has("first") ? "first" : "units");
     where_policy_ = table.where("policy");
+    where_others_ = table.where("others");
   }
 
   void attach(loom::Engine& engine) override {
     if (!enabled_) return;
-    checkpointer_ = std::make_shared<Checkpointer>(
-        [this](int64_t index) { return units_ ? units_->count(index) > 0 : index % every_ == 0; },
-        policy_);
+    checkpointer_ = std::make_shared<Checkpointer>([this](int64_t index) { return part_of(index); });
     engine.add_unit_interceptor(checkpointer_);
     engine.on(loom::Event::model_built, [this](loom::Engine& e) { check_model(e); });
-    if (policy_ == Policy::attention || policy_ == Policy::mlp)
+    if (policy_ == Policy::attention || policy_ == Policy::mlp || others_ != Part::nothing)
       engine.on(loom::Event::before_backward, [this](loom::Engine& e) { check_regions(e); });
   }
 
  private:
+  bool chosen(int64_t index) const {
+    if (units_) return units_->count(index) > 0;
+    if (first_ > 0) return index < first_;
+    return index % every_ == 0;
+  }
+
+  Part part_of(int64_t index) const {
+    if (!chosen(index)) return others_;
+    switch (policy_) {
+      case Policy::attention: return Part::attention;
+      case Policy::mlp: return Part::mlp;
+      case Policy::full:
+      case Policy::every_n: return Part::unit;
+    }
+    LOOM_INTERNAL_ASSERT(false, "checkpointing: unhandled policy");
+    return Part::nothing;
+  }
+
   void check_model(loom::Engine& engine) {
     const std::string model = engine.section("train").get_string("model");
     const auto lists = engine.unit_lists();
@@ -377,32 +442,51 @@ class CheckpointingPlugin final : public loom::Plugin {
                     "' has ", fewest, " units (0..", static_cast<int64_t>(fewest) - 1,
                     "); list existing indices");
     }
-    int64_t chosen = 0;
-    for (size_t i = 0; i < fewest; ++i)
-      chosen += units_ ? units_->count(static_cast<int64_t>(i)) : (i % every_ == 0);
-    loom::log::info("checkpointing: ", policy_name_, " of ", chosen, " of ", fewest,
-                    " units of each of ", lists.size(), " unit list(s) recomputed in backward");
+    if (first_ > 0)
+      LOOM_CHECK_AS(ConfigError, first_ <= static_cast<int64_t>(fewest), where_units_,
+                    ": [checkpointing] first = ", first_, " but model '", model, "' has ",
+                    fewest, " units; first must be at most ", fewest);
+    int64_t chosen_units = 0;
+    for (size_t i = 0; i < fewest; ++i) chosen_units += chosen(static_cast<int64_t>(i));
+    const int64_t rest = static_cast<int64_t>(fewest) - chosen_units;
+    LOOM_CHECK_AS(ConfigError, others_ == Part::nothing || rest > 0, where_others_,
+                  ": [checkpointing] others = \"", others_name_, "\" applies to the units "
+                  "that policy = \"", policy_name_, "\" does not choose, but ",
+                  units_ ? "units" : "first", " chooses all ", fewest, " units of model '",
+                  model, "'; choose fewer, or drop others");
+    loom::log::info("checkpointing: ", policy_name_, " of ", chosen_units, " of ", fewest,
+                    " units of each of ", lists.size(), " unit list(s) recomputed in backward",
+                    others_ == Part::nothing
+                        ? std::string()
+                        : loom::detail::cat(", and the ", others_name_, " of the other ", rest));
   }
 
-  // After the first training forward: a selective policy found the regions it recomputes.
-  // A model whose units mark none (Note [Recompute regions]) would silently save nothing.
+  // After the first training forward: a selective policy (or others) found the regions it
+  // recomputes. A model whose units mark none (Note [Recompute regions]) would silently save
+  // nothing.
   void check_regions(loom::Engine& engine) {
     if (regions_checked_) return;
     regions_checked_ = true;
-    LOOM_CHECK_AS(ConfigError, checkpointer_->regions_seen() > 0, where_policy_,
-                  ": [checkpointing] policy = \"", policy_name_, "\" found no ", policy_name_,
-                  " region in the chosen units of model '",
-                  engine.section("train").get_string("model"),
-                  "' (its units do not mark one: Note [Recompute regions] in loom/nn.h); use "
-                  "policy = \"full\" to recompute whole units");
+    const bool selective = policy_ == Policy::attention || policy_ == Policy::mlp;
+    const std::string& region = selective ? policy_name_ : others_name_;
+    LOOM_CHECK_AS(ConfigError, checkpointer_->regions_seen() > 0,
+                  selective ? where_policy_ : where_others_, ": [checkpointing] ",
+                  selective ? "policy" : "others", " = \"", region, "\" found no ", region,
+                  " region in the ", selective ? "chosen units" : "units not chosen",
+                  " of model '", engine.section("train").get_string("model"),
+                  "' (its units do not mark one: Note [Recompute regions] in loom/nn.h); use ",
+                  selective ? "policy = \"full\" to recompute whole units"
+                            : "others = \"none\"");
   }
 
   bool enabled_ = true;
   Policy policy_ = Policy::full;
   std::string policy_name_ = "full", where_policy_;
+  Part others_ = Part::nothing;
+  std::string others_name_ = "none", where_others_;
   std::shared_ptr<Checkpointer> checkpointer_;
   bool regions_checked_ = false;
-  int64_t every_ = 1;
+  int64_t every_ = 1, first_ = 0;
   std::optional<std::set<int64_t>> units_;
   std::string where_units_;
 };

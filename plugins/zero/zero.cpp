@@ -195,6 +195,11 @@ class Zero final : public loom::Plugin {
                   "rank ever holds the whole model (Note [Sharded initialization] in loom/nn.h); "
                   "false: build it whole on every rank, then shard it (left out, false for a "
                   "job with [lora] or [moe], which change the units once they are built)")
+        .key_bool("stage3_return_freed_memory", true,
+                  "stage 3 on the CPU: freed blocks of 1 MiB and more go back to the system "
+                  "(the least resident memory: a freed unit's weights do not stay in malloc's "
+                  "heap), at the cost of faulting every step's large blocks in again; false "
+                  "keeps them (Note [Freed weights go back])")
         .key_bool("stage3_gather_weights_at_end", true,
                   "stage 3: make the weights whole again once training ends (for exporters "
                   "such as [lora] save_adapter; false keeps them sharded: loom consolidate)");
@@ -244,6 +249,7 @@ class Zero final : public loom::Plugin {
     broadcast_buffers_ = t.get_bool("broadcast_buffers");
     gather_at_end_ = t.get_bool("stage3_gather_weights_at_end");
     sharded_init_ = t.get_bool("sharded_init");
+    return_freed_memory_ = t.get_bool("stage3_return_freed_memory");
     sharded_init_set_ = t.has("sharded_init");
     built_whole_for_.clear();
     where_sharded_init_ = t.where("sharded_init");
@@ -251,6 +257,19 @@ class Zero final : public loom::Plugin {
                   where_sharded_init_, ": [zero] sharded_init = true cuts the units' weights "
                   "as the model is built, which stage 3 alone shards; set stage = 3 or remove "
                   "sharded_init");
+  }
+
+  // Stages 1-2 update each rank's chunk as it lands (see Note [Updating chunks in backward]), but
+  // a rule with whole-tensor statistics (UpdateRule::reduction_rounds: Adafactor's factored
+  // moments) needs every chunk's sums, from every rank, before any update.
+  void refuse_whole_tensor_rule_in_backward(const loom::UpdateRule& rule,
+                                            const std::string& where) const {
+    LOOM_CHECK_AS(ConfigError, rule.reduction_rounds() == 0, where, ": [train] "
+                  "optimizer_in_backward at [zero] stage ", stage_, " (", where_stage_, ") "
+                  "updates each rank's chunk as it lands, but update rule '", rule.name(),
+                  "' sums statistics over whole tensors across the ranks before any update; use "
+                  "[zero] stage = 0 (or [ddp]) for it, an elementwise rule such as name = "
+                  "\"adamw\", or turn optimizer_in_backward off");
   }
 
   // Note [One resolved job]: what the driver would refuse once built, refused from the job.
@@ -277,6 +296,11 @@ class Zero final : public loom::Plugin {
                     "optimizer_in_backward is not built (the host store runs the update itself, "
                     "not as each gradient becomes final); leave offload_optimizer out or turn "
                     "optimizer_in_backward off");
+      // A rule's whole-tensor sums need every chunk first (see Note [Updating chunks in
+      // backward]); the same refusal stands in create_step_driver, as the backstop.
+      if (stage_ >= 1 && job.update_rule)
+        refuse_whole_tensor_rule_in_backward(*job.update_rule, job("train")->where(
+                                                 "optimizer_in_backward"));
     }
     // Note [Delayed update] (loom/offload/offloaded_driver.h).
     if (offload_.delayed_update) {
@@ -456,14 +480,11 @@ class Zero final : public loom::Plugin {
       LOOM_CHECK_AS(ConfigError, !dense.params.empty(), where_stage_,
                     ": [zero] has no dense parameters to shard: every trainable one is placed");
     }
-    // Note [Updating chunks in backward]: a rule's whole-tensor sums need every chunk first.
-    LOOM_CHECK_AS(ConfigError, !engine.section("train").get_bool("optimizer_in_backward") ||
-                                   options.rule->reduction_rounds() == 0,
-                  engine.section("train").where("optimizer_in_backward"), ": [train] "
-                  "optimizer_in_backward at [zero] stage ", stage_, " updates each rank's chunk "
-                  "as it lands, but update rule '", options.rule->name(), "' sums statistics over "
-                  "whole tensors across the ranks before any update; use stage = 0 or [ddp] for "
-                  "it, or turn optimizer_in_backward off");
+    // Refused from the job in validate(); here too, the backstop (see Note [Updating chunks in
+    // backward]).
+    if (engine.section("train").get_bool("optimizer_in_backward"))
+      refuse_whole_tensor_rule_in_backward(*options.rule,
+                                           engine.section("train").where("optimizer_in_backward"));
     if (stage_ == 3) {
       find_units(engine, options);
       if (sharded_init_observer_) take_built_chunks(engine, options);
@@ -526,7 +547,8 @@ class Zero final : public loom::Plugin {
     });
     // Note [Measured model state]: what the memory tracker sees allocated after the first update
     // (weights, gradients or their shards, masters, optimizer state; activations are gone),
-    // against the ZeRO paper's formula for this stage, world size and precision.
+    // against the ZeRO paper's formula for this stage, world size and precision (with [train]
+    // optimizer_in_backward, less the gradients: freed as they updated, formula_bytes says so).
     engine.on(loom::Event::setup, [this](loom::Engine& e) {
       baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
     });
@@ -606,15 +628,28 @@ class Zero final : public loom::Plugin {
   // step. glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), so
   // after the first step those blocks come from the heap, which keeps their pages: measured on
   // a 0.63 B GPT over 4 CPU ranks, RSS 5.5 GiB against 3.5 GiB of peak tensors. A fixed 1 MiB
-  // threshold returns them (RSS 3.9 GiB, docs/BENCHMARKS.md). A threshold the user set through
-  // glibc's environment wins.
-  static void return_freed_memory(loom::Engine& engine) {
+  // threshold returns them (RSS 3.9 GiB, docs/BENCHMARKS.md). The price is time: every block of
+  // 1 MiB and more (weights, activations, buckets) is then mapped and faulted in, zeroed, anew
+  // each step. On GPT-2 124M over 2 gloo ranks x 1 thread, 10.6 M minor faults against 2.7 M,
+  // a fifth of the rank's samples in the kernel, and the step 1.2x slower than with the blocks
+  // kept (docs/BENCHMARKS.md, "ZeRO stage 3 against PyTorch FSDP2"), for 0.8 GiB less RSS per
+  // rank. So it is a choice, `[zero] stage3_return_freed_memory` (true: the least memory, the
+  // default, since stage 3 is chosen for memory; false: the heap keeps them, as every other CPU
+  // run does, Note [Freed memory kept]). A threshold the user set through glibc's environment
+  // wins either way.
+  void return_freed_memory(loom::Engine& engine) const {
     if (!engine.device().is_cpu() || std::getenv("GLIBC_TUNABLES") ||
         std::getenv("MALLOC_MMAP_THRESHOLD_"))
       return;
+    if (!return_freed_memory_) {
+      loom::log::info("zero: stage 3 on the CPU: freed blocks stay in malloc's heap for the next "
+                      "step ([zero] stage3_return_freed_memory = false)");
+      return;
+    }
     if (mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1)
       loom::log::info("zero: stage 3 on the CPU: blocks of 1 MiB and more are returned to the "
-                      "system when freed (malloc mmap threshold; set GLIBC_TUNABLES to choose)");
+                      "system when freed ([zero] stage3_return_freed_memory; GLIBC_TUNABLES "
+                      "overrides)");
   }
 
   // Note [Sharded initialization] (loom/nn.h): installed at setup, right before the engine
@@ -781,7 +816,14 @@ class Zero final : public loom::Plugin {
     text << "(stage " << stage_ << ", N = " << n << ", " << w << " B weights and grads, K = "
          << m + k << " B: ";
     // Note [ZeRO's model states] (loom/memory.h): the formula `loom estimate` uses too.
-    bytes = loom::memory::zero_model_states(stage_, n, psi, psi - whole, w, m, k).total();
+    const loom::memory::ZeroModelStates states =
+        loom::memory::zero_model_states(stage_, n, psi, psi - whole, w, m, k);
+    bytes = states.total();
+    // Note [Optimizer in backward]: each gradient (stages 1-2: each chunk, and stage 1's whole
+    // .grad) was freed once its update ran, so after the update none is held: the formula
+    // without its gradients is what the tracker can see.
+    const bool grads_freed = e.section("train").get_bool("optimizer_in_backward");
+    if (grads_freed) bytes -= states.grads;
     if (stage_ == 0) {
       // Declared buffers: the gradient buckets, a second fp32 copy of the gradients.
       const double buckets = buckets_ ? static_cast<double>(buckets_->buffer_bytes()) : 0.0;
@@ -796,6 +838,9 @@ class Zero final : public loom::Plugin {
       text << 2 * w + m + k << " Psi/N, plus " << whole / psi * 100 << " % of the weights kept whole";
     }
     if (frozen > 0) text << ", plus " << loom::memory::format_bytes(static_cast<int64_t>(frozen)) << " frozen";
+    if (grads_freed)
+      text << ", less the " << loom::memory::format_bytes(static_cast<int64_t>(states.grads))
+           << " of gradients [train] optimizer_in_backward freed as it updated";
     text << ")";
     return {static_cast<int64_t>(bytes + frozen), text.str()};
   }
@@ -907,6 +952,7 @@ class Zero final : public loom::Plugin {
   // (built_whole_for_ says which, for setup's log line), so every later reader sees the
   // resolved value.
   mutable bool sharded_init_ = true;
+  bool return_freed_memory_ = true;
   mutable std::string built_whole_for_;
   bool sharded_init_set_ = false;
   std::string where_sharded_init_;

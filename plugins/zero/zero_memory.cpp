@@ -137,6 +137,27 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   r.optimizer = z.optimizer;
   // Stage 3 gathers two units whole (the one computing, the next one prefetched).
   if (stage >= 3 && N > 1) r.weights += 2 * largest_unit * w;
+  if (c.optimizer_in_backward) {
+    // See Note [Optimizer in backward] (core/src/optimizer_in_backward.h): the zero plugin
+    // refuses it at stage 3 and with any offload (validate()), so those rows are not built.
+    if (stage >= 3 || optimizer_device != "none" || param_device != "none") {
+      r.buildable = false;
+    } else if (stage >= 1) {
+      // See Note [Updating chunks in backward]: each group's gradient chunk lives from its
+      // landing to its update, then goes, and stage 1's whole .grad goes once packed. What is
+      // left at the peak is one group's chunk (groups are reduce_bucket_size of fp32 gradients,
+      // or one larger tensor). With one group (the whole model) stage 2 saves nothing: the chunk
+      // lands after backward and lives through its update, as in the normal step.
+      const double group_elements = std::min(
+          c.trainable, std::max(t.get_float("reduce_bucket_size") / 4, c.largest_tensor_params));
+      r.grads = group_elements / N * r.grad_bytes;
+    } else if (c.world_size <= 1) {
+      // One process: each parameter's .grad goes once its update ran, in backward.
+      r.grads = std::min(c.trainable, c.largest_tensor_params) * r.grad_bytes;
+    }
+    // Stage 0 over ranks: each averaged gradient is handed over bucket by bucket after
+    // backward, when every .grad and every bucket are still held: nothing is saved at the peak.
+  }
 
   // Where the optimizer state and the weight shards go. "cpu" on a CPU run moves nothing: the
   // compute device's memory is host memory already (the zero plugin says so when it runs).

@@ -253,15 +253,20 @@ TEST(OptimizerInBackward, RefusesWhatNeedsEveryGradientFirst) {
                                          dir.path(), {kInBackward, "train.max_grad_norm=0"}),
                       ConfigError, "[zero] offload_optimizer.device = \"cpu\" with [train] "
                       "optimizer_in_backward is not built", "leave offload_optimizer out");
-  // Adafactor's column and row sums need every rank's chunk of a tensor before any update: at
-  // setup, once the rule is known.
-  EXPECT_THROW_WITH(Trainer::from_text(job + "\n[zero]\nstage = 2\n", dir.path(),
-                                       {kInBackward, "train.max_grad_norm=0",
-                                        "optimizer.name=\"adafactor\""})
-                        ->setup(),
-                    ConfigError,
-                    "optimizer_in_backward at [zero] stage 2 updates each rank's chunk",
-                    "update rule 'adafactor' sums statistics over whole tensors");
+  // Adafactor's column and row sums need every rank's chunk of a tensor before any update:
+  // refused when the job is read (the rule is built then: JobTables::update_rule), at both
+  // stages that update chunks in backward; at stage 0 each tensor is updated whole.
+  for (const char* stage : {"1", "2"})
+    EXPECT_THROW_WITH(Trainer::from_text(job + "\n[zero]\nstage = " + stage + "\n", dir.path(),
+                                         {kInBackward, "train.max_grad_norm=0",
+                                          "optimizer.name=\"adafactor\""}),
+                      ConfigError,
+                      std::string("optimizer_in_backward at [zero] stage ") + stage + " (",
+                      "update rule 'adafactor' sums statistics over whole tensors",
+                      "use [zero] stage = 0");
+  EXPECT_NE(Trainer::from_text(job + "\n[zero]\nstage = 0\n", dir.path(),
+                               {kInBackward, "train.max_grad_norm=0", "optimizer.name=\"adafactor\""}),
+            nullptr);
   // A step driver that cannot update as gradients arrive, named.
   EXPECT_THROW_WITH(
       Trainer::from_text(job + "\n[plugins]\npath = \"" LOOM_TEST_PLUGIN_DIR "\"\n[counting_driver]\n",

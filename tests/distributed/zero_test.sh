@@ -165,8 +165,15 @@ compose() {  # NAME SETS...
     ok "stage 3 with $name == stage 0 on 2 ranks ($d)"
   else fail "stage 3 with $name: ${d:-} $(grep -v '^\s*$' "$work/$name-s3.log" | tail -3)"; fi
 }
-compose fp16 --set 'precision.mode="fp16"'
-compose checkpointing --set checkpointing.every=1
+compose fp16 --set 'precision.mode="fp16"' --set 'train.log_level="info"'
+# Note [Freed weights go back]: stage 3 returns freed blocks by default; the key keeps them.
+compose checkpointing --set checkpointing.every=1 --set zero.stage3_return_freed_memory=false \
+  --set 'train.log_level="info"'
+if grep -q "zero: stage 3 on the CPU: blocks of 1 MiB and more are returned to the system" "$work/fp16-s3.log" &&
+   grep -q "zero: stage 3 on the CPU: freed blocks stay in malloc's heap for the next step" "$work/checkpointing-s3.log" &&
+   ! grep -q "blocks of 1 MiB and more are returned" "$work/checkpointing-s3.log"; then
+  ok "stage 3 returns freed blocks to the system unless stage3_return_freed_memory = false"
+else fail "stage3_return_freed_memory: $(grep -h 'zero: stage 3 on the CPU' "$work/fp16-s3.log" "$work/checkpointing-s3.log")"; fi
 # LoRA changes the units once the model is built: with sharded_init left out, stage 3 builds
 # it whole first and says so in one line (sharded_init_test.sh checks that sharded_init = true
 # is refused).

@@ -7,7 +7,10 @@
 # README.md, docs/architecture.md and examples/README.md name exists.
 # usage: docs_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-build=$1 src=$2 python=$3
+# Absolute from here on: the scratch root links build/ and .venv/, and a relative link target
+# would be read from inside it (ctest passes them relative, so both forms stay tested).
+absolute() { (cd "$(dirname "$1")" && printf '%s/%s' "$(pwd)" "$(basename "$1")"); }
+build=$(cd "$1" && pwd) src=$(cd "$2" && pwd) python=$(absolute "$3")
 work=$(mktemp -d)
 trap cleanup_work EXIT  # testlib.sh
 # shellcheck source=../distributed/testlib.sh

@@ -34,7 +34,10 @@ namespace loom::estimate {
 // of the weights on their way back (Note [Overlapped update]). cpu+p and nvme+p (stage 3,
 // offload_param) also move the units' weight shards there, the device keeping the weights
 // outside units and two gathered units, and nvme+p's host RAM three shards in flight. On a CPU
-// run "cpu" moves nothing (one memory), so cpu+p is stage 3's cpu row there. Activations and the rest of the peak (workspace, data, autocast's half
+// run "cpu" moves nothing (one memory), so cpu+p is stage 3's cpu row there. With [train]
+// optimizer_in_backward the probes run the job without it and the zero plugin declares the
+// gradient held: one group's chunk at stages 1-2, one tensor's on one process at stage 0, as
+// before over ranks at stage 0 (stage 3 and offloads refuse it). Activations and the rest of the peak (workspace, data, autocast's half
 // copies, the driver's buffers) are measured: the job runs two steps at per-device batches 2
 // and 3 (1 and 2 where the job's batch is below 3: Note [Probe batches]; the second step's
 // peaks count) in each precision on one rank, and the peak above the model states is split into a part per
@@ -77,6 +80,9 @@ struct ModelCounts {
   // across them (Note [Hybrid sharding] in loom/sharding/zero_driver.h), so the sharded terms
   // are divided by it; 0 (or the world size or more): by the world size.
   double shard_group_size = 0;
+  // [train] optimizer_in_backward: each gradient is freed once it updated its parameter during
+  // backward (MemoryContext::optimizer_in_backward); the probes run the step without it.
+  bool optimizer_in_backward = false;
 };
 
 // Activations of one precision, measured by the probe.

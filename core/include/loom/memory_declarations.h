@@ -46,6 +46,10 @@ struct MemoryContext {
   bool cpu_device = false;                // the compute device is the host: one memory
   bool activations_measured = false;      // the probes measured this precision's activations
   int buffer_count = 4;                   // NVMe offload's buffers ([zero] may override)
+  // [train] optimizer_in_backward: each gradient freed once its update ran during backward, so a
+  // step driver that updates its own pieces holds less gradient at the peak (Note [Updating
+  // chunks in backward]); the probes measure the step without it.
+  bool optimizer_in_backward = false;
 };
 
 // One rank's bytes, by what they hold; `to_host` and `to_nvme` say how much of them lives off

@@ -28,7 +28,7 @@
 // built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
 // fails when the headers change while this number does not (core/sdk_digests.txt records
 // the digest of each version).
-#define LOOM_PLUGIN_API_VERSION 19u
+#define LOOM_PLUGIN_API_VERSION 20u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -105,9 +105,13 @@ class Plugin {
 
   // The job as validate() sees it: any resolved table by name (`job("data")`, nullptr when the
   // job has none) and the job's paths made absolute (relative to the job file's folder).
+  // update_rule: the job's rule, built from [optimizer] once the providers are validated, so a
+  // table plugin can refuse what the rule needs (ZeRO: whole-tensor statistics, reduction_rounds,
+  // with [train] optimizer_in_backward); nullptr in the providers' own validate().
   struct JobTables {
     std::function<const ConfigSection*(const std::string& table)> table;
     std::function<std::string(const std::string& path)> resolve_path;
+    const UpdateRule* update_rule = nullptr;
     const ConfigSection* operator()(const std::string& name) const { return table(name); }
   };
   // Note [One resolved job]: before anything is built, `loom check` and `loom run` alike, every

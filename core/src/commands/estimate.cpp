@@ -122,6 +122,9 @@ ProbeResult probe(const Job& job, std::vector<std::string> overrides, int64_t ba
   overrides.push_back("train.save_final=false");
   overrides.push_back("train.progress_bar=false");
   overrides.push_back("train.log_level=\"error\"");
+  // The normal step: what optimizer_in_backward frees is declared (MemoryContext), not
+  // measured, so every row's model states are what the probes' peaks are taken above.
+  overrides.push_back("train.optimizer_in_backward=false");
   // Probes measure the unsharded, in-memory layout; sharding and offload are what the plugins
   // declare (Note [Memory declarations]).
   overrides.insert(overrides.end(), layout.begin(), layout.end());
@@ -202,6 +205,9 @@ Report estimate_loaded(const Job& job, const Options& options) {
   report.effective_batch = job_batch * accumulation;
   if (const ConfigValue* v = key_of(job, "train", "model"))
     if (auto* s = std::get_if<std::string>(&v->value)) report.model_name = *s;
+  bool in_backward = false;  // the probes run without it: the declarations say what it frees
+  if (const ConfigValue* v = key_of(job, "train", "optimizer_in_backward"))
+    if (auto* b = std::get_if<bool>(&v->value)) in_backward = *b;
   // Note [GPU jobs estimated on a CPU]: a job written for a GPU is planned on a machine without
   // one (a laptop, a login node), where its probes cannot run on CUDA. They run on the CPU
   // instead, and the rows are split as the GPU run's: device memory apart from host RAM, which
@@ -317,7 +323,9 @@ Report estimate_loaded(const Job& job, const Options& options) {
                           const std::vector<std::vector<double>>& units, Precision precision) {
     const Choice choice = choice_for(
         all, {{"stage", "0"}, {"offload", "none"}, {"precision", to_string(precision)}});
-    return declare(all, choice, context_with_units(counts, units, 1, true, options.buffer_count),
+    ModelCounts probed = counts;
+    probed.optimizer_in_backward = false;  // the probes' step (see probe())
+    return declare(all, choice, context_with_units(probed, units, 1, true, options.buffer_count),
                    0)
         .model_states();
   };
@@ -329,6 +337,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
     const ProbeResult whole = run_probe(std::string("the whole model set up, ") + to_string(first),
                                         overrides_for(first), 1, false);
     report.model = whole.counts;
+    report.model.optimizer_in_backward = in_backward;
     unit_tensors = whole.unit_tensors;
     counted = true;
     report.activations[precision_of(0)].setup_peak = whole.setup_peak;

@@ -237,6 +237,7 @@ memory::MemoryContext context_of(const ModelCounts& m, int world_size, bool cpu_
   c.world_size = world_size;
   c.cpu_device = cpu_device;
   c.buffer_count = buffer_count;
+  c.optimizer_in_backward = m.optimizer_in_backward;
   return c;
 }
 

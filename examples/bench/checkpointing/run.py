@@ -4,9 +4,10 @@ length are interleaved over several rounds. Reports the median step time and the
 tracked allocator; activation memory = peak - the memory held at the end of a step (weights,
 grads, AdamW state), which is what checkpointing can cut.
 --table policy: the recompute policies instead ([checkpointing] policy = full, attention, mlp,
-every_n with every = 2), on GPT-2 124M's shape (n_embd 768, 12 heads, vocab 50257).
+every_n with every = 2, and full on the first 6, 8 or 10 units with attention on the others),
+on GPT-2 124M's shape (n_embd 768, 12 heads, vocab 50257).
 usage: .venv/bin/python examples/bench/checkpointing/run.py [--rounds 3] [--steps 4]
-       [--seqs 128,256] [--batch 4] [--build build] [--table units|policy]"""
+       [--seqs 128,256] [--batch 4] [--build build] [--table units|policy] [--only ROW,ROW]"""
 import argparse
 import json
 import os
@@ -22,6 +23,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 POLICIES = {"none": None, "every unit": "every = 1", "every 2nd unit": "every = 2"}
 RECOMPUTE_POLICIES = {"none": None, "full": 'policy = "full"', "attention": 'policy = "attention"',
                       "mlp": 'policy = "mlp"', "every_n (every = 2)": 'policy = "every_n"\nevery = 2'}
+# Full on the first N units and attention on the rest ([checkpointing] others): per unit full
+# cuts the most and attention costs the least time, so the mix trades along N.
+for n in (6, 8, 10):
+    RECOMPUTE_POLICIES[f"full x{n} + attention"] = f'policy = "full"\nfirst = {n}\nothers = "attention"'
+
 GPT2_SHAPE = ["model.n_embd=768", "model.n_head=12", "model.vocab_size=50257",
               "data.vocab_high=50257"]
 
@@ -57,8 +63,16 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--build", default="build")
     p.add_argument("--table", choices=["units", "policy"], default="units")
+    p.add_argument("--only", default="",
+                   help="comma-separated rows to run (none always runs): a shorter timing run")
     args = p.parse_args()
     policies = RECOMPUTE_POLICIES if args.table == "policy" else POLICIES
+    if args.only:
+        wanted = {"none", *args.only.split(",")}
+        unknown = wanted - set(policies)
+        if unknown:
+            sys.exit(f"--only: unknown rows {sorted(unknown)}; the rows are {list(policies)}")
+        policies = {name: text for name, text in policies.items() if name in wanted}
     mib = 1 << 20
     shape = "GPT-2 124M shape (12 units x 768 wide, 12 heads, vocab 50257)" if (
         args.table == "policy") else "gpt 12 units x 128 wide"

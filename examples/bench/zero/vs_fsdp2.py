@@ -3,8 +3,9 @@ vocabulary 50257, tied head, no dropout), fp32, AdamW (lr 1e-4, no clipping), ba
 tokens per rank, 2 ranks over gloo, one intra-op thread each. FSDP2's side is written here:
 `fully_shard` on every block and then on the root (so the embeddings and final norm are sharded
 too), torch's AdamW (fused where it takes sharded parameters, else its default), random tokens.
-loom's side is `loom run` of examples/bench/zero/zero_bench.toml at stage 3 with the same shape.
-The two alternate, round by round; each run's step time is the median of its steps after the
+loom's side is `loom run` of examples/bench/zero/zero_bench.toml at stage 3 with the same shape,
+twice: as it comes (freed blocks returned to the system) and with
+[zero] stage3_return_freed_memory = false. The three rotate, round by round; each run's step time is the median of its steps after the
 first, tokens/s is ranks x batch x sequence / that, and each side's memory is rank 0's peak RSS.
 usage: .venv/bin/python examples/bench/zero/vs_fsdp2.py [--rounds 3] [--steps 6]
        (the FSDP2 worker: python -m torch.distributed.run ... vs_fsdp2.py --worker STEPS)"""
@@ -74,8 +75,9 @@ def run_fsdp2(steps, port):
     return statistics.median(result["times"][1:]), result["rss"], result["optimizer"]
 
 
-def run_loom_stage3(steps):
+def run_loom_stage3(steps, return_freed_memory=True):
     rows = run_loom(JOB, [f"train.max_steps={steps}", "zero.stage=3", "train.num_threads=1",
+                          f"zero.stage3_return_freed_memory={str(return_freed_memory).lower()}",
                           f"train.per_device_train_batch_size={BATCH}", f"model.vocab_size={VOCAB}",
                           f"model.n_positions={SEQ}", f"data.seq_len={SEQ}",
                           f"data.vocab_high={VOCAB}", "train.max_grad_norm=0"], RANKS, "gloo")
@@ -92,34 +94,36 @@ def main():
     if args.worker:
         fsdp2_worker(args.worker)
         return
-    loom, fsdp2, kind = [], [], "?"
+    # The sides: loom with freed blocks returned to the system (stage 3's default, the least
+    # memory), loom with them kept in malloc's heap, and FSDP2 (Note [Freed weights go back]).
+    names = ["loom, [zero] stage 3", "loom, stage 3, stage3_return_freed_memory = false",
+             "PyTorch FSDP2"]
+    runs, kind = [[], [], []], "?"
     port = 29700 + os.getpid() % 200
     for r in range(args.rounds):
-        order = (0, 1) if r % 2 == 0 else (1, 0)  # alternate which side goes first
+        order = [(r + k) % 3 for k in range(3)]  # rotate which side goes first
         for side in order:
-            if side == 0:
-                loom.append(run_loom_stage3(args.steps))
-                print(f"round {r}: loom stage 3 {loom[-1]}", file=sys.stderr, flush=True)
+            if side < 2:
+                runs[side].append(run_loom_stage3(args.steps, return_freed_memory=side == 0))
             else:
                 port += 1
                 t, rss, kind = run_fsdp2(args.steps, port)
-                fsdp2.append((t, rss))
-                print(f"round {r}: FSDP2 {fsdp2[-1]} ({kind} AdamW)", file=sys.stderr, flush=True)
+                runs[2].append((t, rss))
+            print(f"round {r}: {names[side]} {runs[side][-1]}", file=sys.stderr, flush=True)
     tokens = RANKS * BATCH * SEQ
-    lt, ft = statistics.median(x[0] for x in loom), statistics.median(x[0] for x in fsdp2)
-    lm, fm = max(x[1] for x in loom), max(x[1] for x in fsdp2)
+    step = [statistics.median(x[0] for x in side) for side in runs]
+    mem = [max(x[1] for x in side) for side in runs]
     print(f"{cpu_name()}, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the "
           f"end); GPT-2 124M fp32, {RANKS} gloo ranks x 1 thread, batch {BATCH} x {SEQ} per rank; "
           f"median of {args.rounds} interleaved rounds x {args.steps - 1} steps; FSDP2 with "
           f"{kind} AdamW\n")
     print("| side | step (s) | tokens/s | vs FSDP2 | rank 0 peak RSS (GiB) | vs FSDP2 |")
     print("|---|---|---|---|---|---|")
-    print(f"| loom, [zero] stage 3 | {lt:.2f} | {tokens / lt:.0f} | {ft / lt:.2f}x | "
-          f"{lm / 2**30:.2f} | {lm / fm:.2f}x |")
-    print(f"| PyTorch FSDP2 | {ft:.2f} | {tokens / ft:.0f} | 1.00x | {fm / 2**30:.2f} | 1.00x |")
-    print("per-run step times (s): loom " + ", ".join(f"{x[0]:.2f}" for x in loom) +
-          "; FSDP2 " + ", ".join(f"{x[0]:.2f}" for x in fsdp2))
-
+    for name, t, m in zip(names, step, mem):
+        print(f"| {name} | {t:.2f} | {tokens / t:.0f} | {step[2] / t:.2f}x | {m / 2**30:.2f} | "
+              f"{m / mem[2]:.2f}x |")
+    print("per-run step times (s): " + "; ".join(
+        name + " " + ", ".join(f"{x[0]:.2f}" for x in side) for name, side in zip(names, runs)))
 
 if __name__ == "__main__":
     main()

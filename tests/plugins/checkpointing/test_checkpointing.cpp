@@ -1,8 +1,10 @@
 // The checkpointing plugin: gradients equal those of the plain run (bitwise on CPU, dropout on,
 // with accumulation, frozen inputs, bf16 autocast), for each recompute policy (full, attention,
-// mlp, every_n) on gpt and llama; the keys pick the right units and regions, the peak of the
-// tracked allocator drops by each policy's share, and bad policies, selective policies on
-// units without regions and models without a UnitList are errors.
+// mlp, every_n, and whole units with a region of the others) on gpt and llama; the keys pick
+// the right units and regions, the peak of the tracked allocator drops by each policy's share
+// (and by the sum of the parts' shares for full on some units and attention on the others),
+// and bad policies, selective policies on units without regions and models without a UnitList
+// are errors.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
@@ -255,6 +257,20 @@ TEST(Checkpointing, EveryPolicyTrainsBitwiseLikeThePlainRunOnGptAndLlama) {
         train_one_step({"policy = \"attention\"\nunits = [1, 2]", {}, false, false, llama, 3});
     expect_bitwise_equal(plain, listed);
     EXPECT_EQ(listed.attention_runs, each_unit(6, {{1, 6}, {2, 6}}));
+    // Whole units and a region of the others (Note [Recompute policies]): units 0-1 run
+    // again whole (their regions with them), units 2-3 run their attention (or MLP) again.
+    const StepResult combined = train_one_step(
+        {"policy = \"full\"\nfirst = 2\nothers = \"attention\"", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, combined);
+    EXPECT_EQ(combined.unit_runs, each_unit(6, {{0, 6}, {1, 6}}));
+    EXPECT_EQ(combined.attention_runs, each_unit(12));
+    EXPECT_EQ(combined.mlp_runs, each_unit(6, {{0, 6}, {1, 6}}));
+    const StepResult every_n_mlp = train_one_step(
+        {"policy = \"every_n\"\nevery = 2\nothers = \"mlp\"", {}, false, false, llama, 3});
+    expect_bitwise_equal(plain, every_n_mlp);
+    EXPECT_EQ(every_n_mlp.unit_runs, each_unit(6, {{0, 6}, {2, 6}}));
+    EXPECT_EQ(every_n_mlp.attention_runs, each_unit(6, {{0, 6}, {2, 6}}));
+    EXPECT_EQ(every_n_mlp.mlp_runs, each_unit(12));
   }
 }
 
@@ -298,6 +314,19 @@ TEST(Checkpointing, EachPolicyCutsThePeakByWhatItDoesNotKeep) {
   EXPECT_LT(full, every_n);
   EXPECT_LT(every_n, plain);
   EXPECT_LT(full, plain / 2) << full << " vs " << plain;
+  // Full on units 0-1 and attention on units 2-3 (others, Note [Recompute policies]): the
+  // cut is the full units' cut plus the attention units' cut, to the byte (the parts keep
+  // disjoint tensors, and the peak stays where it was). The attention part alone cuts 1-2
+  // units' share, as the band above says for 2 units.
+  const double first_two = peak("policy = \"full\"\nfirst = 2");
+  const double last_two_attention = peak("policy = \"attention\"\nunits = [2, 3]");
+  const double combined = peak("policy = \"full\"\nfirst = 2\nothers = \"attention\"");
+  EXPECT_GE(plain - last_two_attention, 0.9 * attention_bytes) << last_two_attention;
+  EXPECT_LE(plain - last_two_attention, 1.05 * 2 * attention_bytes) << last_two_attention;
+  EXPECT_GT(plain - first_two, 0.0);
+  EXPECT_EQ(plain - combined, (plain - first_two) + (plain - last_two_attention))
+      << "plain " << plain << ", full on 0-1 " << first_two << ", attention on 2-3 "
+      << last_two_attention << ", both " << combined;
 }
 
 TEST(Checkpointing, BadPoliciesAreClearErrors) {
@@ -326,15 +355,43 @@ TEST(Checkpointing, BadPoliciesAreClearErrors) {
                     "policy = \"every_n\" needs every = N >= 2", "got every = 1");
   EXPECT_THROW_WITH(setup_with("policy = \"every_n\"\nunits = [1]"), ConfigError, "job.toml:",
                     "policy = \"every_n\" picks units by every; drop units");
+  // first = N and others (Note [Recompute policies]).
+  EXPECT_THROW_WITH(setup_with("first = 0"), ConfigError, "job.toml:",
+                    "[checkpointing] first must be >= 1", "got 0");
+  EXPECT_THROW_WITH(setup_with("first = 1\nevery = 2"), ConfigError, "job.toml:",
+                    "[checkpointing] set either first or every, not both");
+  EXPECT_THROW_WITH(setup_with("first = 1\nunits = [0]"), ConfigError, "job.toml:",
+                    "[checkpointing] set either first or units, not both");
+  EXPECT_THROW_WITH(setup_with("policy = \"every_n\"\nfirst = 1"), ConfigError, "job.toml:",
+                    "policy = \"every_n\" picks units by every; drop first, or use policy = "
+                    "\"full\" to recompute the first units");
+  EXPECT_THROW_WITH(setup_with("first = 3"), ConfigError, "job.toml:",
+                    "[checkpointing] first = 3 but model 'gpt' has 2 units; first must be at "
+                    "most 2");
+  EXPECT_THROW_WITH(setup_with("first = 1\nothers = \"selective\""), ConfigError, "job.toml:",
+                    "[checkpointing] others 'selective' is unknown; the choices are none, "
+                    "attention, mlp");
+  EXPECT_THROW_WITH(setup_with("policy = \"attention\"\nfirst = 1\nothers = \"mlp\""),
+                    ConfigError, "job.toml:",
+                    "[checkpointing] others = \"mlp\" is for the whole-unit policies (full, "
+                    "every_n)",
+                    "with policy = \"attention\" the units not chosen recompute nothing. Use "
+                    "policy = \"full\", or drop others");
+  EXPECT_THROW_WITH(setup_with("others = \"attention\""), ConfigError, "job.toml:",
+                    "[checkpointing] others = \"attention\" applies to the units policy = "
+                    "\"full\" does not choose, but every = 1 chooses every unit; choose fewer "
+                    "with first = N, units = [...] or every = N");
+  EXPECT_THROW_WITH(setup_with("first = 2\nothers = \"attention\""), ConfigError, "job.toml:",
+                    "[checkpointing] others = \"attention\" applies to the units that policy = "
+                    "\"full\" does not choose, but first chooses all 2 units of model 'gpt'; "
+                    "choose fewer, or drop others");
+  EXPECT_THROW_WITH(setup_with("units = [0, 1]\nothers = \"mlp\""), ConfigError,
+                    "but units chooses all 2 units of model 'gpt'");
 }
 
 TEST(Checkpointing, ASelectivePolicyOnUnitsWithoutRegionsIsAnError) {
   // A model whose units mark no regions (a Unit of plain ATen pieces) must not silently save
   // nothing. An interceptor that runs the gpt's units without the region runner stands in.
-  TempDir dir;
-  auto trainer = Trainer::from_text(
-      tiny_gpt_job(dir.str()) + "\n[checkpointing]\npolicy = \"mlp\"\n", dir.path(),
-      {"train.save_final=false", "train.max_steps=1"});
   class Unmark final : public nn::UnitInterceptor {
    public:
     std::string name() const override { return "test_unmark"; }
@@ -343,12 +400,24 @@ TEST(Checkpointing, ASelectivePolicyOnUnitsWithoutRegionsIsAnError) {
       return unit.forward(x, nn::UnitArgs{});  // args without the region runner
     }
   };
-  trainer->engine().on(Event::setup, [](Engine& e) {
-    e.add_unit_interceptor(std::make_shared<Unmark>());
-  });
-  EXPECT_THROW_WITH(trainer->run(), ConfigError, "job.toml:",
+  auto run_unmarked = [](const std::string& policy) {
+    TempDir dir;
+    auto trainer = Trainer::from_text(tiny_gpt_job(dir.str()) + "\n[checkpointing]\n" + policy,
+                                      dir.path(), {"train.save_final=false", "train.max_steps=1"});
+    trainer->engine().on(Event::setup, [](Engine& e) {
+      e.add_unit_interceptor(std::make_shared<Unmark>());
+    });
+    trainer->run();
+  };
+  EXPECT_THROW_WITH(run_unmarked("policy = \"mlp\"\n"), ConfigError, "job.toml:",
                     "policy = \"mlp\" found no mlp region in the chosen units of model 'gpt'",
                     "use policy = \"full\"");
+  // The same for the units a whole-unit policy leaves to others.
+  EXPECT_THROW_WITH(run_unmarked("first = 1\nothers = \"attention\"\n"), ConfigError,
+                    "job.toml:",
+                    "[checkpointing] others = \"attention\" found no attention region in the "
+                    "units not chosen of model 'gpt'",
+                    "use others = \"none\"");
 }
 
 TEST(Checkpointing, AModelWithoutUnitListIsAnError) {
