@@ -54,10 +54,11 @@ namespace loom {
 //   update; the precision plugin refuses fp16/full_fp16, and a loss scale other than 1 at the
 //   first backward is refused here for any other scaler), a plugin that sets skip_update (an
 //   error at that step: the update already happened), ZeRO stage 3, offloaded optimizers and,
-//   at stages 1-2, rules with whole-tensor statistics (Adafactor) (the zero plugin refuses
-//   them when the job is read, the rule's among them through JobTables::update_rule; any other driver that updates neither one parameter nor its own pieces in backward
-//   is refused at setup), and parameters placed on some ranks only (expert parallelism: their
-//   norm needs a collective after backward).
+//   at stages 1-2, rules with whole-tensor statistics (Adafactor) (the zero plugin refuses them
+//   when the job is read, the rule's among them through JobTables::update_rule; any other driver
+//   that updates neither one parameter nor its own pieces in backward is refused at setup), and
+//   parameters placed on some ranks only (expert parallelism: their norm needs a collective
+//   after backward).
 // - A parameter that had a gradient from an earlier micro-step but none in the last (a branch
 //   unused by the last micro-batch) is updated after backward, as the normal step would.
 // - A diverged loss is still an error (after before_update, as without it), but the parameters

@@ -400,7 +400,8 @@ class CheckpointingPlugin final : public loom::Plugin {
 
   void attach(loom::Engine& engine) override {
     if (!enabled_) return;
-    checkpointer_ = std::make_shared<Checkpointer>([this](int64_t index) { return part_of(index); });
+    checkpointer_ =
+        std::make_shared<Checkpointer>([this](int64_t index) { return part_of(index); });
     engine.add_unit_interceptor(checkpointer_);
     engine.on(loom::Event::model_built, [this](loom::Engine& e) { check_model(e); });
     if (policy_ == Policy::attention || policy_ == Policy::mlp || others_ != Part::nothing)

@@ -35,14 +35,14 @@ namespace loom::estimate {
 // offload_param) also move the units' weight shards there, the device keeping the weights
 // outside units and two gathered units, and nvme+p's host RAM three shards in flight. On a CPU
 // run "cpu" moves nothing (one memory), so cpu+p is stage 3's cpu row there. With [train]
-// optimizer_in_backward the probes run the job without it and the zero plugin declares the
-// gradient held: one group's chunk at stages 1-2, one tensor's on one process at stage 0, as
-// before over ranks at stage 0 (stage 3 and offloads refuse it). Activations and the rest of the peak (workspace, data, autocast's half
-// copies, the driver's buffers) are measured: the job runs two steps at per-device batches 2
-// and 3 (1 and 2 where the job's batch is below 3: Note [Probe batches]; the second step's
-// peaks count) in each precision on one rank, and the peak above the model states is split into a part per
-// sample and a fixed part. With bf16 autocast the half copies are 2 B per parameter of the fixed
-// part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
+// optimizer_in_backward the probes run the job without it and the zero plugin declares the gradient
+// held: one group's chunk at stages 1-2, one tensor's on one process at stage 0, as before over
+// ranks at stage 0 (stage 3 and offloads refuse it). Activations and the rest of the peak
+// (workspace, data, autocast's half copies, the driver's buffers) are measured: the job runs two
+// steps at per-device batches 2 and 3 (1 and 2 where the job's batch is below 3: Note [Probe
+// batches]; the second step's peaks count) in each precision on one rank, and the peak above the
+// model states is split into a part per sample and a fixed part. With bf16 autocast the half copies
+// are 2 B per parameter of the fixed part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
 enum class Precision { fp32, bf16, full_bf16 };
 // cpu_params ("cpu+p") and nvme_params ("nvme+p"): the optimizer state and (stage 3,
 // half-precision weights) the units' weight shards in host memory or on NVMe, [zero]
