@@ -71,10 +71,19 @@ std::vector<at::Tensor> DefaultStepDriver::defined_grads() const {
   return out;
 }
 
+// Note [Gradients released, not zeroed]: each step starts with no gradient tensors at all
+// (PyTorch's zero_grad(set_to_none=True), its default since 2.0), not with zeroed ones. Zeroed
+// gradients live through forward, so the step's peak held the activations and every gradient
+// at once, and backward then added each new gradient into its zeros (one more pass over every
+// gradient, and the zeroing pass before it). Released, a gradient is made by the backward that
+// computes it, as the activations it came from are freed. GPT-2 124M fp32, batch 4 x 256: peak
+// 2682 -> 2207 MiB, the model's 475 MiB of gradients (docs/BENCHMARKS.md). The values are the
+// same: the first micro-batch's gradient is taken as it is, later ones are added to it. A
+// parameter that gets no gradient in a step (an expert no token chose, a branch not taken)
+// has none and its update is skipped, as PyTorch's optimizers skip a None grad; it was updated
+// with a zero gradient before (its moments decayed, weight decay applied).
 void DefaultStepDriver::zero_grad() {
-  // Multi-tensor ops: on a GPU one launch covers many tensors, not one launch per tensor.
-  auto all = defined_grads();
-  if (!all.empty()) at::_foreach_zero_(all);
+  for (auto& entry : entries_) at::Tensor(entry.param.tensor).mutable_grad() = at::Tensor();
 }
 
 namespace {

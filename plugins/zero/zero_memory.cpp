@@ -133,6 +133,9 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   const double whole_weights = r.weights;  // every weight, before any sharding
   r.weights = whole_weights - c.trainable * w + z.weights;
   r.grads = z.grads;
+  // Stage 1 zeroes its whole gradients between steps and stages 2-3 keep their shards: held
+  // through forward. Stage 0 releases them (Note [Gradients released, not zeroed]).
+  r.grads_released = stage == 0;
   r.masters = z.masters;
   r.optimizer = z.optimizer;
   // Stage 3 gathers two units whole (the one computing, the next one prefetched).

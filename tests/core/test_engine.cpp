@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "loom/engine.h"
+#include "loom/memory.h"
 #include "loom/model.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
@@ -89,6 +90,42 @@ std::vector<at::Tensor> window_grads(const TempDir& dir, int64_t batch, int64_t 
               *std::max_element(targets.begin(), targets.end()));
   }
   return grads;
+}
+
+// Note [Gradients released, not zeroed]: each step's forward starts with no gradient tensor
+// (so its peak holds none), every trainable parameter has its gradient again by the update, and
+// the tracked memory at the start of each step is the same: weights and optimizer state only.
+TEST(Engine, GradientsAreReleasedBetweenSteps) {
+  TempDir dir;
+  auto trainer = Trainer::from_text(
+      tiny_gpt_job(dir.str()), dir.path(),
+      {"train.max_steps=3", "train.gradient_accumulation_steps=2", "train.save_final=false"});
+  trainer->setup();
+  int forwards = 0, updates = 0;
+  std::vector<int64_t> at_step_start;
+  int64_t grad_bytes = 0;
+  trainer->engine().on(Event::before_forward, [&](Engine& e) {
+    if (forwards++ % 2 != 0) return;  // the window's first micro-batch only
+    at_step_start.push_back(memory::cpu_stats().current_bytes);
+    for (const auto& p : e.params())
+      EXPECT_FALSE(p.tensor.grad().defined()) << p.name << " holds a gradient at step "
+                                              << e.state().step + 1 << "'s start";
+  });
+  trainer->engine().on(Event::before_update, [&](Engine& e) {
+    ++updates;
+    grad_bytes = 0;
+    for (const auto& p : e.params()) {
+      ASSERT_TRUE(p.tensor.grad().defined()) << p.name;
+      grad_bytes += p.tensor.grad().numel() * p.tensor.grad().element_size();
+    }
+  });
+  while (trainer->step()) {
+  }
+  ASSERT_EQ(updates, 3);
+  ASSERT_EQ(at_step_start.size(), 3u);
+  ASSERT_GT(grad_bytes, 0);
+  // Steps 2 and 3 start alike (step 1 starts before the optimizer state exists).
+  EXPECT_EQ(at_step_start[1], at_step_start[2]);
 }
 
 TEST(Engine, AccumulationNormalisesByTheWindowsTargets) {

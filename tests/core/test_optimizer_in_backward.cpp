@@ -172,11 +172,12 @@ struct PeakSaving {
                        grad_bytes, ", largest ", largest, ", saved ", saved());
   }
 };
-PeakSaving measure_peak_saving(const std::string& tables) {
+PeakSaving measure_peak_saving(const std::string& tables, int batch = 2) {
   const std::vector<std::string> wider = {"model.n_embd=128", "model.n_layer=6",
                                           "model.vocab_size=512", "data.vocab_high=512",
                                           "train.max_steps=3",
-                                          "train.per_device_train_batch_size=2",
+                                          "train.per_device_train_batch_size=" +
+                                              std::to_string(batch),
                                           "train.max_grad_norm=0"};
   int64_t grad_bytes = 0, largest = 0;
   auto peak_of = [&](bool in_backward) {
@@ -205,15 +206,20 @@ PeakSaving measure_peak_saving(const std::string& tables) {
   return out;
 }
 
-// The point of it: no step holds every gradient at once. The tracked allocator's peak over the
-// steps falls by the gradients' bytes (all fp32 here), less what the hooks add during backward:
-// the norm's sum of squares of one gradient (an fp32 square and its fp64 copy) and the update's
-// temporary, at most 4 of the largest gradient's bytes (measured: 2.75 of them on this model:
-// 4.31 of 5.03 MB saved).
+// The point of it: no step holds every gradient at once. The normal step releases its
+// gradients between steps (Note [Gradients released, not zeroed]), so its forward holds none
+// and its update, holding them all, sets its peak wherever the activations do not. With the
+// activations recomputed unit by unit at batch 1 (so they set neither peak) the tracked
+// allocator's peak over the steps falls by the gradients' bytes (all fp32 here), less what
+// backward holds besides at the in-backward run's peak: one gradient being updated, its
+// squares for the norm in fp32 and fp64, the rule's temporaries, backward's own buffers and a
+// unit's recomputation, at most 8 of the largest gradient's bytes (measured: 7.3 of them, 3.93
+// of 5.03 MB saved). Without recomputation the activations set the in-backward peak: 2.91 MB
+// saved at batch 2.
 TEST(OptimizerInBackward, PeakMemoryFallsByAboutTheGradientBytes) {
-  const PeakSaving m = measure_peak_saving("");
+  const PeakSaving m = measure_peak_saving("\n[checkpointing]\n", 1);
   ASSERT_GT(m.grad_bytes, 16 * m.largest);  // the gradients stand out of one's transients
-  EXPECT_GE(m.saved(), m.grad_bytes - 4 * m.largest) << m.numbers();
+  EXPECT_GE(m.saved(), m.grad_bytes - 8 * m.largest) << m.numbers();
   EXPECT_LE(m.saved(), m.grad_bytes) << m.numbers();
 }
 

@@ -66,6 +66,11 @@ struct MemoryTerms {
   double unit_params = 0, largest_unit_params = 0, half_frozen_params = 0;
   bool buildable = true;    // loom runs this configuration today
   bool applicable = true;   // false: the configuration does not exist (left out of the table)
+  // The step driver releases `grads` between steps and backward makes them again (the default
+  // driver: Note [Gradients released, not zeroed]), so the peak of forward and backward holds
+  // only those made by then, which the measured activations count. false: the driver keeps its
+  // gradient memory through forward (ZeRO's stage-1 gradients, stage-2/3 shards).
+  bool grads_released = true;
   std::map<std::string, std::string> labels;  // the table's columns: "stage" -> "3"
   std::vector<std::string> notes;        // the job's: said in the estimate's first line
   std::vector<std::string> table_notes;  // the job's: said under the table

@@ -100,8 +100,8 @@ class StepDriver {
   virtual ~StepDriver();
   virtual std::string name() const = 0;
 
-  // Before each step's first micro-batch: gradients to zero (or released, for a driver that
-  // keeps them elsewhere).
+  // Before each step's first micro-batch: gradients released (the default driver: Note
+  // [Gradients released, not zeroed] in core/src/step_driver.cpp) or zeroed.
   virtual void zero_grad() = 0;
   // The squared global gradient norm over every trainable parameter of the model, summed over
   // all ranks and shards (a sharded driver all-reduces its partial sums): a 0-d fp64 tensor on

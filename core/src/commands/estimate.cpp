@@ -318,16 +318,23 @@ Report estimate_loaded(const Job& job, const Options& options) {
   double per_unit = 0;
   std::vector<std::vector<double>> unit_tensors;  // the whole model's (ProbeResult)
   // The model states of a probe's model in one precision on one rank, as the job's plugins
-  // declare them: what the probes' peaks are measured above.
+  // declare them: what the probes' peaks are measured above. The probes' stage-0 step releases
+  // its gradients between steps (Note [Gradients released, not zeroed]), so forward and
+  // backward are measured above the states without them (the activations then count the
+  // gradients backward has made by the peak), the update above all of them.
+  struct ProbeStates {
+    double forward_backward = 0, update = 0;
+  };
   auto model_states = [&](const ModelCounts& counts,
                           const std::vector<std::vector<double>>& units, Precision precision) {
     const Choice choice = choice_for(
         all, {{"stage", "0"}, {"offload", "none"}, {"precision", to_string(precision)}});
     ModelCounts probed = counts;
     probed.optimizer_in_backward = false;  // the probes' step (see probe())
-    return declare(all, choice, context_with_units(probed, units, 1, true, options.buffer_count),
-                   0)
-        .model_states();
+    const memory::MemoryTerms terms = declare(
+        all, choice, context_with_units(probed, units, 1, true, options.buffer_count), 0);
+    const double released = terms.grads_released ? terms.grads : 0.0;
+    return ProbeStates{terms.model_states() - released, terms.model_states()};
   };
   // The whole model set up once (no step): its counts, its units, its setup peak in the first
   // precision probed. Without probes that is all.
@@ -391,9 +398,9 @@ Report estimate_loaded(const Job& job, const Options& options) {
                   "two steps of a " + std::to_string(u) + "-unit proxy, " + name, proxy, b, true);
               LOOM_CHECK(r.units == u, "the proxy has ", r.units, " units, not ", u);
               built = true;
-              const double states = model_states(r.counts, r.unit_tensors, precision);
-              above[u - 1][b - low] = r.backward_peak - states;
-              update[u - 1] = std::max(update[u - 1], r.update_peak - states);
+              const ProbeStates states = model_states(r.counts, r.unit_tensors, precision);
+              above[u - 1][b - low] = r.backward_peak - states.forward_backward;
+              update[u - 1] = std::max(update[u - 1], r.update_peak - states.update);
               if (u == 2)
                 LOOM_CHECK(above[1][b - low] > above[0][b - low], "a second unit adds nothing "
                            "to the peak at batch ", b, " (", above[0][b - low] / 1048576,
@@ -439,11 +446,12 @@ Report estimate_loaded(const Job& job, const Options& options) {
         update_peaks[b - low] = r.update_peak;
         peaks[b - low] = r.backward_peak;
       }
-      const double states = model_states(report.model, unit_tensors, precision);
+      const ProbeStates states = model_states(report.model, unit_tensors, precision);
       a.measured = true;
       a.per_sample = std::max(0.0, peaks[1] - peaks[0]);
-      a.fixed = std::max(0.0, peaks[0] - static_cast<double>(low) * a.per_sample - states);
-      a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states);
+      a.fixed = std::max(0.0, peaks[0] - static_cast<double>(low) * a.per_sample -
+                                  states.forward_backward);
+      a.update = std::max(0.0, std::max(update_peaks[0], update_peaks[1]) - states.update);
     } catch (const ConfigError&) {
       throw;  // the job itself is wrong: say so, as loom check would
     } catch (const std::exception& error) {
@@ -524,7 +532,9 @@ int64_t largest_batch(const Report& r, double budget_bytes) {
   const Activations& a = r.activations[static_cast<int>(r.job_precision)];
   if (!a.measured || a.per_sample <= 0) return 0;
   const Row base = job_row(r, 0);
-  if (base.setup_peak > budget_bytes) return 0;
+  // The setup and the update (every gradient held, and the rule's temporaries) must fit at any
+  // batch: base.peak is the largest of them at batch 0.
+  if (base.peak > budget_bytes) return 0;
   const double room = budget_bytes - base.device;
   if (room < a.per_sample) return 0;
   return static_cast<int64_t>(std::floor(room / a.per_sample));

@@ -157,7 +157,11 @@ Row finish(const memory::MemoryTerms& t, const Activations& activations, int64_t
     r.setup_peak = activations.setup_peak;
     r.update_extra = activations.update;
   }
-  r.device = r.model_states() + r.activations + r.buffers - t.to_host - t.to_nvme;
+  // Gradients the driver releases between steps are not there in forward; backward makes them
+  // as it frees activations, and the probes' activations count those made by the peak
+  // (MemoryTerms::grads_released). The update holds them all.
+  const double released = t.grads_released && activations.measured ? r.grads : 0.0;
+  r.device = r.model_states() - released + r.activations + r.buffers - t.to_host - t.to_nvme;
   r.host = t.to_host + t.host_buffers;
   r.nvme = t.to_nvme;
   if (cpu_device) {  // one memory: the host column folds into the device's
@@ -166,7 +170,8 @@ Row finish(const memory::MemoryTerms& t, const Activations& activations, int64_t
   }
   // The update runs after the activations are freed: its own extra (the rule's temporaries,
   // half weights written back) over the model states on the device.
-  r.peak = std::max({r.device, r.device - r.activations - r.buffers + r.update_extra, r.setup_peak});
+  r.peak = std::max(
+      {r.device, r.device + released - r.activations - r.buffers + r.update_extra, r.setup_peak});
   r.buildable = t.buildable;
   return r;
 }

@@ -6,11 +6,12 @@ gradient is final, the gradient freed at once), and forward + backward alone (th
 left out) and the tracked allocator's peak (rank 0's). With --zero-stage 1 or 2 and --ranks N
 every variant runs ZeRO over N gloo ranks, its flat groups of --reduce-bucket-size bytes (Note
 [Updating chunks in backward]: each chunk is updated as its reduce-scatter lands, so the saving
-needs several groups).
+needs several groups). --job runs another job file instead of gpt.toml (clipping by global norm
+must be off: --set train.max_grad_norm=0), --set overrides its keys.
 usage: .venv/bin/python examples/bench/optimizer_in_backward/run.py [--rounds 5] [--steps 6]
        [--accumulation 1] [--threads 0] [--ranks 1] [--zero-stage -1]
-       [--reduce-bucket-size 2000000] [--build build] [--write]
-       (needs the loom_test_skip_updates target built)"""
+       [--reduce-bucket-size 2000000] [--job PATH] [--set KEY=VALUE ...] [--build build]
+       [--write] (needs the loom_test_skip_updates target built)"""
 import argparse
 import os
 import statistics
@@ -40,6 +41,10 @@ def main():
     p.add_argument("--zero-stage", type=int, default=-1, help="[zero] stage (-1: no [zero])")
     p.add_argument("--reduce-bucket-size", type=int, default=2000000,
                    help="[zero] reduce_bucket_size, with --zero-stage")
+    p.add_argument("--job", default=os.path.join(HERE, "gpt.toml"),
+                   help="the job file (default: gpt.toml beside this script)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job key for every variant (repeatable)")
     p.add_argument("--build", default="build", help="the build folder (relative to the root)")
     p.add_argument("--write", action="store_true", help="replace docs/BENCHMARKS.md's table")
     args = p.parse_args()
@@ -47,7 +52,8 @@ def main():
     benchlib.LOOM = os.path.join(build, "bin/loom")
     benchlib.LAUNCH = os.path.join(build, "bin/loom-launch")
     os.environ["LOOM_PLUGIN_PATH"] = os.path.join(build, "tests/plugins")
-    with open(os.path.join(HERE, "gpt.toml")) as f:
+    default_job = os.path.abspath(args.job) == os.path.join(HERE, "gpt.toml")
+    with open(args.job) as f:
         job_text = f.read()
     zero = ""
     if args.zero_stage >= 0:
@@ -66,7 +72,8 @@ def main():
             rows = benchlib.run_loom(jobs[name], [
                 f"train.max_steps={args.steps}",
                 f"train.gradient_accumulation_steps={args.accumulation}",
-                f"train.num_threads={args.threads}"] + VARIANTS[name][0], ranks=args.ranks)
+                f"train.num_threads={args.threads}"] + args.set + VARIANTS[name][0],
+                ranks=args.ranks)
             results[name].append((statistics.median(x["step_time_s"] for x in rows[1:]),
                                   rows[-1]["mem_peak_bytes"]))
             print(f"round {r}: {name}: {results[name][-1]}", file=sys.stderr, flush=True)
@@ -77,8 +84,11 @@ def main():
     fwd_bwd = statistics.median(x[0] for x in results["forward + backward alone"])
     base_peak = statistics.median(x[1] for x in results["normal step"])
     lines = [f"{benchlib.cpu_name()}, {os.cpu_count()} cores (load average "
-             f"{os.getloadavg()[0]:.1f} at the end); gpt 4 x 256, vocab 8192, batch 4 x 128 tokens, "
-             f"accumulation {args.accumulation}, {args.threads or 'all'} thread(s)"
+             f"{os.getloadavg()[0]:.1f} at the end); "
+             + ("gpt 4 x 256, vocab 8192, batch 4 x 128 tokens" if default_job else
+                os.path.relpath(args.job, benchlib.ROOT))
+             + "".join(f", --set {x}" for x in args.set)
+             + f", accumulation {args.accumulation}, {args.threads or 'all'} thread(s)"
              + (f", {args.ranks} gloo ranks" if args.ranks > 1 else "")
              + (f", [zero] stage {args.zero_stage} in groups of {args.reduce_bucket_size} B"
                 if args.zero_stage >= 0 else "")
