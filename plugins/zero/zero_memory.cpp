@@ -133,9 +133,8 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   const double whole_weights = r.weights;  // every weight, before any sharding
   r.weights = whole_weights - c.trainable * w + z.weights;
   r.grads = z.grads;
-  // Stage 1 zeroes its whole gradients between steps and stages 2-3 keep their shards: held
-  // through forward. Stage 0 releases them (Note [Gradients released, not zeroed]).
-  r.grads_released = stage == 0;
+  // Every stage releases its gradients (stages 2-3 their shards) between steps: Note
+  // [Gradients released, not zeroed]; MemoryTerms::grads_released stays true.
   r.masters = z.masters;
   r.optimizer = z.optimizer;
   // Stage 3 gathers two units whole (the one computing, the next one prefetched).

@@ -287,19 +287,12 @@ void ZeroDriver::zero_grad() {
   stats_.cross_group_elements = 0;
   stats_.shard_reads_ahead = 0;
   stats_.shard_wait_seconds = 0.0;
-  if (options_.stage == 1) {
-    std::vector<at::Tensor> grads;
-    for (auto& p : params_)
-      if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
-    if (!grads.empty()) at::_foreach_zero_(grads);
-    for (auto& group : groups_) group.grad = at::Tensor();
-  } else {
-    for (auto& p : params_) at::Tensor(p.tensor).mutable_grad() = at::Tensor();
-    // A shard not made yet, or freed by Note [Updating chunks in backward], is made (zeros)
-    // when its group lands.
-    for (auto& group : groups_)
-      if (group.grad.defined()) group.grad.zero_();
-  }
+  // Every stage releases .grad and its gradient chunks (Note [Gradients released, not zeroed]
+  // in core/src/step_driver.cpp): backward makes them again, so forward holds none. A stage-2/3
+  // shard is made (zeros, then the first chunk added: the bits of the zeroed shard it was) when
+  // its group first lands, as after Note [Updating chunks in backward] freed it.
+  for (auto& p : params_) at::Tensor(p.tensor).mutable_grad() = at::Tensor();
+  for (auto& group : groups_) group.grad = at::Tensor();
   // Note [Offloaded parameters]: the step's first unit is read while the step starts.
   if (param_file_ && options_.prefetch_elements > 0 && !unit_order_.empty())
     read_ahead(groups_[unit_order_.front()]);

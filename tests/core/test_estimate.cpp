@@ -9,6 +9,7 @@
 
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 
@@ -439,8 +440,7 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
         << "estimated " << estimated << " B, measured " << measured << " B";
     if (!c.train.empty()) {
       // The 10 % above holds with or without the update in backward (the gradients are 5 % of
-      // this peak), so the saving itself is held to what the same job measures without it:
-      // the estimate frees all but one group's chunk; the run frees all of it.
+      // this peak), so the saving itself is held to what the same job measures without it.
       ASSERT_TRUE(counts.optimizer_in_backward);
       counts.optimizer_in_backward = false;
       const double normal = estimate::row(counts, c.stage, c.offload, Precision::full_bf16, 1,
@@ -453,7 +453,10 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
                   "estimated, %.2f MiB measured\n", c.stage, normal / 1048576.0,
                   measured_normal / 1048576.0, (normal - estimated) / 1048576.0,
                   (measured_normal - measured) / 1048576.0);
-      EXPECT_NEAR((normal - estimated) / (measured_normal - measured), 1.0, 0.3);
+      // Both steps release their shards between steps (Note [Gradients released, not
+      // zeroed]), so where the activations set the peak neither saves anything (0 and 0 here).
+      const double saved = normal - estimated, measured_saved = measured_normal - measured;
+      EXPECT_NEAR(saved, measured_saved, 0.1 * 1048576 + 0.3 * std::abs(measured_saved));
     }
     if (c.offload != Offload::nvme_params) continue;
     // cpu+p, from the same report (the probes run the same unsharded layout): the weight shards

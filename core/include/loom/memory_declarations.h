@@ -69,7 +69,7 @@ struct MemoryTerms {
   // The step driver releases `grads` between steps and backward makes them again (the default
   // driver: Note [Gradients released, not zeroed]), so the peak of forward and backward holds
   // only those made by then, which the measured activations count. false: the driver keeps its
-  // gradient memory through forward (ZeRO's stage-1 gradients, stage-2/3 shards).
+  // gradient memory through forward (a driver that zeroes its gradients, or keeps a shard).
   bool grads_released = true;
   std::map<std::string, std::string> labels;  // the table's columns: "stage" -> "3"
   std::vector<std::string> notes;        // the job's: said in the estimate's first line
