@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include "loom/error.h"
 #include "loom/kernel_isa.h"
@@ -275,11 +276,23 @@ class AdamW final : public UpdateRule {
   // kernel that reads and writes each element once, a few launches for any number of tensors.
   // Its step count is a device tensor (one, shared: the kernel only reads it), so nothing
   // syncs the host.
+  // The step tensor is made once per step and device and kept: optimizer in backward calls this
+  // per large parameter, where a fill kernel each time was one of the seven kernels a parameter
+  // cost (Note [Small gradients batched on a GPU] in core/src/optimizer_in_backward.cpp). A new
+  // step makes a new tensor, so a kernel still reading the old one is unaffected.
   void fused_cuda_update(const std::vector<Segment*>& segments, const UpdateContext& ctx) const {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-    const at::Tensor step =
-        at::full({}, static_cast<double>(ctx.step),
-                 at::TensorOptions().dtype(at::kFloat).device(segments.front()->param.device()));
+    const c10::Device device = segments.front()->param.device();
+    at::Tensor step;
+    {
+      std::lock_guard<std::mutex> lock(step_mutex_);
+      if (!step_tensor_.defined() || step_value_ != ctx.step || step_tensor_.device() != device) {
+        step_tensor_ = at::full({}, static_cast<double>(ctx.step),
+                                at::TensorOptions().dtype(at::kFloat).device(device));
+        step_value_ = ctx.step;
+      }
+      step = step_tensor_;
+    }
     for (Segment* s : segments) {
       params.push_back(s->param);
       grads.push_back(s->grad);
@@ -370,6 +383,9 @@ class AdamW final : public UpdateRule {
 
   double beta1_, beta2_, eps_;
   bool bf16_state_ = false;
+  mutable std::mutex step_mutex_;
+  mutable at::Tensor step_tensor_;  // fused_cuda_update's, for step_value_
+  mutable int64_t step_value_ = -1;
   uint64_t seed_ = 0;
 };
 

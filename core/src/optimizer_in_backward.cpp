@@ -2,11 +2,13 @@
 // Note [Optimizer in backward] there.
 #include "optimizer_in_backward.h"
 
+#include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/grad_mode.h>
 
 #include "loom/error.h"
+#include "step_driver.h"
 
 namespace loom {
 
@@ -28,6 +30,8 @@ InBackwardUpdate::InBackwardUpdate(const std::vector<Param>& params, StepDriver&
     index_[params_[i].tensor.unsafeGetTensorImpl()] = i;
   }
   squares_.resize(params_.size());
+  taken_.assign(params_.size(), 0);
+  batching_driver_ = dynamic_cast<DefaultStepDriver*>(&driver_);
 }
 
 size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
@@ -37,18 +41,58 @@ size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
   return found->second;
 }
 
-void InBackwardUpdate::update(size_t index, const at::Tensor& grad) {
+// Note [Small gradients batched on a GPU]: on a GPU each parameter's update is a few tiny
+// kernels whose fixed cost (launch and drain, a few microseconds each) adds up over a model's
+// ~150 tensors, most of them biases and norms of a few thousand elements. squared_norm's five
+// kernels for one tensor and the fused AdamW's step tensor made it 7 kernels a parameter, and
+// the step 1.11x the normal one on GPT-2 124M (H200, docs/BENCHMARKS.md "Optimizer in
+// backward"). So on a GPU a gradient under kSmallTensorBytes is held, and the held ones are
+// applied together once they pass kHeldBytes (and at the end of backward): one multi-tensor
+// norm and one update_many for the batch, as the normal step runs them. A large tensor is
+// updated at once with one norm kernel (its fp32 norm is kept; finish_backward squares and sums
+// them all in fp64, as squared_norm does for the normal step: the same per-tensor norms, so the
+// same bits). The saving gives up at most kHeldBytes of small gradients held at a time. On a
+// CPU every update runs at once (no launch cost; the gradient is still in cache).
+constexpr int64_t kSmallTensorBytes = int64_t{1} << 20, kHeldBytes = int64_t{1} << 24;
+
+void InBackwardUpdate::update(size_t index, const at::Tensor& grad, bool may_hold) {
   const Param& param = params_[index];
   // A post-accumulate-grad hook fires once per backward; twice means a second backward through
   // the same parameters within one step, whose contribution would miss this update.
-  LOOM_CHECK(!squares_[index].defined(), "step ", state_.step + 1, ": the gradient of ",
+  LOOM_CHECK(!taken_[index], "step ", state_.step + 1, ": the gradient of ",
              param.name, " became final twice in one step; [train] optimizer_in_backward "
              "updates a parameter once per step, so it cannot take several backward passes per "
              "micro-batch; turn it off for this job");
   check_unscaled();
+  taken_[index] = 1;
   at::NoGradGuard no_grad;
-  squares_[index] = squared_norm({grad});
+  if (!grad.is_cuda()) {
+    squares_[index] = squared_norm({grad});
+    driver_.update_param(param, grad, state_.step + 1, state_.lr);
+    return;
+  }
+  if (may_hold && batching_driver_ && static_cast<int64_t>(grad.nbytes()) < kSmallTensorBytes) {
+    held_.emplace_back(&param, grad);
+    held_index_.push_back(index);
+    held_bytes_ += static_cast<int64_t>(grad.nbytes());
+    if (held_bytes_ >= kHeldBytes) flush_held();
+    return;
+  }
+  squares_[index] = at::_foreach_norm({grad}, 2).front();
   driver_.update_param(param, grad, state_.step + 1, state_.lr);
+}
+
+void InBackwardUpdate::flush_held() {
+  if (held_.empty()) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& item : held_) grads.push_back(item.second);
+  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+  for (size_t k = 0; k < held_index_.size(); ++k) squares_[held_index_[k]] = norms[k];
+  batching_driver_->update_params(held_, state_.step + 1, state_.lr);
+  held_.clear();
+  held_index_.clear();
+  held_bytes_ = 0;
 }
 
 void InBackwardUpdate::before_backward() {
@@ -73,8 +117,8 @@ void InBackwardUpdate::grad_ready(const Param& param) {
   const size_t index = index_of(param.tensor);
   at::Tensor& grad = param.tensor.mutable_grad();
   LOOM_INTERNAL_ASSERT(grad.defined(), "grad_ready for ", param.name, " without a gradient");
-  update(index, grad);
-  grad = at::Tensor();  // the point: this gradient's bytes are free for the rest of backward
+  update(index, grad, /*may_hold=*/true);
+  grad = at::Tensor();  // the point: this gradient's bytes are free (or held in a small batch)
 }
 
 void InBackwardUpdate::check_sync(int world_size, const std::string& grad_sync) const {
@@ -97,23 +141,28 @@ at::Tensor InBackwardUpdate::finish_backward() {
     for (const Param& param : params_) param.tensor.mutable_grad() = at::Tensor();
     return driver_.grad_norm_squared();
   }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].tensor.grad();
+    if (taken_[i] || !grad.defined()) continue;
+    // A plugin syncs gradients: an un-handed one is that plugin's gap, and updating from this
+    // rank's own gradient would let the replicas drift apart.
+    LOOM_CHECK_AS(ConfigError, !synced_by_plugin_, where_, ": the gradient of ",
+                  params_[i].name, " was not handed over after its synchronisation (a "
+                  "grad_sync plugin's bug: it said it would, Engine::will_hand_final_grads)");
+    update(i, grad, /*may_hold=*/true);  // a gradient from an earlier micro-step only (the Note)
+  }
+  flush_held();
   std::vector<at::Tensor> squares;
   for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& grad = params_[i].tensor.mutable_grad();
-    if (!squares_[i].defined() && grad.defined()) {
-      // A plugin syncs gradients: an un-handed one is that plugin's gap, and updating from this
-      // rank's own gradient would let the replicas drift apart.
-      LOOM_CHECK_AS(ConfigError, !synced_by_plugin_, where_, ": the gradient of ",
-                    params_[i].name, " was not handed over after its synchronisation (a "
-                    "grad_sync plugin's bug: it said it would, Engine::will_hand_final_grads)");
-      update(i, grad);  // a gradient from an earlier micro-step only (see the Note)
-    }
-    grad = at::Tensor();
+    params_[i].tensor.mutable_grad() = at::Tensor();
     if (squares_[i].defined()) squares.push_back(squares_[i]);
     squares_[i] = at::Tensor();
+    taken_[i] = 0;
   }
-  // The normal step's squared_norm: per-tensor sums stacked in parameter order, then summed.
+  // The normal step's squared_norm: per-tensor sums stacked in parameter order, then summed
+  // (on a GPU per-tensor norms, squared in fp64 first).
   if (squares.empty()) return at::zeros({}, at::kDouble);
+  if (squares.front().is_cuda()) return at::stack(squares).to(at::kDouble).pow(2).sum();
   return at::stack(squares).sum();
 }
 

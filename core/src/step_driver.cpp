@@ -167,15 +167,40 @@ UpdateContext update_context(const Param& param, int64_t step, double lr,
 }
 
 void DefaultStepDriver::update(int64_t step, double lr) {
-  at::NoGradGuard no_grad;
   // Tensors that share a learning rate and weight decay go to the rule together (update_many),
   // in parameter order within each group.
-  std::map<std::pair<double, double>, std::vector<Entry*>> groups;
-  for (auto& entry : entries_) {
+  std::vector<std::pair<const Param*, at::Tensor>> items;
+  for (const auto& entry : entries_) {
     const at::Tensor& grad = entry.param.tensor.grad();
-    if (!grad.defined()) continue;  // unused this step (e.g. a frozen branch)
-    entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.view(-1)
-                                                          : grad.to(at::kFloat).view(-1);
+    if (grad.defined()) items.emplace_back(&entry.param, grad);  // else unused this step
+  }
+  update_params(items, step, lr);
+}
+
+void DefaultStepDriver::write_back(Entry& entry) {
+  if (entry.separate_master)
+    entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
+}
+
+void DefaultStepDriver::update_param(const Param& param, const at::Tensor& grad, int64_t step,
+                                     double lr) {
+  update_params({{&param, grad}}, step, lr);
+}
+
+void DefaultStepDriver::update_params(const std::vector<std::pair<const Param*, at::Tensor>>& items,
+                                      int64_t step, double lr) {
+  at::NoGradGuard no_grad;
+  // update()'s conversion, context and grouping, and the rule's update_many on each group: a
+  // batch's results do not depend on its batching (UpdateRule::update_many), so these are its
+  // bits.
+  std::map<std::pair<double, double>, std::vector<Entry*>> groups;
+  for (const auto& [param, grad] : items) {
+    auto found = entry_of_.find(param->tensor.unsafeGetTensorImpl());
+    LOOM_INTERNAL_ASSERT(found != entry_of_.end(), "update_param for ", param->name,
+                         ", which is not a parameter of this driver");
+    Entry& entry = entries_[found->second];
+    entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.reshape(-1)
+                                                          : grad.to(at::kFloat).reshape(-1);
     const UpdateContext context = update_context(entry.param, step, lr, weight_decay_);
     groups[{context.lr, context.weight_decay}].push_back(&entry);
   }
@@ -192,27 +217,6 @@ void DefaultStepDriver::update(int64_t step, double lr) {
       entry->segment.grad = at::Tensor();
     }
   }
-}
-
-void DefaultStepDriver::write_back(Entry& entry) {
-  if (entry.separate_master)
-    entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
-}
-
-void DefaultStepDriver::update_param(const Param& param, const at::Tensor& grad, int64_t step,
-                                     double lr) {
-  auto found = entry_of_.find(param.tensor.unsafeGetTensorImpl());
-  LOOM_INTERNAL_ASSERT(found != entry_of_.end(), "update_param for ", param.name,
-                       ", which is not a parameter of this driver");
-  at::NoGradGuard no_grad;
-  Entry& entry = entries_[found->second];
-  // update()'s conversion and context, and the rule's update_many on one segment: a batch's
-  // results do not depend on its batching (UpdateRule::update_many), so these are its bits.
-  entry.segment.grad = grad.scalar_type() == at::kFloat ? grad.reshape(-1)
-                                                        : grad.to(at::kFloat).reshape(-1);
-  rule_.update_many({&entry.segment}, update_context(entry.param, step, lr, weight_decay_));
-  write_back(entry);
-  entry.segment.grad = at::Tensor();
 }
 
 // The checkpoint pieces of one parameter, aliasing its state, masters and (placed) weights, so

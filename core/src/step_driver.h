@@ -52,6 +52,10 @@ class DefaultStepDriver final : public StepDriver {
   bool updates_in_backward() const override { return true; }
   void update_param(const Param& param, const at::Tensor& grad, int64_t step,
                     double lr) override;
+  // Several parameters at once, as update() batches them (by learning rate and weight decay,
+  // one update_many each): Note [Small gradients batched on a GPU] in optimizer_in_backward.cpp.
+  void update_params(const std::vector<std::pair<const Param*, at::Tensor>>& items, int64_t step,
+                     double lr);
 
   // "state/<param>/<key>" and "master/<param>" tensors, for checkpoints.
   StatePieces state_pieces() const override;

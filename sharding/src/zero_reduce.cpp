@@ -121,8 +121,9 @@ void ZeroDriver::land(Group& group) {
   // (over every rank, the other shard groups' part added by reduce_across_replicas).
   group.received.div_(world_comm_.world_size());
   const size_t g = static_cast<size_t>(&group - groups_.data());
-  // Stages 2-3: the shard is made at the group's first landing, and again after Note
-  // [Updating chunks in backward] freed it.
+  // Stages 2-3: the shard is made at the group's first landing of each step (zero_grad
+  // released it: Note [Gradients released, not zeroed]), and again after Note [Updating chunks
+  // in backward] freed it.
   if (options_.stage >= 2 && !group.grad.defined())
     group.grad = at::zeros({group.plan.chunk}, group.received.options().dtype(weight_dtype_));
   const bool across = replica_comm_ && window_end_;

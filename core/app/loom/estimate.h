@@ -40,8 +40,9 @@ namespace loom::estimate {
 // ranks at stage 0 (stage 3 and offloads refuse it). Activations and the rest of the peak
 // (workspace, data, autocast's half copies, the driver's buffers) are measured: the job runs two
 // steps at per-device batches 2 and 3 (1 and 2 where the job's batch is below 3: Note [Probe
-// batches]; the second step's peaks count) in each precision on one rank, and the peak above the
-// model states is split into a part per sample and a fixed part. With bf16 autocast the half copies
+// batches]; the second step's peaks count) in each precision on one rank, and the forward +
+// backward peak above the model states less the gradients released between steps (Note
+// [Gradients released, not zeroed]) is split into a part per sample and a fixed part. With bf16 autocast the half copies
 // are 2 B per parameter of the fixed part. fp16 and full_fp16 cost what bf16 and full_bf16 do.
 enum class Precision { fp32, bf16, full_bf16 };
 // cpu_params ("cpu+p") and nvme_params ("nvme+p"): the optimizer state and (stage 3,
@@ -89,7 +90,7 @@ struct ModelCounts {
 struct Activations {
   bool measured = false;
   double per_sample = 0, fixed = 0;  // bytes
-  double update = 0;                 // the update's peak above the model states
+  double update = 0;                 // the update's peak above all model states
   double setup_peak = 0;             // building the model (before sharding), bytes
   bool proxied = false;              // measured on proxies of 1, 2 and 3 units (Note [Proxy probes])
   std::string note;                  // why not measured
