@@ -2,6 +2,9 @@
 // Note [Optimizer in backward] there.
 #include "optimizer_in_backward.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -32,6 +35,12 @@ InBackwardUpdate::InBackwardUpdate(const std::vector<Param>& params, StepDriver&
   squares_.resize(params_.size());
   taken_.assign(params_.size(), 0);
   batching_driver_ = dynamic_cast<DefaultStepDriver*>(&driver_);
+  // The CPU twin of Note [Small gradients batched on a GPU]: LOOM_IN_BACKWARD_BATCH=BYTES holds
+  // small gradients on any device, applying them once BYTES are held (the tests' knob).
+  if (const char* bytes = std::getenv("LOOM_IN_BACKWARD_BATCH"); bytes && *bytes) {
+    batch_on_cpu_ = true;
+    held_limit_ = std::max<int64_t>(1, std::atoll(bytes));
+  }
 }
 
 size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
@@ -47,13 +56,15 @@ size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
 // kernels for one tensor and the fused AdamW's step tensor made it 7 kernels a parameter, and
 // the step 1.11x the normal one on GPT-2 124M (H200, docs/BENCHMARKS.md "Optimizer in
 // backward"). So on a GPU a gradient under kSmallTensorBytes is held, and the held ones are
-// applied together once they pass kHeldBytes (and at the end of backward): one multi-tensor
-// norm and one update_many for the batch, as the normal step runs them. A large tensor is
+// applied together once they pass 16 MiB (held_limit_) and at the end of backward: one
+// multi-tensor norm and one update_many for the batch, as the normal step runs them. A large tensor is
 // updated at once with one norm kernel (its fp32 norm is kept; finish_backward squares and sums
 // them all in fp64, as squared_norm does for the normal step: the same per-tensor norms, so the
-// same bits). The saving gives up at most kHeldBytes of small gradients held at a time. On a
-// CPU every update runs at once (no launch cost; the gradient is still in cache).
-constexpr int64_t kSmallTensorBytes = int64_t{1} << 20, kHeldBytes = int64_t{1} << 24;
+// same bits). The saving gives up at most 16 MiB of small gradients held at a time. On a
+// CPU every update runs at once (no launch cost; the gradient is still in cache), but for the
+// twin the tests run (LOOM_IN_BACKWARD_BATCH: the same holding and batched updates on the CPU,
+// each norm the CPU's squared_norm, bitwise the normal step: test_optimizer_in_backward.cpp).
+constexpr int64_t kSmallTensorBytes = int64_t{1} << 20;
 
 void InBackwardUpdate::update(size_t index, const at::Tensor& grad, bool may_hold) {
   const Param& param = params_[index];
@@ -66,19 +77,15 @@ void InBackwardUpdate::update(size_t index, const at::Tensor& grad, bool may_hol
   check_unscaled();
   taken_[index] = 1;
   at::NoGradGuard no_grad;
-  if (!grad.is_cuda()) {
-    squares_[index] = squared_norm({grad});
-    driver_.update_param(param, grad, state_.step + 1, state_.lr);
-    return;
-  }
-  if (may_hold && batching_driver_ && static_cast<int64_t>(grad.nbytes()) < kSmallTensorBytes) {
+  if (may_hold && batching_driver_ && (grad.is_cuda() || batch_on_cpu_) &&
+      static_cast<int64_t>(grad.nbytes()) < kSmallTensorBytes) {
     held_.emplace_back(&param, grad);
     held_index_.push_back(index);
     held_bytes_ += static_cast<int64_t>(grad.nbytes());
-    if (held_bytes_ >= kHeldBytes) flush_held();
+    if (held_bytes_ >= held_limit_) flush_held();
     return;
   }
-  squares_[index] = at::_foreach_norm({grad}, 2).front();
+  squares_[index] = grad.is_cuda() ? at::_foreach_norm({grad}, 2).front() : squared_norm({grad});
   driver_.update_param(param, grad, state_.step + 1, state_.lr);
 }
 
@@ -87,8 +94,13 @@ void InBackwardUpdate::flush_held() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& item : held_) grads.push_back(item.second);
-  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
-  for (size_t k = 0; k < held_index_.size(); ++k) squares_[held_index_[k]] = norms[k];
+  if (grads.front().is_cuda()) {
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+    for (size_t k = 0; k < held_index_.size(); ++k) squares_[held_index_[k]] = norms[k];
+  } else {  // the CPU twin: the CPU's own per-tensor sums (squared_norm's), as update() keeps
+    for (size_t k = 0; k < held_index_.size(); ++k)
+      squares_[held_index_[k]] = squared_norm({grads[k]});
+  }
   batching_driver_->update_params(held_, state_.step + 1, state_.lr);
   held_.clear();
   held_index_.clear();

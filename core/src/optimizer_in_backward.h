@@ -120,6 +120,8 @@ class InBackwardUpdate {
   std::vector<std::pair<const Param*, at::Tensor>> held_;  // small CUDA gradients not yet applied
   std::vector<size_t> held_index_;
   int64_t held_bytes_ = 0;
+  int64_t held_limit_ = int64_t{1} << 24;  // 16 MiB held, then applied
+  bool batch_on_cpu_ = false;               // LOOM_IN_BACKWARD_BATCH: the CPU twin
 };
 
 // Note [One resolved job]: what a job with [train] optimizer_in_backward = true may not have,

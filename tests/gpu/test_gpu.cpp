@@ -468,7 +468,7 @@ TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
   }
 }
 
-// Note [Overlapped update] on a GPU (written with the CPU twin; not yet run on a GPU): the host
+// Note [Overlapped update] on a GPU (written with the CPU twin; passes on an H200): the host
 // store's update overlapping backward — gradients device to host on a side stream, each
 // tensor's CPU update as its copy's event completes, the weights host to device on the side
 // stream, the compute stream joined once — is bitwise the same host store updating after
@@ -501,7 +501,7 @@ TEST(Gpu, OverlappedHostStoreUpdateIsBitwiseTheUpdateAfterBackward) {
 }
 
 // Note [Offloaded parameters] on a GPU (written with the CPU twin, Note [Parameter offload
-// twin]; not yet run on a GPU): stage 3 with the units' weight shards in page-locked host
+// twin]; passes on an H200): stage 3 with the units' weight shards in page-locked host
 // memory or on NVMe — each copied to the device on a side stream a unit ahead, the gather's
 // stream waiting on the copy's event, the device copy freed after the gather, the new shards
 // cast on the device and copied back after the update — is bitwise stage 3 kept on the GPU

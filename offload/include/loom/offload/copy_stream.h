@@ -20,7 +20,7 @@
 // the reader's stream waits for the copy's event on the device, and the host never blocks on it.
 // The CUDA half uses only device-generic c10 (c10::Stream,
 // c10::Event, the CUDA guard behind c10::impl::VirtualGuardImpl), since libloom_offload links
-// LibTorch's CPU half only (Note [CUDA loaded on demand]); it has not run on a GPU yet.
+// LibTorch's CPU half only (Note [CUDA loaded on demand]); its GPU tests pass on an H200.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -61,7 +61,7 @@ namespace loom::offload {
 // (device = "nvme") keeps its pipelined walk after backward (Note [Pipelined update]): its
 // segments are read in their own order, not backward's. `offload_optimizer.overlap_update =
 // false` runs the host store's update after backward as before (for comparison; and a way
-// around the GPU half, which has not run on a GPU yet). Stages 1-3 (ZeRO's driver with its
+// around the GPU half, whose test passes on an H200). Stages 1-3 (ZeRO's driver with its
 // pieces in the host store) do not overlap yet: they update after their reduce-scatters.
 class OffloadedStepDriver : public StepDriver {
  public:
