@@ -9,6 +9,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "loom/error.h"
 #include "step_driver.h"
@@ -41,6 +42,8 @@ InBackwardUpdate::InBackwardUpdate(const std::vector<Param>& params, StepDriver&
     batch_on_cpu_ = true;
     held_limit_ = std::max<int64_t>(1, std::atoll(bytes));
   }
+  if (const char* side = std::getenv("LOOM_IN_BACKWARD_STREAM"); side && std::string(side) == "0")
+    side_stream_enabled_ = false;
 }
 
 size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
@@ -66,6 +69,42 @@ size_t InBackwardUpdate::index_of(const at::Tensor& param) const {
 // each norm the CPU's squared_norm, bitwise the normal step: test_optimizer_in_backward.cpp).
 constexpr int64_t kSmallTensorBytes = int64_t{1} << 20;
 
+// Note [Updates on a side stream]: on a GPU the updates queued on backward's own stream run
+// between its kernels, one after another, so each norm and AdamW kernel (memory-bound, a few
+// microseconds to a fraction of a millisecond) adds its whole time to the step: GPT-2 124M on an
+// H200 took 1.087x forward + backward (docs/BENCHMARKS.md "Optimizer in backward"). So with the
+// default driver they go to a side stream from LibTorch's pool, where the GPU runs them beside
+// backward's matrix products. Ordering, through c10's device-generic stream API (the core links
+// only LibTorch's CPU half, Note [CUDA loaded on demand]):
+// - before each update (or held batch) the side stream waits for an event recorded on the
+//   current stream: the gradient, and every earlier write to the parameter, are done;
+// - the gradient is recorded on the side stream (record_stream), so the caching allocator does
+//   not hand its bytes to backward's next allocation before the update has read them;
+// - after backward the current stream waits for the side stream (finish_backward), before the
+//   norm is totalled and the next forward reads the weights.
+// The parameter itself is safe to update while backward goes on: its gradient is final, so
+// every node that reads the weight has run (Note [Optimizer in backward]). The arithmetic is the
+// same kernels on another stream, so the weights stay bitwise the normal step's (the GPU test).
+// Measured (GPT-2 124M, batch 8, H200): 1.039-1.055x forward + backward against 1.092x on
+// backward's stream; a high-priority side stream was slower (1.069x: it delays backward's own
+// kernels, the critical path). LOOM_IN_BACKWARD_STREAM=0 queues the updates on backward's
+// stream instead (the benchmark's `--one-stream`).
+bool InBackwardUpdate::enter_side_stream(const at::Tensor& grad,
+                                         c10::OptionalStreamGuard& guard) {
+  if (!grad.is_cuda() || !side_stream_enabled_ || !batching_driver_) return false;
+  const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  const c10::Device device = grad.device();
+  if (!side_ || side_->device() != device) {
+    side_ = impl.getStreamFromGlobalPool(device);
+    side_ready_.emplace(c10::DeviceType::CUDA);
+    side_done_.emplace(c10::DeviceType::CUDA);
+  }
+  side_ready_->record(impl.getStream(device));
+  side_ready_->block(*side_);
+  guard.reset_stream(*side_);
+  return true;
+}
+
 void InBackwardUpdate::update(size_t index, const at::Tensor& grad, bool may_hold) {
   const Param& param = params_[index];
   // A post-accumulate-grad hook fires once per backward; twice means a second backward through
@@ -85,8 +124,11 @@ void InBackwardUpdate::update(size_t index, const at::Tensor& grad, bool may_hol
     if (held_bytes_ >= held_limit_) flush_held();
     return;
   }
+  c10::OptionalStreamGuard side;
+  const bool on_side = enter_side_stream(grad, side);
   squares_[index] = grad.is_cuda() ? at::_foreach_norm({grad}, 2).front() : squared_norm({grad});
   driver_.update_param(param, grad, state_.step + 1, state_.lr);
+  if (on_side) grad.record_stream(*side_);
 }
 
 void InBackwardUpdate::flush_held() {
@@ -94,6 +136,8 @@ void InBackwardUpdate::flush_held() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& item : held_) grads.push_back(item.second);
+  c10::OptionalStreamGuard side;
+  const bool on_side = enter_side_stream(grads.front(), side);
   if (grads.front().is_cuda()) {
     const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
     for (size_t k = 0; k < held_index_.size(); ++k) squares_[held_index_[k]] = norms[k];
@@ -102,6 +146,8 @@ void InBackwardUpdate::flush_held() {
       squares_[held_index_[k]] = squared_norm({grads[k]});
   }
   batching_driver_->update_params(held_, state_.step + 1, state_.lr);
+  if (on_side)
+    for (const at::Tensor& grad : grads) grad.record_stream(*side_);
   held_.clear();
   held_index_.clear();
   held_bytes_ = 0;
@@ -164,6 +210,10 @@ at::Tensor InBackwardUpdate::finish_backward() {
     update(i, grad, /*may_hold=*/true);  // a gradient from an earlier micro-step only (the Note)
   }
   flush_held();
+  if (side_) {  // the current stream (the next forward's) waits for the updates
+    side_done_->record(*side_);
+    side_done_->block(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(side_->device()));
+  }
   std::vector<at::Tensor> squares;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].tensor.mutable_grad() = at::Tensor();

@@ -6,8 +6,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -31,7 +35,8 @@ class DefaultStepDriver;  // step_driver.h
 // 4.31 of its 5.03 MB of gradients saved; tests/core/test_optimizer_in_backward.cpp). On a GPU
 // small gradients (under 1 MiB each) wait in a batch of up to 16 MiB and are applied together
 // (Note [Small gradients batched on a GPU] in the .cpp): fewer tiny kernels, at most 16 MiB
-// less saved.
+// less saved; and the updates run on a side stream beside backward's kernels (Note [Updates on
+// a side stream] there).
 //
 // - When: on the last micro-step of an accumulation window only (earlier micro-steps only
 //   accumulate, as without it). One process: from the engine's grad_ready handler, which runs
@@ -103,6 +108,10 @@ class InBackwardUpdate {
   // GPU] in the .cpp) when the driver is the default one.
   void update(size_t index, const at::Tensor& grad, bool may_hold = false);
   void flush_held();  // updates the held batch
+  // On a GPU with the default driver: makes `guard` set the side stream current, after it
+  // waits for the work queued so far on `grad`'s current stream (Note [Updates on a side
+  // stream] in the .cpp). Elsewhere leaves `guard` empty and returns false.
+  bool enter_side_stream(const at::Tensor& grad, c10::OptionalStreamGuard& guard);
   void check_unscaled() const;  // ConfigError while the loss is scaled
 
   std::vector<Param> params_;
@@ -122,6 +131,10 @@ class InBackwardUpdate {
   int64_t held_bytes_ = 0;
   int64_t held_limit_ = int64_t{1} << 24;  // 16 MiB held, then applied
   bool batch_on_cpu_ = false;               // LOOM_IN_BACKWARD_BATCH: the CPU twin
+  bool side_stream_enabled_ = true;         // LOOM_IN_BACKWARD_STREAM=0 turns it off
+  std::optional<c10::Stream> side_;         // the updates' stream, once a GPU gradient came
+  std::optional<c10::Event> side_ready_;    // the main stream's work, waited for by side_
+  std::optional<c10::Event> side_done_;     // side_'s work, waited for after backward
 };
 
 // Note [One resolved job]: what a job with [train] optimizer_in_backward = true may not have,

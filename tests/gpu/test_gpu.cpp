@@ -210,8 +210,8 @@ TEST(Gpu, Bf16Fp16AndTf32FollowTheFp32Loss) {
 }
 
 // Note [Optimizer in backward] on a GPU: each parameter updated by its gradient hook as
-// backward goes on (the small ones in batches, Note [Small gradients batched on a GPU]), the
-// gradient freed, is bitwise the normal step after backward with clipping off (the same kernels
+// backward goes on (the small ones in batches, Note [Small gradients batched on a GPU], all on
+// a side stream, Note [Updates on a side stream]), the gradient freed, is bitwise the normal step after backward with clipping off (the same kernels
 // on the same bits), weights, losses and reported norm, plain, with accumulation and under bf16
 // autocast.
 TEST(Gpu, OptimizerInBackwardIsBitwiseTheNormalStep) {

@@ -10,7 +10,8 @@ needs several groups). --job runs another job file instead of gpt.toml (clipping
 must be off: --set train.max_grad_norm=0), --set overrides its keys.
 usage: .venv/bin/python examples/bench/optimizer_in_backward/run.py [--rounds 5] [--steps 6]
        [--accumulation 1] [--threads 0] [--ranks 1] [--zero-stage -1]
-       [--reduce-bucket-size 2000000] [--job PATH] [--set KEY=VALUE ...] [--build build]
+       [--reduce-bucket-size 2000000] [--job PATH] [--set KEY=VALUE ...] [--one-stream]
+       [--build build]
        [--write] (needs the loom_test_skip_updates target built)"""
 import argparse
 import os
@@ -28,6 +29,7 @@ VARIANTS = {
     "optimizer_in_backward": (["train.optimizer_in_backward=true"], ""),
     "forward + backward alone": ([], "\n[skip_updates]\n"),
 }
+ONE_STREAM = "optimizer_in_backward, backward's stream"
 
 
 def main():
@@ -45,6 +47,9 @@ def main():
                    help="the job file (default: gpt.toml beside this script)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a job key for every variant (repeatable)")
+    p.add_argument("--one-stream", action="store_true",
+                   help="also optimizer_in_backward with its GPU updates on backward's own stream "
+                   "(LOOM_IN_BACKWARD_STREAM=0; Note [Updates on a side stream])")
     p.add_argument("--build", default="build", help="the build folder (relative to the root)")
     p.add_argument("--write", action="store_true", help="replace docs/BENCHMARKS.md's table")
     args = p.parse_args()
@@ -59,20 +64,24 @@ def main():
     if args.zero_stage >= 0:
         zero = (f"\n[zero]\nstage = {args.zero_stage}\n"
                 f"reduce_bucket_size = {args.reduce_bucket_size}\n")
+    variants = dict(VARIANTS)
+    if args.one_stream:
+        variants[ONE_STREAM] = VARIANTS["optimizer_in_backward"]
     jobs = {}
-    for name, (_, table) in VARIANTS.items():
+    for name, (_, table) in variants.items():
         fd, jobs[name] = tempfile.mkstemp(prefix="loom-bench-oib-", suffix=".toml")
         with os.fdopen(fd, "w") as f:
             f.write(job_text + zero + table)
-    results = {name: [] for name in VARIANTS}
+    results = {name: [] for name in variants}
     for r in range(args.rounds):
-        names = list(VARIANTS)
+        names = list(variants)
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            os.environ["LOOM_IN_BACKWARD_STREAM"] = "0" if name == ONE_STREAM else "1"
             rows = benchlib.run_loom(jobs[name], [
                 f"train.max_steps={args.steps}",
                 f"train.gradient_accumulation_steps={args.accumulation}",
-                f"train.num_threads={args.threads}"] + args.set + VARIANTS[name][0],
+                f"train.num_threads={args.threads}"] + args.set + variants[name][0],
                 ranks=args.ranks)
             results[name].append((statistics.median(x["step_time_s"] for x in rows[1:]),
                                   rows[-1]["mem_peak_bytes"]))
@@ -99,7 +108,7 @@ def main():
     for name, rows in results.items():
         t = statistics.median(x[0] for x in rows)
         peak = statistics.median(x[1] for x in rows)
-        lines.append(f"| {name} | {t:.3f} | {t / base:.3f}x | {t / fwd_bwd:.3f}x | "
+        lines.append(f"| {name} | {t:.4f} | {t / base:.3f}x | {t / fwd_bwd:.3f}x | "
                      f"{peak / mib:.1f} | {(peak - base_peak) / mib:+.1f} |")
     text = "\n".join(lines)
     print(text)
