@@ -548,7 +548,8 @@ class Zero final : public loom::Plugin {
     // Note [Measured model state]: what the memory tracker sees allocated after the first update
     // (weights, gradients or their shards, masters, optimizer state; activations are gone),
     // against the ZeRO paper's formula for this stage, world size and precision (with [train]
-    // optimizer_in_backward, less the gradients: freed as they updated, formula_bytes says so).
+    // optimizer_in_backward, and at stage 1, less the gradients: freed as they updated, or once
+    // packed and reduced (Note [Stage 1's gradient once packed]); formula_bytes says so).
     engine.on(loom::Event::setup, [this](loom::Engine& e) {
       baseline_bytes_ = loom::memory::device_stats(e.device()).current_bytes;
     });
@@ -822,7 +823,10 @@ class Zero final : public loom::Plugin {
     // Note [Optimizer in backward]: each gradient (stages 1-2: each chunk, and stage 1's whole
     // .grad) was freed once its update ran, so after the update none is held: the formula
     // without its gradients is what the tracker can see.
-    const bool grads_freed = e.section("train").get_bool("optimizer_in_backward");
+    // And stage 1 releases .grad once packed and its chunk after the update (Note [Stage 1's
+    // gradient once packed] in loom/sharding/zero_driver.h).
+    const bool in_backward = e.section("train").get_bool("optimizer_in_backward");
+    const bool grads_freed = in_backward || (stage_ == 1 && driver_);
     if (grads_freed) bytes -= states.grads;
     if (stage_ == 0) {
       // Declared buffers: the gradient buckets, a second fp32 copy of the gradients.
@@ -840,7 +844,8 @@ class Zero final : public loom::Plugin {
     if (frozen > 0) text << ", plus " << loom::memory::format_bytes(static_cast<int64_t>(frozen)) << " frozen";
     if (grads_freed)
       text << ", less the " << loom::memory::format_bytes(static_cast<int64_t>(states.grads))
-           << " of gradients [train] optimizer_in_backward freed as it updated";
+           << (in_backward ? " of gradients [train] optimizer_in_backward freed as it updated"
+                           : " of gradients stage 1 released once packed and once updated");
     text << ")";
     return {static_cast<int64_t>(bytes + frozen), text.str()};
   }

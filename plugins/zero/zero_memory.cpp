@@ -132,6 +132,9 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
       memory::zero_model_states(stage, N, c.trainable, unit_params, w, m, k);
   const double whole_weights = r.weights;  // every weight, before any sharding
   r.weights = whole_weights - c.trainable * w + z.weights;
+  // Stage 1's whole gradient: held between the micro-steps of an accumulation window; with
+  // none, each .grad goes once packed (Note [Stage 1's gradient once packed]) and the run peaks
+  // lower than this counts.
   r.grads = z.grads;
   // Every stage releases its gradients (stages 2-3 their shards) between steps: Note
   // [Gradients released, not zeroed]; MemoryTerms::grads_released stays true.

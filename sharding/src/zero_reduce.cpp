@@ -41,10 +41,10 @@ void ZeroDriver::grad_ready(const Param& param) {
   // launch (completed() never blocks).
   if (group.sharded) land_finished();
   pack(group, index, param.tensor.grad());
-  // Stages 2 and 3 hold no whole gradient: once in its bucket, .grad goes; so does stage 1's
-  // window gradient when the update runs in backward (Note [Updating chunks in backward]).
-  if (options_.stage >= 2 || backward_update_.armed)
-    at::Tensor(param.tensor).mutable_grad() = at::Tensor();
+  // Once in its bucket, .grad goes (Note [Stage 1's gradient once packed] in zero_driver.h):
+  // stages 2-3 pack on every micro-step, stage 1 on the window's last only, after which its
+  // .grad is read by nothing.
+  at::Tensor(param.tensor).mutable_grad() = at::Tensor();
   if (--group.pending == 0) {
     // Backward is done with this unit: its weights go, and the reduce-scatters launched
     // before it land, before its reduce-scatter's buffers come (Note [Unit buckets in flight]).
@@ -158,8 +158,7 @@ void ZeroDriver::finish_backward(bool window_end) {
     for (size_t index : group.plan.tensors)
       if (!ready_[index]) {
         pack(group, index, at::Tensor());
-        if (options_.stage >= 2 || backward_update_.armed)
-          at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
+        at::Tensor(params_[index].tensor).mutable_grad() = at::Tensor();
       }
     launch(g);
   }

@@ -26,10 +26,10 @@ namespace loom::nn {
 // - Autocast: under autocast the matmuls run in its dtype, as `linear` would; the softmax, the
 //   loss and the accumulated gradient of the head are fp32. fp16 autocast takes the unfused path,
 //   because the gradient computed in forward would meet fp16's range before the loss scale.
-// - On a CPU with AVX-512, each chunk's softmax, loss and gradient are one kernel over the logits
-//   in their own dtype, the gradient written over them (Note [Softmax rows in one kernel] in
-//   core/src/softmax_rows.cpp); elsewhere, or with a trained bias, ATen's ops. The two agree to
-//   fp32 rounding.
+// - On a CPU with AVX-512 or AVX2, each chunk's softmax, loss and gradient are one kernel over
+//   the logits in their own dtype, the gradient written over them (Note [Softmax rows in one
+//   kernel] in core/src/softmax_rows.cpp; the two ISAs give the same bits); on other CPUs and
+//   devices, or with a trained bias, ATen's ops. The two agree to fp32 rounding.
 // - Rows whose label is `ignore_index` add nothing to the loss and get a zero gradient.
 // - The head's gradient is accumulated over chunks. In fp32 each chunk's product adds into it
 //   inside the matmul. In half precision the matmul sums up to four chunks itself (its output,
