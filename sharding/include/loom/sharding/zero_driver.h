@@ -60,7 +60,8 @@
 // the next step held the whole gradient beside the chunks through the end of backward and the
 // update: on one rank, where the chunk is the whole gradient too, stage 1 peaked above stage 0
 // (the 110 M GPT of examples/bench/zero/zero_bench.toml: 2314 against 1768 MiB on a CPU, 2389
-// against 2126 on an H200; docs/BENCHMARKS.md). What stage 1 still holds whole is the
+// against 2126 on an H200; now 1896 and 2127, as stage 2; docs/BENCHMARKS.md). What stage 1
+// still holds whole is the
 // accumulation window's gradient between its micro-steps (ZeRO's stage-1 anatomy: loom
 // estimate counts it whole); after the update it holds none (the zero plugin's measured model
 // state, Note [Measured model state], leaves it out of the formula).
@@ -353,7 +354,8 @@ class ZeroDriver final : public StepDriver {
 // the next step held the whole gradient beside the chunks through the end of backward and the
 // update: on one rank, where the chunk is the whole gradient too, stage 1 peaked above stage 0
 // (the 110 M GPT of examples/bench/zero/zero_bench.toml: 2314 against 1768 MiB on a CPU, 2389
-// against 2126 on an H200; docs/BENCHMARKS.md). What stage 1 still holds whole is the
+// against 2126 on an H200; now 1896 and 2127, as stage 2; docs/BENCHMARKS.md). What stage 1
+// still holds whole is the
 // accumulation window's gradient between its micro-steps (ZeRO's stage-1 anatomy: loom
 // estimate counts it whole); after the update it holds none (the zero plugin's measured model
 // state, Note [Measured model state], leaves it out of the formula).
