@@ -61,10 +61,9 @@
 // update: on one rank, where the chunk is the whole gradient too, stage 1 peaked above stage 0
 // (the 110 M GPT of examples/bench/zero/zero_bench.toml: 2314 against 1768 MiB on a CPU, 2389
 // against 2126 on an H200; now 1896 and 2127, as stage 2; docs/BENCHMARKS.md). What stage 1
-// still holds whole is the
-// accumulation window's gradient between its micro-steps (ZeRO's stage-1 anatomy: loom
-// estimate counts it whole); after the update it holds none (the zero plugin's measured model
-// state, Note [Measured model state], leaves it out of the formula).
+// still holds whole is the accumulation window's gradient between its micro-steps (ZeRO's
+// stage-1 anatomy: loom estimate counts it whole); after the update it holds none (the zero
+// plugin's measured model state, Note [Measured model state], leaves it out of the formula).
 //
 // Note [Updating chunks in backward]: with [train] optimizer_in_backward (Note [Optimizer in
 // backward], core/src/optimizer_in_backward.h) stages 1 and 2 update each group's chunk as
@@ -348,19 +347,7 @@ class ZeroDriver final : public StepDriver {
   bool window_end_ = true;            // this backward is the window's last
   std::deque<ValuesGather> values_gathers_;  // updated values in flight, oldest first
   int64_t values_gather_bytes_ = 0;
-  // Note [Stage 1's gradient once packed]: on the window's last micro-step a stage-1 gradient is
-// copied into its bucket's fp32 send buffer as backward makes it, and nothing reads .grad after
-// (the update reads the rank's reduced chunk), so it goes then, as at stages 2-3. Keeping it to
-// the next step held the whole gradient beside the chunks through the end of backward and the
-// update: on one rank, where the chunk is the whole gradient too, stage 1 peaked above stage 0
-// (the 110 M GPT of examples/bench/zero/zero_bench.toml: 2314 against 1768 MiB on a CPU, 2389
-// against 2126 on an H200; now 1896 and 2127, as stage 2; docs/BENCHMARKS.md). What stage 1
-// still holds whole is the
-// accumulation window's gradient between its micro-steps (ZeRO's stage-1 anatomy: loom
-// estimate counts it whole); after the update it holds none (the zero plugin's measured model
-// state, Note [Measured model state], leaves it out of the formula).
-//
-// Note [Updating chunks in backward]: this step's update, armed by begin_update_in_backward
+  // Note [Updating chunks in backward]: this step's update, armed by begin_update_in_backward
   // until update() completes it.
   struct BackwardUpdate {
     bool armed = false;
