@@ -30,7 +30,24 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     w = w.to(at::kFloat);
     if (b.defined()) b = b.to(at::kFloat);
   }
-  at::Tensor out = at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+  at::Tensor out;
+  // Note [Half matmuls through fp32] (loom/nn.h): on a CPU that emulates the half
+  // dtype, the product goes through fp32 sgemm (under autocast its operands are narrowed first,
+  // as autocast's own linear would).
+  const bool autocast = x.is_cpu() && at::autocast::is_autocast_enabled(at::kCPU);
+  const at::ScalarType half =
+      autocast ? at::autocast::get_autocast_dtype(at::kCPU)
+               : (x.scalar_type() == w.scalar_type() ? x.scalar_type() : at::kFloat);
+  if (x.is_cpu() && (half == at::kBFloat16 || half == at::kHalf) &&
+      half_matmul_path(half) == HalfMatmul::through_fp32) {
+    // Under autocast its cached cast, so Note [Cast once per update] holds here too.
+    auto narrow = [&](const at::Tensor& t) {
+      return autocast ? at::autocast::cached_cast(half, t, c10::DeviceType::CPU) : t.to(half);
+    };
+    out = linear_through_fp32(narrow(x), narrow(w), b.defined() ? narrow(b) : b);
+  } else {
+    out = at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+  }
   if (adapter_) out = out + adapter_->forward(x, out);
   return out;
 }
@@ -129,7 +146,7 @@ at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mas
   // One new query sees every key; a longer chunk after earlier ones needs the offset mask
   // (SDPA's is_causal aligns the mask to the top left).
   if (held > 0 && T > 1 && causal) mask = causal_mask(held, T, x.options());
-  at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal && held == 0 && T > 1);
+  at::Tensor y = attention(q, k, v, mask, 0.0, causal && held == 0 && T > 1);
   return proj->forward(y.transpose(1, 2).reshape({B, T, C}));
 }
 
@@ -149,8 +166,7 @@ at::Tensor Attention::forward(const at::Tensor& x, const UnitArgs& args) {
   // By value: the region may run again in backward (Note [Recompute regions]).
   RegionFn core = [B, T, C, D, H, p, is_causal, mask](const std::vector<at::Tensor>& in) {
     auto parts = in[0].view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});
-    at::Tensor y =
-        at::scaled_dot_product_attention(parts[0], parts[1], parts[2], mask, p, is_causal);
+    at::Tensor y = attention(parts[0], parts[1], parts[2], mask, p, is_causal);
     return y.transpose(1, 2).reshape({B, T, C});
   };
   return proj->forward(args.region(Region::attention, nullptr, {qkv->forward(x)}, core));

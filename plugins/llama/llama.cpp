@@ -142,7 +142,7 @@ class LlamaAttention : public torch::nn::Module {
         k = k.repeat_interleave(H / Hkv, 1);
         v = v.repeat_interleave(H / Hkv, 1);
       }
-      at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal && T > 1);
+      at::Tensor y = loom::nn::attention(q, k, v, mask, p, causal && T > 1);
       return y.transpose(1, 2).reshape({B, T, H * D});
     };
     std::vector<at::Tensor> qkv = {q_proj->forward(x), k_proj->forward(x), v_proj->forward(x)};

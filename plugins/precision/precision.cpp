@@ -479,10 +479,17 @@ class Precision final : public loom::Plugin {
     if (device_.is_cpu()) {
       const std::string gap =
           loom::precision::cpu_half_gap(dtype_, at::cpu::get_cpu_capabilities());
-      if (!gap.empty())
-        loom::log::warn("[precision] mode = \"", mode_name_, "\": ", gap, "; LibTorch emulates ",
-                        c10::toString(dtype_),
-                        " through fp32, correct but usually slower than mode = \"fp32\"");
+      if (!gap.empty()) {
+        // Note [Half matmuls through fp32] (loom/nn.h): the products go through fp32 sgemm.
+        if (loom::nn::half_matmul_path(dtype_) == loom::nn::HalfMatmul::through_fp32)
+          loom::log::warn("[precision] mode = \"", mode_name_, "\": ", gap, "; loom's matmuls "
+                          "run through fp32 sgemm and LibTorch emulates ", c10::toString(dtype_),
+                          "'s other ops through fp32: about fp32's speed, not faster");
+        else
+          loom::log::warn("[precision] mode = \"", mode_name_, "\": ", gap,
+                          "; LibTorch emulates ", c10::toString(dtype_),
+                          " through fp32, correct but usually slower than mode = \"fp32\"");
+      }
     }
     if (mode_ == Mode::full_fp16)
       loom::log::warn("[precision] mode = \"full_fp16\" keeps gradients in fp16: once unscaled, "

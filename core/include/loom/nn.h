@@ -7,10 +7,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,41 @@ class LinearAdapter : public torch::nn::Module {
   // x is (..., in_features), base_out (..., out_features); returns the (..., out_features) delta.
   virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) = 0;
 };
+
+// Note [Half matmuls through fp32]: a CPU without instructions for a half dtype (bf16 needs
+// AVX-512 BF16 or AMX; fp16 AVX-512 FP16 or AMX-FP16) has LibTorch emulate it: its bf16 GEMM
+// on an AVX2-only EPYC ran a 512 x 768 x 3072 product 10x slower than fp32 sgemm (488 against
+// 50 ms, one thread), and a 2-layer GPT-2 step in full_bf16 took 594 s (docs/BENCHMARKS.md
+// "Half matmuls through fp32"). Such a CPU instead widens the operands to fp32 (exact: every
+// bf16 and fp16 value is an fp32), runs MKL's sgemm, and rounds the product to the half dtype
+// once, which is what a half GEMM computes (fp32 accumulation, one rounding of the output) in
+// another summation order; backward does the same for both products. The widened copies are
+// transient, one product at a time: forward saves the half input and the weight itself, as the
+// half GEMM's autograd does. Linear, attention() and the fused loss (Note [Fused linear
+// cross-entropy] in loom/loss.h) do it. Which CPUs: the oneDNN level in effect (Note [CPU
+// kernel probe]) decides, so a job capped by [train] cpu_isa below bf16 widens too.
+// LOOM_HALF_MATMUL=native or =fp32 forces either path (the tests run both on every CPU).
+enum class HalfMatmul {
+  native,        // LibTorch's half GEMM (oneDNN)
+  through_fp32,  // operands widened, sgemm, the product rounded once
+};
+
+// The path for `dtype` (kBFloat16 or kHalf; anything else is native) on this CPU.
+HalfMatmul half_matmul_path(c10::ScalarType dtype);
+
+// Replaces the CPU's and LOOM_HALF_MATMUL's choice in this process (nullopt: theirs again).
+void set_half_matmul_override(std::optional<HalfMatmul> path);
+
+// x (..., in) times w (out, in) transposed plus b (out, or undefined), all of one half dtype,
+// through fp32 as the Note says; differentiable in all three. Linear::forward calls it.
+at::Tensor linear_through_fp32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+// at::scaled_dot_product_attention(q, k, v, mask, dropout, causal); where q's dtype is a half
+// dtype this CPU emulates, with q, k, v (and a float mask) widened to fp32 and the output
+// rounded back (LibTorch's CPU flash attention multiplies half blocks with the same emulated
+// GEMM). Differentiable. Models call it instead of at::scaled_dot_product_attention.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, double dropout, bool causal);
 
 class Linear : public torch::nn::Module {
  public:

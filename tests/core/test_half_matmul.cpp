@@ -1,0 +1,150 @@
+// Note [Half matmuls through fp32] (loom/nn.h): a half-dtype Linear, attention and the fused
+// loss widened to fp32 sgemm on CPUs that emulate the half dtype. Both paths run on every CPU
+// (set_half_matmul_override), so the widened one is checked where the native one is fast too.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "loom/nn.h"
+#include "loom/trainer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using nn::HalfMatmul;
+
+// Restores the CPU's own choice when a test ends, pass or fail.
+struct Override {
+  explicit Override(HalfMatmul path) { nn::set_half_matmul_override(path); }
+  ~Override() { nn::set_half_matmul_override(std::nullopt); }
+};
+
+// The widened product is the fp32 product of the half values, rounded once: forward and the
+// gradients of all three operands, against the same arithmetic written out in fp32 autograd.
+TEST(HalfMatmul, LinearThroughFp32IsTheFp32ProductOfTheHalfValuesRoundedOnce) {
+  at::manual_seed(3);
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor x = at::randn({3, 5, 24}).to(dtype).requires_grad_();
+    const at::Tensor w = at::randn({7, 24}).to(dtype).requires_grad_();
+    const at::Tensor b = at::randn({7}).to(dtype).requires_grad_();
+    const at::Tensor gy = at::randn({3, 5, 7}).to(dtype);
+    const at::Tensor y = nn::linear_through_fp32(x, w, b);
+    ASSERT_EQ(y.scalar_type(), dtype);
+    y.backward(gy);
+
+    // The reference: fp64 products of the same half values, rounded to the dtype once.
+    const at::Tensor xd = x.detach().to(at::kDouble).requires_grad_();
+    const at::Tensor wd = w.detach().to(at::kDouble).requires_grad_();
+    const at::Tensor bd = b.detach().to(at::kDouble).requires_grad_();
+    const at::Tensor yd = at::linear(xd, wd, bd);
+    yd.backward(gy.to(at::kDouble));
+    // fp32 accumulation against fp64: at most one rounding step of the half dtype apart.
+    const double tol = dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+    auto close = [&](const at::Tensor& got, const at::Tensor& want) {
+      const at::Tensor g = got.to(at::kDouble), r = want.to(dtype).to(at::kDouble);
+      return at::allclose(g, r, tol, tol * 1e-2);
+    };
+    EXPECT_TRUE(close(y, yd));
+    EXPECT_TRUE(close(x.grad(), xd.grad()));
+    EXPECT_TRUE(close(w.grad(), wd.grad()));
+    EXPECT_TRUE(close(b.grad(), bd.grad()));
+    EXPECT_EQ(x.grad().scalar_type(), dtype);
+    EXPECT_EQ(w.grad().scalar_type(), dtype);
+  }
+}
+
+// A Linear takes the widened path only where told (or where the CPU emulates the dtype), and
+// both paths agree to the half dtype's rounding, under full-half weights and under autocast.
+TEST(HalfMatmul, LinearAgreesOnBothPathsInHalfWeightsAndUnderAutocast) {
+  at::manual_seed(5);
+  nn::Linear linear(32, 16);
+  const at::Tensor x = at::randn({4, 32});
+  auto run = [&](HalfMatmul path, bool autocast) {
+    Override use(path);
+    EXPECT_EQ(nn::half_matmul_path(at::kBFloat16), path);
+    EXPECT_EQ(nn::half_matmul_path(at::kFloat), HalfMatmul::native);
+    if (!autocast) {
+      nn::Linear half(32, 16);
+      half.weight.set_data(linear.weight.detach().to(at::kBFloat16));
+      half.bias.set_data(linear.bias.detach().to(at::kBFloat16));
+      return half.forward(x.to(at::kBFloat16));
+    }
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::Tensor y = linear.forward(x);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    return y;
+  };
+  for (const bool autocast : {false, true}) {
+    SCOPED_TRACE(autocast ? "autocast" : "bf16 weights");
+    const at::Tensor native = run(HalfMatmul::native, autocast);
+    const at::Tensor wide = run(HalfMatmul::through_fp32, autocast);
+    EXPECT_EQ(native.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(wide.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::allclose(native.to(at::kFloat), wide.to(at::kFloat), 1.0 / 64, 1e-3));
+  }
+}
+
+// attention() widened agrees with LibTorch's half attention, causal and with a mask.
+TEST(HalfMatmul, AttentionAgreesOnBothPaths) {
+  at::manual_seed(9);
+  const at::Tensor q = at::randn({2, 2, 8, 16}).to(at::kBFloat16);
+  const at::Tensor k = at::randn({2, 2, 8, 16}).to(at::kBFloat16);
+  const at::Tensor v = at::randn({2, 2, 8, 16}).to(at::kBFloat16);
+  const at::Tensor keep = at::rand({8, 8}) > 0.3;
+  for (const bool causal : {true, false}) {
+    // Every query keeps its own key, so no row is all masked.
+    const std::optional<at::Tensor> mask =
+        causal ? std::nullopt : std::optional<at::Tensor>(keep.logical_or(at::eye(8, at::kBool)));
+    at::Tensor native, wide;
+    {
+      Override use(HalfMatmul::native);
+      native = nn::attention(q, k, v, mask, 0.0, causal);
+    }
+    {
+      Override use(HalfMatmul::through_fp32);
+      wide = nn::attention(q, k, v, mask, 0.0, causal);
+    }
+    EXPECT_EQ(wide.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::allclose(native.to(at::kFloat), wide.to(at::kFloat), 1.0 / 32, 1e-2));
+  }
+}
+
+// The tiny GPT in full_bf16 trains alike on both paths (every matmul of it: the blocks'
+// Linears, attention and the fused loss's head).
+TEST(HalfMatmul, AFullBf16GptTrainsAlikeOnBothPaths) {
+  auto losses = [&](HalfMatmul path) {
+    Override use(path);
+    test::TempDir dir;
+    auto trainer = Trainer::from_text(test::tiny_gpt_job(dir.str()), dir.path(),
+                                      {"precision.mode=\"full_bf16\"", "train.max_steps=6"});
+    trainer->run();
+    std::vector<double> out;
+    std::istringstream in(test::read_text(dir / "metrics.jsonl"));
+    const std::regex field("\"loss\":([^,}]+)");
+    for (std::string line; std::getline(in, line);) {
+      std::smatch m;
+      if (std::regex_search(line, m, field)) out.push_back(std::stod(m[1]));
+    }
+    return out;
+  };
+  const std::vector<double> native = losses(HalfMatmul::native);
+  const std::vector<double> wide = losses(HalfMatmul::through_fp32);
+  ASSERT_EQ(native.size(), 6u);
+  ASSERT_EQ(wide.size(), native.size());
+  for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(wide[i], native[i], 0.02 * native[i]) << i;
+  // Not the same bits: the override reached the model's products (another summation order).
+  EXPECT_NE(wide, native);
+}
+
+}  // namespace
+}  // namespace loom
