@@ -6,7 +6,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
+#include <vector>
 #include <cstdlib>
 #include <string>
 
@@ -48,6 +50,12 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::DispatchKeySet(c10::DispatchKey::AutocastCPU)};
 };
 
+// Rows of the weight widened at a time: about 1 M fp32 elements (4 MiB), so a product's
+// widened copy stays small whatever the layer's size (a whole 1536 x 6144 weight widened at
+// once, forward and backward, put a 0.51 B-parameter GPT over its memory cap: the offload
+// test). Each block is one sgemm of up to that many output features.
+int64_t rows_per_block(int64_t in) { return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(in, 1)); }
+
 struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
   // The bias as an optional: an undefined tensor among a Function's inputs has no device.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -55,9 +63,19 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
     NoAutocast no_autocast;
     ctx->save_for_backward({x, w});
     ctx->saved_data["bias"] = b.has_value();
-    const std::optional<at::Tensor> wide_b =
-        b ? std::optional<at::Tensor>(b->to(at::kFloat)) : std::nullopt;
-    return at::linear(x.to(at::kFloat), w.to(at::kFloat), wide_b).to(x.scalar_type());
+    const int64_t out = w.size(0), in = w.size(1), step = rows_per_block(in);
+    const at::Tensor x2 = x.reshape({-1, in}).to(at::kFloat);
+    at::Tensor y = at::empty({x2.size(0), out}, x.options());
+    for (int64_t r = 0; r < out; r += step) {
+      const int64_t n = std::min(step, out - r);
+      const at::Tensor wb = w.narrow(0, r, n).to(at::kFloat).t();
+      // The block's product in fp32 (bias added there, as linear does), rounded once.
+      y.narrow(1, r, n).copy_(b ? at::addmm(b->narrow(0, r, n).to(at::kFloat), x2, wb)
+                                : at::mm(x2, wb));
+    }
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = out;
+    return y.view(shape);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -66,15 +84,22 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& w = saved[1];
-    const at::Tensor gy = grads[0].to(at::kFloat);
-    const int64_t out = w.size(0), in = w.size(1);
-    at::Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = gy.matmul(w.to(at::kFloat)).to(x.scalar_type());
-    const at::Tensor gy2 = gy.reshape({-1, out});
-    if (ctx->needs_input_grad(1))
-      gw = gy2.t().mm(x.reshape({-1, in}).to(at::kFloat)).to(w.scalar_type());
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
-      gb = gy2.sum(0).to(w.scalar_type());
+    const int64_t out = w.size(0), in = w.size(1), step = rows_per_block(in);
+    const bool want_x = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
+    const bool want_b = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
+    const at::Tensor gy = grads[0].reshape({-1, out});
+    const at::Tensor x2 = want_w ? x.reshape({-1, in}).to(at::kFloat) : at::Tensor();
+    at::Tensor gx = want_x ? at::zeros({gy.size(0), in}, gy.options().dtype(at::kFloat)) : at::Tensor();
+    at::Tensor gw = want_w ? at::empty_like(w) : at::Tensor();
+    at::Tensor gb = want_b ? at::empty({out}, w.options()) : at::Tensor();
+    for (int64_t r = 0; r < out; r += step) {
+      const int64_t n = std::min(step, out - r);
+      const at::Tensor gyb = gy.narrow(1, r, n).to(at::kFloat);
+      if (want_x) gx.addmm_(gyb, w.narrow(0, r, n).to(at::kFloat));  // fp32 over the blocks
+      if (want_w) gw.narrow(0, r, n).copy_(gyb.t().mm(x2));
+      if (want_b) gb.narrow(0, r, n).copy_(gyb.sum(0));
+    }
+    if (want_x) gx = gx.to(x.scalar_type()).view(x.sizes());
     return {gx, gw, gb};
   }
 };

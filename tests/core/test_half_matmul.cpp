@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <optional>
 #include <regex>
 #include <sstream>
@@ -30,12 +31,14 @@ struct Override {
 // gradients of all three operands, against the same arithmetic written out in fp32 autograd.
 TEST(HalfMatmul, LinearThroughFp32IsTheFp32ProductOfTheHalfValuesRoundedOnce) {
   at::manual_seed(3);
+  // 4096 inputs: the weight is widened in blocks of 256 rows, so 600 outputs take three.
+  for (const auto& [in, out] : {std::pair<int64_t, int64_t>{24, 7}, {4096, 600}})
   for (const auto dtype : {at::kBFloat16, at::kHalf}) {
-    SCOPED_TRACE(c10::toString(dtype));
-    const at::Tensor x = at::randn({3, 5, 24}).to(dtype).requires_grad_();
-    const at::Tensor w = at::randn({7, 24}).to(dtype).requires_grad_();
-    const at::Tensor b = at::randn({7}).to(dtype).requires_grad_();
-    const at::Tensor gy = at::randn({3, 5, 7}).to(dtype);
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + std::to_string(in) + " -> " + std::to_string(out));
+    const at::Tensor x = at::randn({3, 5, in}).to(dtype).requires_grad_();
+    const at::Tensor w = (at::randn({out, in}) / std::sqrt(double(in))).to(dtype).requires_grad_();
+    const at::Tensor b = at::randn({out}).to(dtype).requires_grad_();
+    const at::Tensor gy = at::randn({3, 5, out}).to(dtype);
     const at::Tensor y = nn::linear_through_fp32(x, w, b);
     ASSERT_EQ(y.scalar_type(), dtype);
     y.backward(gy);
