@@ -1,5 +1,5 @@
 // Half-dtype linears through fp32 sgemm on CPUs that emulate the half dtype: Note [Half
-// matmuls through fp32] in loom/half_matmul.h.
+// matmuls through fp32] in loom/nn.h.
 #include "loom/nn.h"
 
 #include <ATen/ATen.h>
@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "loom/cpu.h"
 #include "loom/error.h"
@@ -21,16 +21,15 @@ namespace {
 // -1: no override; else a HalfMatmul.
 std::atomic<int> g_override{-1};
 
+// Read at each half-dtype product (a getenv beside a matmul), so a bad value is an error
+// whenever it is met, tests included.
 int from_environment() {
-  static const int forced = [] {
-    const char* value = std::getenv("LOOM_HALF_MATMUL");
-    if (value == nullptr || *value == '\0' || std::string(value) == "auto") return -1;
-    const std::string v(value);
-    LOOM_CHECK_AS(ConfigError, v == "native" || v == "fp32", "LOOM_HALF_MATMUL='", v,
-                  "': use native (LibTorch's half GEMM), fp32 (widened to fp32 sgemm) or auto");
-    return static_cast<int>(v == "native" ? HalfMatmul::native : HalfMatmul::through_fp32);
-  }();
-  return forced;
+  const char* value = std::getenv("LOOM_HALF_MATMUL");
+  if (value == nullptr || *value == '\0' || std::string(value) == "auto") return -1;
+  const std::string v(value);
+  LOOM_CHECK_AS(ConfigError, v == "native" || v == "fp32", "LOOM_HALF_MATMUL='", v,
+                "': use native (LibTorch's half GEMM), fp32 (widened to fp32 sgemm) or auto");
+  return static_cast<int>(v == "native" ? HalfMatmul::native : HalfMatmul::through_fp32);
 }
 
 // Whether the oneDNN level in effect computes `dtype` natively (cpu_isa.cpp's table: the

@@ -103,11 +103,9 @@ at::Tensor cast_and_pass(const at::Tensor& x, const at::Tensor& weight, const at
   // Note [Half matmuls through fp32] (loom/nn.h): on a CPU that emulates the half
   // dtype, the operands are rounded to it and widened back, and the pass runs in fp32 (its
   // logits are not rounded to the half dtype: closer to fp32, not further).
-  const at::ScalarType wide = x.is_cpu() && (compute == at::kBFloat16 || compute == at::kHalf) &&
-                                      nn::half_matmul_path(compute) ==
-                                          nn::HalfMatmul::through_fp32
-                                  ? at::kFloat
-                                  : compute;
+  const at::ScalarType wide =
+      x.is_cpu() && nn::half_matmul_path(compute) == nn::HalfMatmul::through_fp32 ? at::kFloat
+                                                                                 : compute;
   auto in = [&](const at::Tensor& t) { return t.to(compute).to(wide); };
   const at::Tensor bc = bias.defined() ? in(bias) : at::Tensor();
   return chunked_pass(in(x), in(weight), bc, labels, ignore_index, chunk_rows, x.scalar_type(),

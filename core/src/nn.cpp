@@ -38,8 +38,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   const at::ScalarType half =
       autocast ? at::autocast::get_autocast_dtype(at::kCPU)
                : (x.scalar_type() == w.scalar_type() ? x.scalar_type() : at::kFloat);
-  if (x.is_cpu() && (half == at::kBFloat16 || half == at::kHalf) &&
-      half_matmul_path(half) == HalfMatmul::through_fp32) {
+  if (x.is_cpu() && half_matmul_path(half) == HalfMatmul::through_fp32) {  // fp32: native
     // Under autocast its cached cast, so Note [Cast once per update] holds here too.
     auto narrow = [&](const at::Tensor& t) {
       return autocast ? at::autocast::cached_cast(half, t, c10::DeviceType::CPU) : t.to(half);

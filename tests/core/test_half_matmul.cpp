@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "loom/error.h"
 #include "loom/nn.h"
 #include "loom/trainer.h"
 #include "test_util.h"
@@ -62,6 +64,22 @@ TEST(HalfMatmul, LinearThroughFp32IsTheFp32ProductOfTheHalfValuesRoundedOnce) {
     EXPECT_EQ(x.grad().scalar_type(), dtype);
     EXPECT_EQ(w.grad().scalar_type(), dtype);
   }
+}
+
+// A LOOM_HALF_MATMUL that names no path is an error naming the variable and its values.
+TEST(HalfMatmul, AnUnknownLoomHalfMatmulIsAnErrorListingItsValues) {
+  ::setenv("LOOM_HALF_MATMUL", "fast", 1);
+  try {
+    nn::half_matmul_path(at::kBFloat16);
+    ADD_FAILURE() << "LOOM_HALF_MATMUL=fast was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("LOOM_HALF_MATMUL='fast': use native"), std::string::npos)
+        << e.what();
+  }
+  ::setenv("LOOM_HALF_MATMUL", "fp32", 1);
+  EXPECT_EQ(nn::half_matmul_path(at::kBFloat16), HalfMatmul::through_fp32);
+  EXPECT_EQ(nn::half_matmul_path(at::kFloat), HalfMatmul::native);
+  ::unsetenv("LOOM_HALF_MATMUL");
 }
 
 // A Linear takes the widened path only where told (or where the CPU emulates the dtype), and
