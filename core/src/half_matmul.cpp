@@ -55,6 +55,30 @@ struct NoAutocast {
 // test). Each block is one sgemm of up to that many output features.
 int64_t rows_per_block(int64_t in) { return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(in, 1)); }
 
+// Note [Widened blocks kept]: the weight's widened rows and the weight gradient's fp32 rows
+// live in two buffers this thread keeps, not in a fresh allocation per block. Under loom's
+// never-trimmed heap (Note [Freed memory kept], device.h) a 4 MiB block freed between two
+// gradients that live until the update leaves a hole the next, larger gradient does not fit:
+// on a 0.51 B bf16 GPT whose optimizer state was on NVMe, the second step's peak RSS rose ~700
+// MiB above the first (3574 against 2876 MiB), the offload test's cap killed it, and the
+// native path did not grow (docs/BENCHMARKS.md "Half matmuls through fp32"). Each buffer
+// holds at most one block (4 MiB, rows_per_block) per thread that multiplies; what leaves a
+// product is copied out of them into the outputs' own tensors.
+enum KeptBuffer { kWeightRows, kWeightGrad, kKeptBuffers };
+
+at::Tensor kept_block(KeptBuffer which, int64_t rows, int64_t cols) {
+  thread_local at::Tensor kept[kKeptBuffers];
+  at::Tensor& buffer = kept[which];
+  if (!buffer.defined() || buffer.numel() < rows * cols)
+    buffer = at::empty({std::max<int64_t>(rows * cols, int64_t{1} << 20)}, at::kFloat);
+  return buffer.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+// Rows [r, r + n) of the half weight w, widened to fp32 into the kept buffer.
+at::Tensor widened_rows(const at::Tensor& w, int64_t r, int64_t n) {
+  return kept_block(kWeightRows, n, w.size(1)).copy_(w.narrow(0, r, n));
+}
+
 struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
   // The bias as an optional: an undefined tensor among a Function's inputs has no device.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -67,7 +91,7 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
     at::Tensor y = at::empty({x2.size(0), out}, x.options());
     for (int64_t r = 0; r < out; r += step) {
       const int64_t n = std::min(step, out - r);
-      const at::Tensor wb = w.narrow(0, r, n).to(at::kFloat).t();
+      const at::Tensor wb = widened_rows(w, r, n).t();
       // The block's product in fp32 (bias added there, as linear does), rounded once.
       y.narrow(1, r, n).copy_(b ? at::addmm(b->narrow(0, r, n).to(at::kFloat), x2, wb)
                                 : at::mm(x2, wb));
@@ -94,8 +118,11 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
     for (int64_t r = 0; r < out; r += step) {
       const int64_t n = std::min(step, out - r);
       const at::Tensor gyb = gy.narrow(1, r, n).to(at::kFloat);
-      if (want_x) gx.addmm_(gyb, w.narrow(0, r, n).to(at::kFloat));  // fp32 over the blocks
-      if (want_w) gw.narrow(0, r, n).copy_(gyb.t().mm(x2));
+      if (want_x) gx.addmm_(gyb, widened_rows(w, r, n));  // fp32 over the blocks
+      if (want_w) {
+        at::Tensor block = kept_block(kWeightGrad, n, in);
+        gw.narrow(0, r, n).copy_(at::mm_out(block, gyb.t(), x2));
+      }
       if (want_b) gb.narrow(0, r, n).copy_(gyb.sum(0));
     }
     if (want_x) gx = gx.to(x.scalar_type()).view(x.sizes());

@@ -35,9 +35,10 @@ class LinearAdapter : public torch::nn::Module {
 // "Half matmuls through fp32"). Such a CPU instead widens the operands to fp32 (exact: every
 // bf16 and fp16 value is an fp32), runs MKL's sgemm, and rounds the product to the half dtype
 // once, which is what a half GEMM computes (fp32 accumulation, one rounding of the output) in
-// another summation order; backward does the same for both products. The widened copies are
-// transient, the weight's 4 MiB of rows at a time: forward saves the half input and the weight
-// itself, as the half GEMM's autograd does. Linear, attention() and the fused loss (Note [Fused linear
+// another summation order; backward does the same for both products. The weight is widened
+// 4 MiB of rows at a time into a buffer each thread keeps (Note [Widened blocks kept] in
+// half_matmul.cpp: fresh blocks fragmented the kept heap); forward saves the half input and
+// the weight itself, as the half GEMM's autograd does. Linear, attention() and the fused loss (Note [Fused linear
 // cross-entropy] in loom/loss.h) do it. Which CPUs: the oneDNN level in effect (Note [CPU
 // kernel probe]) decides, so a job capped by [train] cpu_isa below bf16 widens too.
 // LOOM_HALF_MATMUL=native or =fp32 forces either path (the tests run both on every CPU).

@@ -10,10 +10,6 @@ folder=$1 cap_mib=${2:-3600}
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 loom=$root/build/bin/loom
 cap=$((cap_mib * 1024 * 1024))
-# LibTorch's own bf16 GEMM, as when the cap was set: on a CPU without bf16 instructions loom's
-# products through fp32 (Note [Half matmuls through fp32]) ran this model's second step over
-# the 3600 MiB cap in CI (killed; a cgroup peak of 3456 MiB in another run), not understood yet.
-export LOOM_HALF_MATMUL=${LOOM_HALF_MATMUL:-native}
 work=$(mktemp -d)
 if [ -d /sys/fs/cgroup/memory ]; then  # v1
   cg=/sys/fs/cgroup/memory/loom-cap-$$
