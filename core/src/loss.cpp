@@ -188,7 +188,7 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& x, const at::Tensor& weigh
     compute = at::autocast::get_autocast_dtype(device_type);
   if (compute == at::kHalf) {
     // fp16: unfused (the Note says why).
-    const at::Tensor logits = at::linear(rows, weight, bias);
+    const at::Tensor logits = nn::linear(rows, weight, bias);
     return at::cross_entropy_loss(logits.to(at::kFloat), flat_labels, {}, at::Reduction::Sum,
                                   ignore_index);
   }
@@ -217,7 +217,7 @@ Output causal_lm_output(const at::Tensor& x, Linear* head, const at::Tensor& tie
       return out;  // no logits: Note [Fused linear cross-entropy]
     }
   }
-  out.logits = head ? head->forward(x) : at::linear(x, tied_weight);
+  out.logits = head ? head->forward(x) : nn::linear(x, tied_weight);
   if (batch.labels.defined())
     out.loss_sum = at::cross_entropy_loss(out.logits.view({-1, out.logits.size(-1)}).to(at::kFloat),
                                           batch.labels.reshape({-1}), {}, at::Reduction::Sum,

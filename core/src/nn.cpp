@@ -20,6 +20,27 @@ Linear::Linear(int64_t in, int64_t out, bool with_bias) : in_features(in), out_f
   if (with_bias) bias = register_parameter("bias", at::empty({out}).uniform_(-bound, bound));
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  // Note [Half matmuls through fp32]: on a CPU that emulates the half dtype, the product goes
+  // through fp32 sgemm (under autocast its operands are narrowed first, as autocast's own
+  // linear would).
+  const bool autocast = x.is_cpu() && at::autocast::is_autocast_enabled(at::kCPU);
+  const at::ScalarType half =
+      autocast ? at::autocast::get_autocast_dtype(at::kCPU)
+               : (x.scalar_type() == w.scalar_type() &&
+                          (!b.defined() || b.scalar_type() == w.scalar_type())
+                      ? x.scalar_type()
+                      : at::kFloat);
+  if (x.is_cpu() && half_matmul_path(half) == HalfMatmul::through_fp32) {  // fp32: native
+    // Under autocast its cached cast, so Note [Cast once per update] holds here too.
+    auto narrow = [&](const at::Tensor& t) {
+      return autocast ? at::autocast::cached_cast(half, t, c10::DeviceType::CPU) : t;
+    };
+    return linear_through_fp32(narrow(x), narrow(w), b.defined() ? narrow(b) : b);
+  }
+  return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+}
+
 at::Tensor Linear::forward(const at::Tensor& x) {
   at::Tensor w = weight, b = bias;
   // A frozen weight held in half (Note [Frozen weights in half]) meeting an fp32 input outside
@@ -30,23 +51,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
     w = w.to(at::kFloat);
     if (b.defined()) b = b.to(at::kFloat);
   }
-  at::Tensor out;
-  // Note [Half matmuls through fp32] (loom/nn.h): on a CPU that emulates the half
-  // dtype, the product goes through fp32 sgemm (under autocast its operands are narrowed first,
-  // as autocast's own linear would).
-  const bool autocast = x.is_cpu() && at::autocast::is_autocast_enabled(at::kCPU);
-  const at::ScalarType half =
-      autocast ? at::autocast::get_autocast_dtype(at::kCPU)
-               : (x.scalar_type() == w.scalar_type() ? x.scalar_type() : at::kFloat);
-  if (x.is_cpu() && half_matmul_path(half) == HalfMatmul::through_fp32) {  // fp32: native
-    // Under autocast its cached cast, so Note [Cast once per update] holds here too.
-    auto narrow = [&](const at::Tensor& t) {
-      return autocast ? at::autocast::cached_cast(half, t, c10::DeviceType::CPU) : t.to(half);
-    };
-    out = linear_through_fp32(narrow(x), narrow(w), b.defined() ? narrow(b) : b);
-  } else {
-    out = at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-  }
+  at::Tensor out = nn::linear(x, w, b);
   if (adapter_) out = out + adapter_->forward(x, out);
   return out;
 }

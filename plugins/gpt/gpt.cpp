@@ -192,7 +192,7 @@ class Gpt final : public loom::Model, public loom::CausalLM {
     args.cache = &cache;
     x = ln_f->forward(units->forward(x, args));
     cache.length += T;
-    return lm_head ? lm_head->forward(x) : at::linear(x, wte->weight);
+    return lm_head ? lm_head->forward(x) : loom::nn::linear(x, wte->weight);
   }
   int64_t max_positions() const override { return config_.n_positions; }
 

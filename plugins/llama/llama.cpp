@@ -257,7 +257,7 @@ class Llama final : public loom::Model, public loom::CausalLM {
  private:
   at::Tensor head(const at::Tensor& hidden) {
     at::Tensor x = model->norm->forward(hidden);
-    return lm_head ? lm_head->forward(x) : at::linear(x, model->embed_tokens->weight);
+    return lm_head ? lm_head->forward(x) : loom::nn::linear(x, model->embed_tokens->weight);
   }
   LlamaConfig config_;
 };

@@ -110,7 +110,7 @@ class LoraAdapter final : public loom::nn::LinearAdapter {
     if (merged_) return at::zeros({}, base_out.options());  // already inside the weight
     at::Tensor h = x.to(lora_A.scalar_type());
     if (dropout_ > 0.0) h = at::dropout(h, dropout_, is_training());
-    return (at::linear(at::linear(h, lora_A), lora_B) * scaling_).to(base_out.scalar_type());
+    return (loom::nn::linear(loom::nn::linear(h, lora_A), lora_B) * scaling_).to(base_out.scalar_type());
   }
 
   // scaling · B·A, (out,in) in the adapter's dtype.

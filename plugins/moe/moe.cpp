@@ -282,15 +282,14 @@ class MoeLayer final : public loom::nn::FeedForwardBase {
     for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
       const at::Tensor mine = rows.narrow(0, at_row, counts[e]);
       at_row += counts[e];
-      at::Tensor h = at::linear(mine, w_in[e], b_in.defined() ? std::optional<at::Tensor>(b_in[e])
-                                                              : std::nullopt);
+      // loom::nn::linear: Note [Half matmuls through fp32] (loom/nn.h).
+      at::Tensor h = loom::nn::linear(mine, w_in[e], b_in.defined() ? b_in[e] : at::Tensor());
       switch (activation_) {
         case loom::nn::FeedForward::Activation::gelu: h = at::gelu(h); break;
         case loom::nn::FeedForward::Activation::gelu_tanh: h = at::gelu(h, "tanh"); break;
         case loom::nn::FeedForward::Activation::relu: h = at::relu(h); break;
       }
-      outputs.push_back(at::linear(
-          h, w_out[e], b_out.defined() ? std::optional<at::Tensor>(b_out[e]) : std::nullopt));
+      outputs.push_back(loom::nn::linear(h, w_out[e], b_out.defined() ? b_out[e] : at::Tensor()));
     }
     return at::cat(outputs, 0);
   }

@@ -442,7 +442,9 @@ class Precision final : public loom::Plugin {
       const auto start = std::chrono::steady_clock::now();
       if (bf16) enter_autocast(at::kBFloat16);
       at::Tensor h = at::layer_norm(x, {768}, ln_w, ln_b);
-      at::Tensor y = at::linear(at::gelu(at::linear(h, w1), "tanh"), w2);
+      // loom::nn::linear: the path this CPU's half products take (Note [Half matmuls
+      // through fp32]), so the probe times what the run would.
+      at::Tensor y = loom::nn::linear(at::gelu(loom::nn::linear(h, w1), "tanh"), w2);
       leave_autocast();
       y.to(at::kFloat).square().sum().backward();
       for (const at::Tensor* t : {&w1, &w2, &ln_w}) t->mutable_grad() = at::Tensor();

@@ -140,31 +140,102 @@ TEST(HalfMatmul, AttentionAgreesOnBothPaths) {
   }
 }
 
-// The tiny GPT in full_bf16 trains alike on both paths (every matmul of it: the blocks'
-// Linears, attention and the fused loss's head).
-TEST(HalfMatmul, AFullBf16GptTrainsAlikeOnBothPaths) {
-  auto losses = [&](HalfMatmul path) {
-    Override use(path);
-    test::TempDir dir;
-    auto trainer = Trainer::from_text(test::tiny_gpt_job(dir.str()), dir.path(),
-                                      {"precision.mode=\"full_bf16\"", "train.max_steps=6"});
-    trainer->run();
-    std::vector<double> out;
-    std::istringstream in(test::read_text(dir / "metrics.jsonl"));
-    const std::regex field("\"loss\":([^,}]+)");
-    for (std::string line; std::getline(in, line);) {
-      std::smatch m;
-      if (std::regex_search(line, m, field)) out.push_back(std::stod(m[1]));
-    }
-    return out;
-  };
-  const std::vector<double> native = losses(HalfMatmul::native);
-  const std::vector<double> wide = losses(HalfMatmul::through_fp32);
+// The losses of the tiny GPT's first six steps on `path`, the job's text extended by `extra`.
+std::vector<double> six_losses(HalfMatmul path, const std::string& extra,
+                               std::vector<std::string> settings) {
+  Override use(path);
+  test::TempDir dir;
+  settings.push_back("train.max_steps=6");
+  auto trainer = Trainer::from_text(test::tiny_gpt_job(dir.str()) + extra, dir.path(), settings);
+  trainer->run();
+  std::vector<double> out;
+  std::istringstream in(test::read_text(dir / "metrics.jsonl"));
+  const std::regex field("\"loss\":([^,}]+)");
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, field)) out.push_back(std::stod(m[1]));
+  }
+  return out;
+}
+
+void expect_alike(const std::vector<double>& native, const std::vector<double>& wide) {
   ASSERT_EQ(native.size(), 6u);
   ASSERT_EQ(wide.size(), native.size());
   for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(wide[i], native[i], 0.02 * native[i]) << i;
   // Not the same bits: the override reached the model's products (another summation order).
   EXPECT_NE(wide, native);
+}
+
+// The tiny GPT in full_bf16 trains alike on both paths (every matmul of it: the blocks'
+// Linears, attention and the fused loss's head).
+TEST(HalfMatmul, AFullBf16GptTrainsAlikeOnBothPaths) {
+  const std::vector<std::string> bf16 = {"precision.mode=\"full_bf16\""};
+  expect_alike(six_losses(HalfMatmul::native, "", bf16),
+               six_losses(HalfMatmul::through_fp32, "", bf16));
+}
+
+// nn::linear, the path-choosing at::linear that plugins call (tied heads, LoRA's adapters,
+// MoE's experts): under autocast it is linear_through_fp32 of autocast's narrowed operands,
+// bit for bit, on the widened path and at::linear's own product on the native one; a product
+// of no rows (an expert that got no tokens) gives zero gradients on both.
+TEST(HalfMatmul, NnLinearPicksThePathAndTakesEmptyInputs) {
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({5, 24});
+  const at::Tensor w = (at::randn({40, 24}) * 0.2).requires_grad_();
+  auto under_autocast = [&](auto&& body) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::Tensor y = body();
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    return y;
+  };
+  {
+    Override use(HalfMatmul::through_fp32);
+    const at::Tensor y = under_autocast([&] { return nn::linear(x, w); });
+    const at::Tensor expected =
+        nn::linear_through_fp32(x.to(at::kBFloat16), w.to(at::kBFloat16), at::Tensor());
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(y, expected));
+  }
+  {
+    Override use(HalfMatmul::native);
+    const at::Tensor y = under_autocast([&] { return nn::linear(x, w); });
+    const at::Tensor expected = under_autocast([&] { return at::linear(x, w); });
+    EXPECT_TRUE(at::equal(y, expected));
+  }
+  for (const HalfMatmul path : {HalfMatmul::native, HalfMatmul::through_fp32}) {
+    Override use(path);
+    const at::Tensor wh = w.detach().to(at::kBFloat16).requires_grad_();
+    const at::Tensor bh = at::ones({40}, at::kBFloat16).requires_grad_();
+    const at::Tensor none = at::zeros({0, 24}, at::kBFloat16).requires_grad_();
+    const at::Tensor y = nn::linear(none, wh, bh);
+    EXPECT_EQ(y.sizes(), (std::vector<int64_t>{0, 40}));
+    y.sum().backward();
+    ASSERT_TRUE(wh.grad().defined());
+    EXPECT_EQ(wh.grad().abs().max().item<float>(), 0.0f);
+    EXPECT_EQ(bh.grad().abs().max().item<float>(), 0.0f);
+  }
+}
+
+// An MoE GPT in full_bf16 (its experts' products are nn::linear) and LoRA adapters under bf16
+// autocast train alike on both paths.
+TEST(HalfMatmul, MoeExpertsAndLoraAdaptersTrainAlikeOnBothPaths) {
+  {
+    SCOPED_TRACE("moe");
+    const std::string moe = "\n[moe]\nnum_experts = 4\ntop_k = 2\nmoe_every = 1\n";
+    const std::vector<std::string> bf16 = {"precision.mode=\"full_bf16\""};
+    expect_alike(six_losses(HalfMatmul::native, moe, bf16),
+                 six_losses(HalfMatmul::through_fp32, moe, bf16));
+  }
+  {
+    SCOPED_TRACE("lora");
+    const std::string lora =
+        "\n[lora]\nr = 4\ntarget_modules = [\"qkv\", \"fc_in\"]\ninit_lora_weights = false\n";
+    const std::vector<std::string> bf16 = {"precision.mode=\"bf16\""};
+    expect_alike(six_losses(HalfMatmul::native, lora, bf16),
+                 six_losses(HalfMatmul::through_fp32, lora, bf16));
+  }
 }
 
 }  // namespace

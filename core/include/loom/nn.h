@@ -54,8 +54,15 @@ HalfMatmul half_matmul_path(c10::ScalarType dtype);
 void set_half_matmul_override(std::optional<HalfMatmul> path);
 
 // x (..., in) times w (out, in) transposed plus b (out, or undefined), all of one half dtype,
-// through fp32 as the Note says; differentiable in all three. Linear::forward calls it.
+// through fp32 as the Note says; differentiable in all three.
 at::Tensor linear_through_fp32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+// at::linear(x, w, b) on the path the Note picks: where the product's half dtype (autocast's
+// on a CPU under autocast, its operands narrowed by autocast's own cached cast; else x's,
+// when w and b share it) is one this CPU emulates, linear_through_fp32; anywhere else
+// at::linear itself. Linear::forward, tied heads, LoRA's adapters and MoE's experts call it:
+// a plugin's own products should too, or they run LibTorch's emulated half GEMM there.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
 // at::scaled_dot_product_attention(q, k, v, mask, dropout, causal); where q's dtype is a half
 // dtype this CPU emulates, with q, k, v (and a float mask) widened to fp32 and the output
