@@ -263,7 +263,10 @@ class AdamW final : public UpdateRule {
     for (const Segment* s : segments)
       fused = fused && fused_cuda(*s) && s->param.device() == segments.front()->param.device();
     if (fused) return fused_cuda_update(segments, ctx);
-    UpdateRule::update_many(segments, ctx);
+    // Note [Whole tensors shared among threads] (loom/update_rule.h).
+    update_sharing_threads(*this, segments, ctx, [](const Segment& s) {
+      return s.param.is_cpu() && s.grad.is_cpu();
+    });
   }
 
  private:

@@ -1,6 +1,10 @@
 // Small out-of-line pieces of the SDK: key functions of the interfaces (one vtable, in the
 // core), the default plugin behaviour, names of enums, batch helpers.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include "loom/batch.h"
 #include "loom/comm.h"
@@ -148,6 +152,35 @@ void update_tensor(const UpdateRule& rule, const std::vector<Segment*>& segments
     context.totals.push_back(accumulator);
   }
   for (Segment* s : segments) rule.update(*s, context);
+}
+
+void update_sharing_threads(const UpdateRule& rule, const std::vector<Segment*>& segments,
+                            const UpdateContext& context,
+                            const std::function<bool(const Segment&)>& shareable) {
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (threads < 2 || segments.size() < 2) {
+    for (Segment* s : segments) update_tensor(rule, {s}, context);
+    return;
+  }
+  int64_t total = 0;
+  for (const Segment* s : segments) total += s->param.numel();
+  std::vector<Segment*> shared;
+  for (Segment* s : segments) {
+    if (s->param.numel() * 2 * threads <= total && shareable(*s)) {
+      shared.push_back(s);
+    } else {
+      update_tensor(rule, {s}, context);
+    }
+  }
+  std::stable_sort(shared.begin(), shared.end(), [](const Segment* a, const Segment* b) {
+    return a->param.numel() > b->param.numel();
+  });
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (size_t i; (i = next.fetch_add(1)) < shared.size();)
+        update_tensor(rule, {shared[i]}, context);
+  });
 }
 
 void UpdateRule::update_many(const std::vector<Segment*>& segments,

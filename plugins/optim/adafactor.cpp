@@ -312,12 +312,12 @@ class Adafactor final : public UpdateRule {
     // cost more than the fold.
     thread_local std::vector<double> kept_buffer;
     double* const kept =
-        at::get_num_threads() > 1 ? cache_aligned(kept_buffer, n_groups * 2 * geo.C) : nullptr;
+        threads_here() > 1 ? cache_aligned(kept_buffer, n_groups * 2 * geo.C) : nullptr;
     // Each thread's share of the groups, cut where the rows split evenly (the nearest group
     // boundary), not by group count: 390 rows in groups of 16 were cut 208 / 182 by count (25
     // groups, 13 and 12), 192 / 198 now. Which thread folds a group changes no bits: every
     // group's partial is added in group order either way.
-    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_groups));
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(threads_here(), n_groups));
     std::vector<int64_t> share_start(shares + 1, n_groups);
     for (int64_t t = 0, gi = 0; t < shares; ++t) {
       const int64_t target = geo.rows * t / shares;
@@ -392,6 +392,13 @@ class Adafactor final : public UpdateRule {
     for (double x : p2) total += x;
   }
 
+  // Note [Whole tensors shared among threads] (loom/update_rule.h): the CPU loops' bits do not
+  // depend on the threads that run a tensor (Note [Adafactor's column sums in row groups]).
+  void update_many(const std::vector<Segment*>& segments,
+                   const UpdateContext& ctx) const override {
+    update_sharing_threads(*this, segments, ctx, [this](const Segment& s) { return use_loops(s); });
+  }
+
   void update(Segment& segment, const UpdateContext& ctx) const override {
     LOOM_INTERNAL_ASSERT(ctx.totals.size() == 1, "adafactor runs through update_tensor");
     if (!use_loops(segment)) return tensor_ops_update(segment, ctx);
@@ -440,6 +447,10 @@ class Adafactor final : public UpdateRule {
   }
 
  private:
+  // The threads a parallel region here would get: one inside another region (update_many's),
+  // where at::parallel_for runs inline.
+  static int threads_here() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
   bool use_loops(const Segment& s) const {
     return kernel_ == "cpu_loops" || (kernel_ == "auto" && cpu_fp32(s));
   }

@@ -330,6 +330,11 @@ class Adam8bit final : public UpdateRule {
             {"exp_avg_sq_absmax", at::zeros({blocks}, s.param.options())}};
   }
 
+  // Note [Whole tensors shared among threads] (loom/update_rule.h).
+  void update_many(const std::vector<Segment*>& segments,
+                   const UpdateContext& ctx) const override {
+    update_sharing_threads(*this, segments, ctx, cpu_fp32);
+  }
   void update(Segment& s, const UpdateContext& ctx) const override {
     const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
     const Coefficients c{static_cast<float>(1.0 - ctx.lr * ctx.weight_decay),

@@ -50,6 +50,11 @@ class Sgd final : public UpdateRule {
     if (momentum_ == 0) return {};
     return {{"momentum_buffer", at::zeros_like(s.param)}};
   }
+  // Note [Whole tensors shared among threads] (loom/update_rule.h).
+  void update_many(const std::vector<Segment*>& segments,
+                   const UpdateContext& ctx) const override {
+    update_sharing_threads(*this, segments, ctx, cpu_fp32);
+  }
   void update(Segment& s, const UpdateContext& ctx) const override {
     const bool first = ctx.step == 1;  // torch's buffer is None before the first update
     if (cpu_fp32(s)) {
@@ -101,6 +106,11 @@ class Lion final : public UpdateRule {
   std::string name() const override { return "lion"; }
   NamedTensors init_state(const Segment& s) const override {
     return {{"exp_avg", at::zeros_like(s.param)}};
+  }
+  // Note [Whole tensors shared among threads] (loom/update_rule.h).
+  void update_many(const std::vector<Segment*>& segments,
+                   const UpdateContext& ctx) const override {
+    update_sharing_threads(*this, segments, ctx, cpu_fp32);
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     at::Tensor& m = s.state_at("exp_avg");

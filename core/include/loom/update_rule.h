@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -104,6 +105,21 @@ class UpdateRule {
 // the rule's partitioning. Drivers and tests share it.
 void update_tensor(const UpdateRule& rule, const std::vector<Segment*>& segments,
                    UpdateContext context);
+
+// Note [Whole tensors shared among threads]: a CPU rule whose kernels split each tensor over
+// the intra-op threads pays one parallel region, ending at a barrier, per tensor (adafactor two
+// or three); on 2 vCPUs a step of 100 tensors met ~300 barriers, and each stall of one vCPU
+// held the other (adafactor scaled 1.55x on 2 threads where torch's fused AdamW scaled 1.7x;
+// under load its steps took 3-10x longer). This runs a batch of whole tensors (update_many's)
+// so: a tensor larger than 1/(2 x threads) of the batch's elements, or one `shareable` refuses
+// (a GPU tensor, a path whose bits depend on the thread count), alone, split over the threads
+// as before; the rest whole, each on one thread (whichever is free next, largest first) in one
+// parallel region, where their own at::parallel_for runs inline. For a rule whose results do
+// not depend on the thread count (OptimConformance.ThreadCountDoesNotChangeResults holds the
+// optim plugin's rules and the core's adamw to it), so the bits are one tensor at a time's.
+void update_sharing_threads(const UpdateRule& rule, const std::vector<Segment*>& segments,
+                            const UpdateContext& context,
+                            const std::function<bool(const Segment&)>& shareable);
 
 // The core's AdamW ([optimizer] name = "adamw"; keys beta1, beta2, eps), for drivers, tests
 // and benchmarks that build a rule themselves.

@@ -97,14 +97,16 @@ std::vector<loom::Segment> make_segments(const loom::UpdateRule* rule, int64_t t
   return segments;
 }
 
+// All tensors in one update_many, as the step driver gives a group of one learning rate and
+// weight decay to the rule (torch's fused AdamW gets its tensor list in one call too).
 void update_all(const loom::UpdateRule& rule, std::vector<loom::Segment>& segments, int step) {
-  for (auto& segment : segments) {
-    loom::UpdateContext ctx;
-    ctx.step = step;
-    ctx.lr = 1e-3;
-    ctx.weight_decay = 0.01;
-    loom::update_tensor(rule, {&segment}, ctx);
-  }
+  loom::UpdateContext ctx;
+  ctx.step = step;
+  ctx.lr = 1e-3;
+  ctx.weight_decay = 0.01;
+  std::vector<loom::Segment*> all;
+  for (auto& segment : segments) all.push_back(&segment);
+  rule.update_many(all, ctx);
 }
 
 // The compare mode (usage above): entries interleaved in one process.

@@ -56,8 +56,11 @@ Problem make_problem(const std::vector<std::vector<int64_t>>& shapes, int steps,
 // 0 and numel); returns the parameters after every step.
 // With `with_state`, each step's snapshot also holds every segment's state tensors after the
 // parameters.
+// With `batched` (no cuts), each step gives the rule its tensors in two update_many calls, one
+// per weight-decay group, as the step driver does.
 Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, double weight_decay,
-                    const std::vector<std::vector<int64_t>>& cuts = {}, bool with_state = false) {
+                    const std::vector<std::vector<int64_t>>& cuts = {}, bool with_state = false,
+                    bool batched = false) {
   std::vector<at::Tensor> params;
   std::vector<std::vector<Segment>> segments;
   for (size_t i = 0; i < problem.params.size(); ++i) {
@@ -79,6 +82,7 @@ Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, d
   }
   std::vector<std::vector<at::Tensor>> out;
   for (size_t step = 0; step < problem.grads.size(); ++step) {
+    std::vector<Segment*> batch[2];  // [decay]
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor grad = problem.grads[step][i].reshape(-1);
       std::vector<Segment*> pointers;
@@ -90,7 +94,19 @@ Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, d
       ctx.step = static_cast<int64_t>(step) + 1;
       ctx.lr = lr;
       ctx.weight_decay = problem.decay[i] ? weight_decay : 0.0;
-      update_tensor(rule, pointers, ctx);
+      if (batched) {
+        batch[problem.decay[i] ? 1 : 0].push_back(pointers.front());
+      } else {
+        update_tensor(rule, pointers, ctx);
+      }
+    }
+    for (int decay : {0, 1}) {
+      if (batch[decay].empty()) continue;
+      UpdateContext ctx;
+      ctx.step = static_cast<int64_t>(step) + 1;
+      ctx.lr = lr;
+      ctx.weight_decay = decay ? weight_decay : 0.0;
+      rule.update_many(batch[decay], ctx);
     }
     std::vector<at::Tensor> snapshot;
     for (size_t i = 0; i < params.size(); ++i)
@@ -396,6 +412,26 @@ TEST(OptimConformance, ThreadCountDoesNotChangeResults) {
     const auto two = run_rule(*rule, problem, c.lr, 0.1);
     for (size_t i = 0; i < one.back().size(); ++i)
       EXPECT_TRUE(at::equal(one.back()[i], two.back()[i])) << c.name;
+  }
+  at::set_num_threads(threads);
+}
+
+// A batch of whole tensors in one update_many at 2 threads (adafactor shares them among the
+// threads, Note [Adafactor's tensors shared among threads]: the large one split, the others
+// whole per thread) gives the bits of one tensor at a time on one thread, state included.
+TEST(OptimConformance, UpdateManyAtTwoThreadsEqualsOneTensorAtATime) {
+  const Problem problem =
+      make_problem({{512, 300}, {64, 96}, {300}, {48, 40}, {200, 30}, {7}, {96, 64}}, 3, 8);
+  const int threads = at::get_num_threads();
+  for (const auto& c : all_rules()) {
+    auto rule = make_rule(c.name, c.values);
+    at::set_num_threads(1);
+    const auto one = run_rule(*rule, problem, c.lr, 0.1, {}, /*with_state=*/true);
+    at::set_num_threads(2);
+    const auto batched = run_rule(*rule, problem, c.lr, 0.1, {}, true, /*batched=*/true);
+    ASSERT_EQ(one.back().size(), batched.back().size());
+    for (size_t i = 0; i < one.back().size(); ++i)
+      EXPECT_TRUE(at::equal(one.back()[i], batched.back()[i])) << c.name << " tensor " << i;
   }
   at::set_num_threads(threads);
 }
