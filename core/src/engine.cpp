@@ -22,6 +22,7 @@
 #include "engine_factory.h"
 #include "evaluation/training_evaluation.h"
 #include "grad_hooks.h"
+#include "half_matmul.h"
 #include "loom/log.h"
 #include "loom/model.h"
 #include "loom/nn.h"
@@ -274,6 +275,7 @@ class EngineImpl final : public Engine, public Trainer {
     fire(Event::before_update);
     update_step(*driver_, state_, in_backward_norm,
                 resolved_.section("train").get_float("max_grad_norm"));
+    nn::detail::release_widened_blocks();  // Note [Widened blocks kept]: they live for a step
     ++state_.step;
     fire(Event::after_update);
 

@@ -2,6 +2,8 @@
 // matmuls through fp32] in loom/nn.h.
 #include "loom/nn.h"
 
+#include "half_matmul.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -63,14 +65,19 @@ int64_t rows_per_block(int64_t in) { return std::max<int64_t>(1, (int64_t{1} << 
 // MiB above the first (3574 against 2876 MiB), the offload test's cap killed it, and the
 // native path did not grow (docs/BENCHMARKS.md "Half matmuls through fp32"). Each buffer
 // holds at most one block (4 MiB, rows_per_block) per thread that multiplies; what leaves a
-// product is copied out of them into the outputs' own tensors.
+// product is copied out of them into the outputs' own tensors. Small ones (under 1 MiB) live
+// through a step: the engine frees them after its update (release_widened_blocks), or a memory
+// estimate's probes, steps of batch 1 and 2 in one process, counted them in the first step only
+// (a tiny GPT's bf16 estimate came out 14 % low).
 enum KeptBuffer { kWeightRows, kWeightGrad, kKeptBuffers };
 
+thread_local at::Tensor t_kept[kKeptBuffers];
+
 at::Tensor kept_block(KeptBuffer which, int64_t rows, int64_t cols) {
-  thread_local at::Tensor kept[kKeptBuffers];
-  at::Tensor& buffer = kept[which];
-  if (!buffer.defined() || buffer.numel() < rows * cols)
-    buffer = at::empty({std::max<int64_t>(rows * cols, int64_t{1} << 20)}, at::kFloat);
+  at::Tensor& buffer = t_kept[which];
+  // Grown to the largest block met, no larger: a small model's buffers stay small (memory
+  // estimates hold to 10 %, and tracked peaks count these bytes).
+  if (!buffer.defined() || buffer.numel() < rows * cols) buffer = at::empty({rows * cols}, at::kFloat);
   return buffer.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
@@ -131,6 +138,14 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
 };
 
 }  // namespace
+
+void detail::release_widened_blocks() {
+  // Blocks of 1 MiB and up stay: freed and made again each step they fragment the heap as
+  // fresh blocks per product did (the 0.51 B GPT's step-2 peak went back up, 2872 -> 3096-3357
+  // MiB). Against a model with such blocks their 4-8 MiB are noise in an estimate.
+  for (at::Tensor& buffer : t_kept)
+    if (buffer.defined() && buffer.numel() < (int64_t{1} << 18)) buffer = at::Tensor();
+}
 
 HalfMatmul half_matmul_path(c10::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return HalfMatmul::native;
