@@ -67,9 +67,10 @@ int64_t rows_per_block(int64_t in) { return std::max<int64_t>(1, (int64_t{1} << 
 // holds at most one block (4 MiB, rows_per_block) per thread that multiplies; what leaves a
 // product is copied out of them into the outputs' own tensors. Small ones (under 1 MiB) live
 // through a step: the engine frees them after its update (release_widened_blocks). Kept for the
-// thread's life, a run measured after another in one process (the estimate tests measure a run
-// after the estimate's probes) did not count what the first run left, and a tiny GPT's bf16
-// estimate came out 14 % above its measured peak's share.
+// thread's life, a memory estimate's probes (batch 1, then batch 2, in one process) counted
+// them in the first probe's activations only, made before its setup ended in the second, so the
+// per-sample slope came out low by their size and a tiny GPT's bf16 estimate 14 % below its
+// measured peak (about 9 x 2 x 147 KB at batch 12).
 enum KeptBuffer { kWeightRows, kWeightGrad, kKeptBuffers };
 
 thread_local at::Tensor t_kept[kKeptBuffers];
