@@ -1,6 +1,7 @@
 // loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--chunk-mib N]
 //                 [--rounds N]
 // loom_nvme_bench --checksum [--mib N] [--rounds N]
+// loom_nvme_bench --raw FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--rounds N]
 // The swap file's sustained sequential throughput: N GiB written, then read back (checksums
 // computed and checked, as in training), in chunks of --chunk-mib through the I/O thread with
 // two chunks in flight (the offloaded update's pattern: one moving while the next is queued).
@@ -11,7 +12,13 @@
 // one thread; GB/s by the thread's CPU time (per core, whatever else the machine runs) and by
 // the clock, the median of --rounds (default 5), each round over at least 64 MiB (a buffer
 // smaller than that is checked several times a round: --mib 1 measures the CPU, in cache).
+// --raw: the disk alone, fio's sequential job (`--rw=write` then `--rw=read`, O_DIRECT,
+// io_uring, --queue-depth requests of --block-size in flight), no checksum and none of the
+// swap file's code: the reference where fio is not installed (a GPU machine's image).
+#include <fcntl.h>
+#include <liburing.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -81,6 +88,92 @@ int checksum_bench(int argc, char** argv) {
   return 0;
 }
 
+// fio's job by hand: keep `depth` requests of `block` bytes in flight over the whole file, in
+// file order, refilling each slot as its request completes.
+double raw_pass(int fd, int64_t bytes, int64_t block, int depth, bool writing,
+                std::vector<loom::offload::AlignedBuffer>& buffers) {
+  io_uring ring{};
+  if (int e = io_uring_queue_init(static_cast<unsigned>(depth), &ring, 0); e < 0)
+    throw loom::Error(std::string("io_uring_queue_init: ") + std::strerror(-e));
+  const int64_t blocks = bytes / block;
+  int64_t next = 0, done = 0;
+  auto submit = [&](int slot) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+    void* data = buffers[static_cast<size_t>(slot)].data();
+    const auto offset = static_cast<uint64_t>(next * block);
+    if (writing) io_uring_prep_write(sqe, fd, data, static_cast<unsigned>(block), offset);
+    else io_uring_prep_read(sqe, fd, data, static_cast<unsigned>(block), offset);
+    io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
+    ++next;
+  };
+  const auto start = Clock::now();
+  for (int slot = 0; slot < depth && next < blocks; ++slot) submit(slot);
+  io_uring_submit(&ring);
+  while (done < blocks) {
+    io_uring_cqe* cqe = nullptr;
+    if (int e = io_uring_wait_cqe(&ring, &cqe); e < 0)
+      throw loom::Error(std::string("io_uring_wait_cqe: ") + std::strerror(-e));
+    if (cqe->res != block)
+      throw loom::Error(std::string(writing ? "write" : "read") + " returned " +
+                        std::to_string(cqe->res) + " of " + std::to_string(block) + " bytes");
+    const int slot = static_cast<int>(io_uring_cqe_get_data64(cqe));
+    io_uring_cqe_seen(&ring, cqe);
+    ++done;
+    if (next < blocks) {
+      submit(slot);
+      io_uring_submit(&ring);
+    }
+  }
+  // No fdatasync, as fio's job has none (end_fsync=0) and the swap file needs none.
+  const double s = seconds_since(start);
+  io_uring_queue_exit(&ring);
+  return bytes / double(1 << 20) / s;
+}
+
+int raw_bench(int argc, char** argv) {
+  if (argc < 3) throw loom::ConfigError("--raw needs a FOLDER");
+  const std::string folder = argv[2];
+  double gib = 2.0;
+  int64_t block = 1 << 20;
+  int depth = 8, rounds = 3;
+  for (int i = 3; i + 1 < argc; i += 2) {
+    const std::string key = argv[i];
+    const char* value = argv[i + 1];
+    if (key == "--gib") gib = std::atof(value);
+    else if (key == "--block-size") block = std::atoll(value);
+    else if (key == "--queue-depth") depth = std::atoi(value);
+    else if (key == "--rounds") rounds = std::atoi(value);
+    else throw loom::ConfigError("unknown option " + key + " for --raw");
+  }
+  if (block < 4096 || block % 4096 != 0 || depth < 1 || rounds < 1)
+    throw loom::ConfigError("--raw: --block-size a multiple of 4096, --queue-depth and --rounds >= 1");
+  const int64_t bytes = static_cast<int64_t>(gib * (1 << 30)) / block * block;
+  const std::string path = folder + "/loom-raw-bench-" + std::to_string(::getpid()) + ".bin";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600);
+  if (fd < 0)
+    throw loom::Error(path + ": " + std::strerror(errno) + " (O_DIRECT needs a disk, not tmpfs)");
+  std::vector<loom::offload::AlignedBuffer> buffers;
+  for (int k = 0; k < depth; ++k) {
+    buffers.emplace_back(block);
+    std::memset(buffers.back().data(), 0x5a + k, static_cast<size_t>(block));
+  }
+  std::printf("raw file %s (O_DIRECT, io_uring), %.2f GiB, block %lld B, queue depth %d\n",
+              path.c_str(), bytes / double(1 << 30), static_cast<long long>(block), depth);
+  try {
+    for (int round = 0; round < rounds; ++round)
+      for (const bool writing : {true, false})
+        std::printf("round %d %s %.0f MiB/s\n", round + 1, writing ? "write" : "read",
+                    raw_pass(fd, bytes, block, depth, writing, buffers));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw;
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,10 +181,13 @@ int main(int argc, char** argv) {
     if (argc < 2) {
       std::cerr << "usage: loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] "
                    "[--queue-depth N] [--chunk-mib N] [--rounds N]\n"
-                   "       loom_nvme_bench --checksum [--mib N] [--rounds N]\n";
+                   "       loom_nvme_bench --checksum [--mib N] [--rounds N]\n"
+                   "       loom_nvme_bench --raw FOLDER [--gib N] [--block-size BYTES] "
+                   "[--queue-depth N] [--rounds N]\n";
       return 2;
     }
     if (std::string(argv[1]) == "--checksum") return checksum_bench(argc, argv);
+    if (std::string(argv[1]) == "--raw") return raw_bench(argc, argv);
     loom::offload::NvmeOptions options;
     options.path = argv[1];
     options.what = "benchmark data";

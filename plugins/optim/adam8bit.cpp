@@ -297,7 +297,12 @@ class Adam8bit final : public UpdateRule {
         beta2_(beta_in_range(c, "beta2")),
         eps_(c.get_float("eps")),
         block_(c.get_int("block_size")),
-        min_8bit_(c.get_int("min_8bit_size")) {
+        min_8bit_(c.get_int("min_8bit_size")),
+        tensor_ops_(c.get_string("kernel") == "tensor_ops") {
+    LOOM_CHECK_AS(ConfigError,
+                  c.get_string("kernel") == "auto" || c.get_string("kernel") == "tensor_ops",
+                  c.where("kernel"), ": [optimizer] kernel '", c.get_string("kernel"),
+                  "' is unknown for adam8bit; use auto or tensor_ops");
     LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
     LOOM_CHECK_AS(ConfigError, block_ >= 16 && block_ <= 65536 && (block_ & (block_ - 1)) == 0,
                   c.where("block_size"),
@@ -333,7 +338,8 @@ class Adam8bit final : public UpdateRule {
   // Note [Whole tensors shared among threads] (loom/update_rule.h).
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    update_sharing_threads(*this, segments, ctx, cpu_fp32);
+    update_sharing_threads(*this, segments, ctx,
+                           [this](const Segment& s) { return fused(s); });
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
@@ -345,11 +351,15 @@ class Adam8bit final : public UpdateRule {
                          static_cast<float>(eps_),
                          static_cast<float>(ctx.lr / bc1)};
     if (!quantized(s)) return update_fp32(s, c);
-    if (cpu_fp32(s)) return update_fused(s, c);
+    if (fused(s)) return update_fused(s, c);
     update_tensors(s, c);
   }
 
  private:
+  // The fused CPU kernel where it can run, unless kernel = "tensor_ops" (the GPU path, on CPU
+  // tensors for the tests).
+  bool fused(const Segment& s) const { return !tensor_ops_ && cpu_fp32(s); }
+
   // The whole tensor's size decides, so every segment of a tensor agrees.
   bool quantized(const Segment& s) const {
     int64_t numel = 1;
@@ -360,7 +370,7 @@ class Adam8bit final : public UpdateRule {
   void update_fp32(Segment& s, const Coefficients& c) const {
     at::Tensor& m = s.state_at("exp_avg");
     at::Tensor& v = s.state_at("exp_avg_sq");
-    if (cpu_fp32(s)) {
+    if (fused(s)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* mp = m.data_ptr<float>();
@@ -404,47 +414,74 @@ class Adam8bit final : public UpdateRule {
     });
   }
 
-  // Other devices: the same steps as tensor ops over (blocks, block) views.
+  // Note [adam8bit's tensor ops in slices]: other devices (and kernel = "tensor_ops") run the
+  // fused kernel's steps as tensor ops over (blocks, block) views: dequantize, update, absmax,
+  // requantize. Each op makes a temporary of the elements it covers (fp32 moments, the
+  // denominator, the scaled moments, the codes' indices), 20 B an element at the peak (420 MB
+  // over 21 M elements, measured with int32 indices; the int64 ones used before took more), so
+  // over a whole tensor at once the update briefly held ten times the 8-bit state it exists to
+  // save (a 50257 x 4096 embedding: ~4 GB). Slices of whole blocks, at most kSliceElements
+  // each, bound that to 67 MB whatever the tensor
+  // (OptimQuantization.Adam8bitTensorOpsTemporariesStayWithinASlice); a block never straddles
+  // two slices, so the bytes are those of the whole-tensor ops. On a GPU each slice is ~25
+  // kernel launches: ~250 slices for 1 B parameters.
+  static constexpr int64_t kSliceElements = int64_t{1} << 22;
+
   void update_tensors(Segment& s, const Coefficients& c) const {
-    const int64_t n = s.param.numel(), blocks = (n + block_ - 1) / block_, padded = blocks * block_;
-    auto codes_of = [&](const QuantMap& map) {
-      return at::from_blob(const_cast<float*>(map.code.data()), {256}, at::kFloat)
-          .to(s.param.device());
+    const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
+    const int64_t slice_blocks = std::max<int64_t>(1, kSliceElements / block);
+    const at::Device device = s.param.device();
+    auto on_device = [&](const float* data, int64_t count) {
+      return at::from_blob(const_cast<float*>(data), {count}, at::kFloat).to(device);
     };
-    const at::Tensor mcode = codes_of(signed_map()), vcode = codes_of(unsigned_map());
-    auto blocked = [&](const at::Tensor& t) {  // (n) -> (blocks, block), zero-padded
-      return at::constant_pad_nd(t, {0, padded - n}).view({blocks, block_});
-    };
+    const at::Tensor mcode = on_device(signed_map().code.data(), 256),
+                     vcode = on_device(unsigned_map().code.data(), 256),
+                     mthreshold = on_device(signed_map().threshold.data(), 255),
+                     vthreshold = on_device(unsigned_map().threshold.data(), 255);
     at::Tensor& qm = s.state_at("exp_avg_q");
     at::Tensor& qv = s.state_at("exp_avg_sq_q");
     at::Tensor& am = s.state_at("exp_avg_absmax");
     at::Tensor& av = s.state_at("exp_avg_sq_absmax");
-    at::Tensor m = (blocked(mcode.index_select(0, qm.to(at::kLong))) * am.unsqueeze(1))
-                       .view(-1)
-                       .slice(0, 0, n);
-    at::Tensor v = (blocked(vcode.index_select(0, qv.to(at::kLong))) * av.unsqueeze(1))
-                       .view(-1)
-                       .slice(0, 0, n);
-    m = m.lerp(s.grad, c.w1);
-    v = v.mul(c.b2).addcmul_(s.grad, s.grad, c.w2);
-    s.param.mul_(c.decay).addcdiv_(m, v.sqrt().div_(c.bc2_sqrt).add_(c.eps), -c.step_size);
-    // Requantize: nearest code via the midpoints (searchsorted counts thresholds below y).
-    auto requantize = [&](const at::Tensor& x, const QuantMap& map, at::Tensor& q,
-                          at::Tensor& absmax) {
-      at::Tensor xb = blocked(x);
-      absmax.copy_(xb.abs().amax(1));
-      at::Tensor inv = at::where(absmax > 0, absmax.reciprocal(), at::zeros_like(absmax));
-      at::Tensor y = (xb * inv.unsqueeze(1)).view(-1).slice(0, 0, n);
-      at::Tensor thresholds =
-          at::from_blob(const_cast<float*>(map.threshold.data()), {255}, at::kFloat).to(x.device());
-      q.copy_(at::searchsorted(thresholds, y, /*out_int32=*/false, /*right=*/false));
-    };
-    requantize(m, signed_map(), qm, am);
-    requantize(v, unsigned_map(), qv, av);
+    for (int64_t first = 0; first < blocks; first += slice_blocks) {
+      const int64_t nb = std::min(slice_blocks, blocks - first), start = first * block;
+      const int64_t len = std::min(nb * block, n - start), pad = nb * block - len;
+      auto blocked = [&](const at::Tensor& t) {  // (len) -> (nb, block), zero-padded
+        return (pad ? at::constant_pad_nd(t, {0, pad}) : t).view({nb, block});
+      };
+      at::Tensor p = s.param.narrow(0, start, len);
+      const at::Tensor g = s.grad.narrow(0, start, len);
+      at::Tensor qm_s = qm.narrow(0, start, len), qv_s = qv.narrow(0, start, len);
+      at::Tensor am_s = am.narrow(0, first, nb), av_s = av.narrow(0, first, nb);
+      auto dequantize = [&](const at::Tensor& code, const at::Tensor& q, const at::Tensor& absmax) {
+        return blocked(code.index_select(0, q.to(at::kInt)))
+            .mul_(absmax.unsqueeze(1))
+            .view(-1)
+            .narrow(0, 0, len);
+      };
+      at::Tensor m = dequantize(mcode, qm_s, am_s);
+      m.lerp_(g, c.w1);
+      at::Tensor v = dequantize(vcode, qv_s, av_s);
+      v.mul_(c.b2).addcmul_(g, g, c.w2);
+      p.mul_(c.decay).addcdiv_(m, v.sqrt().div_(c.bc2_sqrt).add_(c.eps), -c.step_size);
+      // Requantize: the block's absmax, then the nearest code by the midpoints (searchsorted
+      // counts the thresholds below y, as quantize() does).
+      auto requantize = [&](const at::Tensor& x, const at::Tensor& threshold, at::Tensor& q,
+                            at::Tensor& absmax) {
+        const at::Tensor xb = blocked(x);
+        absmax.copy_(xb.abs().amax(1));
+        const at::Tensor inverse =
+            at::where(absmax > 0, absmax.reciprocal(), at::zeros_like(absmax));
+        const at::Tensor y = (xb * inverse.unsqueeze(1)).view(-1).narrow(0, 0, len);
+        q.copy_(at::searchsorted(threshold, y, /*out_int32=*/true, /*right=*/false));
+      };
+      requantize(m, mthreshold, qm_s, am_s);
+      requantize(v, vthreshold, qv_s, av_s);
+    }
   }
 
   double beta1_, beta2_, eps_;
   int64_t block_, min_8bit_;
+  bool tensor_ops_;
 };
 
 }  // namespace

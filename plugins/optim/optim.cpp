@@ -177,7 +177,10 @@ class OptimPlugin final : public Plugin {
         .key_float("eps", 1e-8, "added to the denominator")
         .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)")
         .key_int("block_size", 256, "elements per quantization block (one absmax each)")
-        .key_int("min_8bit_size", 4096, "tensors with fewer elements keep fp32 state");
+        .key_int("min_8bit_size", 4096, "tensors with fewer elements keep fp32 state")
+        .key_string("kernel", "auto",
+                    "auto (the fused kernel on CPU fp32 tensors, tensor ops on GPUs) | "
+                    "tensor_ops");
     Schema sgd("optimizer", "sgd");
     sgd.key_float("momentum", 0.0, "heavy-ball momentum in [0, 1)")
         .key_float("dampening", 0.0, "momentum dampening")

@@ -3,8 +3,11 @@ depth, O_DIRECT and io_uring for both; the runs interleaved over several rounds;
 loom's numbers include computing (write) and checking (read) each block's CRC-32C, as in
 training; fio moves bytes only. loom's are its second pass over its file (the steady state of a
 swap file rewritten every step); fio's file persists across rounds.
+Where fio is not installed (a GPU machine's image), `--reference raw` stands in for it:
+`loom_nvme_bench --raw`, fio's job written out (io_uring, O_DIRECT, QUEUE_DEPTH requests of
+BLOCK_SIZE in flight in file order, no checksum, none of the swap file's code).
 usage: .venv/bin/python examples/bench/offload/run.py FOLDER [--gib 2] [--block-size 1048576]
-       [--queue-depth 8] [--rounds 5] [--build build]"""
+       [--queue-depth 8] [--rounds 5] [--build build] [--reference fio|raw]"""
 import argparse
 import json
 import os
@@ -27,6 +30,21 @@ def fio(args, rw):
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 2**20
 
 
+def raw(args, rw):
+    """fio's job without fio (`loom_nvme_bench --raw`: io_uring, O_DIRECT, no checksum, none of
+    the swap file's code): MiB/s of its second round, as fio's file persists across rounds."""
+    if rw == "read":
+        return raw.read
+    out = subprocess.run(
+        [os.path.join(ROOT, args.build, "bin/loom_nvme_bench"), "--raw", args.folder,
+         "--gib", str(args.gib), "--block-size", str(args.block_size),
+         "--queue-depth", str(args.queue_depth), "--rounds", "2"],
+        check=True, capture_output=True, text=True).stdout
+    found = dict(re.findall(r"round 2 (write|read) (\d+) MiB/s", out))
+    raw.read = float(found["read"])
+    return float(found["write"])
+
+
 def loom(args):
     out = subprocess.run(
         [os.path.join(ROOT, args.build, "bin/loom_nvme_bench"), args.folder,
@@ -47,21 +65,25 @@ def main():
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--build", default="build")
+    p.add_argument("--reference", choices=("fio", "raw"), default="fio")
     args = p.parse_args()
+    reference = fio if args.reference == "fio" else raw
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if "model name" in l),
                platform.machine())
     print(f"machine: {cpu}, {os.cpu_count()} cores; folder {args.folder}")
     results = {"fio write": [], "fio read": [], "loom write": [], "loom read": []}
     header = ""
     for _ in range(args.rounds):
-        results["fio write"].append(fio(args, "write"))
-        results["fio read"].append(fio(args, "read"))
+        results["fio write"].append(reference(args, "write"))
+        results["fio read"].append(reference(args, "read"))
         w, r, header = loom(args)
         results["loom write"].append(w)
         results["loom read"].append(r)
-    os.remove(os.path.join(args.folder, "fio-bench.bin"))
+    if args.reference == "fio":
+        os.remove(os.path.join(args.folder, "fio-bench.bin"))
     print(header)
-    print("| direction | fio MiB/s (median) | loom MiB/s (median) | loom / fio |")
+    print(f"reference: {args.reference}")
+    print(f"| direction | {args.reference} MiB/s (median) | loom MiB/s (median) | loom / {args.reference} |")
     print("|---|---|---|---|")
     for d in ("write", "read"):
         f, l = statistics.median(results["fio " + d]), statistics.median(results["loom " + d])

@@ -112,7 +112,7 @@ void update_all(const loom::UpdateRule& rule, std::vector<loom::Segment>& segmen
 // The compare mode (usage above): entries interleaved in one process.
 int compare(int threads, int rounds, int64_t total, const std::vector<std::string>& names) {
   struct Entry {
-    std::string name, rule, isa, plugin;
+    std::string name, rule, isa, plugin, used_isa;
     std::unique_ptr<loom::UpdateRule> update_rule;
     std::vector<loom::Segment> segments;
     std::vector<at::Tensor> m, v;  // torch-fused's state
@@ -165,6 +165,8 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
                           /*amsgrad=*/false, /*maximize=*/false);
       }
       if (round > 0) e.seconds.push_back(seconds_since(t));  // round 0 warms up
+      // What ran: LOOM_KERNEL_ISA is a cap, so "avx512" on an AVX2 CPU runs avx2.
+      if (e.update_rule) e.used_isa = used_isa(e.rule);
       if (!e.isa.empty()) {
         if (restore.empty()) unsetenv("LOOM_KERNEL_ISA");
         else setenv("LOOM_KERNEL_ISA", restore.c_str(), 1);
@@ -175,8 +177,10 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
   for (const Entry& e : entries) {
     std::string list;
     for (double x : e.seconds) list += (list.empty() ? "" : ", ") + std::to_string(x);
-    std::printf("{\"entry\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": [%s]}\n",
-                e.name.c_str(), threads, static_cast<long long>(count), list.c_str());
+    std::printf("{\"entry\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": [%s], "
+                "\"kernel_isa\": \"%s\"}\n",
+                e.name.c_str(), threads, static_cast<long long>(count), list.c_str(),
+                e.used_isa.c_str());
   }
   return 0;
 }

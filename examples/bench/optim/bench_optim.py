@@ -148,6 +148,8 @@ def in_process(a):
             rate = statistics.median(r["params"] / t for t in r["seconds"])
             ratios = [t / s for s, t in zip(r["seconds"], torch["seconds"])]
             bound = statistics.median(gbps) * 1e9 / BYTES[rule]
+            # The path that ran (LOOM_KERNEL_ISA caps: "avx512" on an AVX2 CPU runs avx2).
+            isa = r.get("kernel_isa") or isa
             print(f"| {rule} | {isa or ('ATen' if rule.startswith('torch') else 'cpu')} | "
                   f"{'baseline' if plugin else 'build'} | {threads} | {rate / 1e6:.0f} | "
                   f"{statistics.median(ratios):.2f}x | "

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "loom/kernel_isa.h"
+#include "loom/memory.h"
 #include "loom/plugin.h"
 #include "loom/safetensors.h"
 #include "loom/trainer.h"
@@ -830,6 +831,75 @@ TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
   }
   // The codes moved: a comparison of untouched state could not fail.
   EXPECT_FALSE(at::equal(scalar.back()[7], scalar.front()[7]));
+}
+
+// Note [adam8bit's tensor ops in slices]: the GPU path (kernel = "tensor_ops", here on CPU
+// tensors) follows the fused kernel over a tensor of two slices whose last block is partial,
+// beside one below min_8bit_size (fp32 state) and one of a single partial slice: the same
+// steps in ATen's kernels, whose lerp may fuse where the fused kernel rounds twice, so a moment
+// can differ by an ulp and a code on a midpoint round the other way — a few codes in a
+// million, one step off where the states were the same; everything else agrees.
+TEST(OptimQuantization, Adam8bitTensorOpsFollowTheFusedKernelAcrossSlices) {
+  const int64_t slice = int64_t{1} << 22;  // kSliceElements
+  const Problem problem = make_problem({{slice + 1000}, {100}, {4096 + 100}}, 3, 21);
+  auto fused = make_rule("adam8bit");
+  auto ops = make_rule("adam8bit", {{"kernel", std::string("tensor_ops")}});
+  const Trajectory want = run_rule(*fused, problem, 1e-3, 0.01, {}, /*with_state=*/true);
+  const Trajectory got = run_rule(*ops, problem, 1e-3, 0.01, {}, /*with_state=*/true);
+  ASSERT_EQ(got.size(), want.size());
+  // Per step: 3 parameters, then the large tensor's codes and absmax (m then v: q, absmax,
+  // q, absmax in init_state's order), the small one's fp32 moments, the third's quantized state.
+  ASSERT_EQ(want.front().size(), 3u + 4u + 2u + 4u);
+  int64_t codes = 0, moved = 0;
+  for (size_t step = 0; step < want.size(); ++step) {
+    for (size_t i = 0; i < want[step].size(); ++i) {
+      const at::Tensor& w = want[step][i];
+      const at::Tensor& g = got[step][i];
+      ASSERT_EQ(w.sizes(), g.sizes()) << "step " << step << " tensor " << i;
+      if (w.scalar_type() == at::kByte) {
+        const at::Tensor diff = (w.to(at::kInt) - g.to(at::kInt)).abs();
+        // From the same state (step 1) a code moves by one step at most; later a moved code
+        // is dequantized to another value, which the next absmax can carry several codes.
+        if (step == 0) EXPECT_LE(diff.max().item<int>(), 1) << "tensor " << i;
+        moved += diff.ne(0).sum().item<int64_t>();
+        codes += w.numel();
+      } else {
+        const double scale = w.abs().max().item<double>();
+        EXPECT_LE((w - g).abs().max().item<double>(), 1e-5 * scale)
+            << "step " << step << " tensor " << i;
+      }
+    }
+  }
+  EXPECT_LT(static_cast<double>(moved) / static_cast<double>(codes), 1e-4) << moved << " codes";
+  // The last slice's last block (partial) took part: its codes moved from their start.
+  const at::Tensor tail_codes = want.back()[3].narrow(0, slice, 1000);
+  EXPECT_FALSE(at::equal(tail_codes, want.front()[3].narrow(0, slice, 1000).fill_(127)));
+  EXPECT_FALSE(at::equal(got.back()[3].narrow(0, slice, 1000), want.front()[3].narrow(0, slice, 1000)));
+}
+
+// The reason for the slices: a tensor of five slices takes one slice's temporaries, not the
+// tensor's (before, the whole tensor's: ~24 B per element, 12x its 8-bit state).
+TEST(OptimQuantization, Adam8bitTensorOpsTemporariesStayWithinASlice) {
+  memory::install_cpu_tracker();
+  const int64_t n = 5 * (int64_t{1} << 22) + 1000;
+  auto rule = make_rule("adam8bit", {{"kernel", std::string("tensor_ops")}});
+  Segment s;
+  s.name = "w";
+  s.param = at::randn({n});
+  s.grad = at::randn({n}) * 0.1;
+  s.shape = {n};
+  s.state = rule->init_state(s);
+  UpdateContext ctx;
+  ctx.lr = 1e-3;
+  const at::Tensor before = s.param.clone();
+  const int64_t held = memory::cpu_stats().current_bytes;
+  memory::reset_cpu_peak();
+  rule->update(s, ctx);
+  const int64_t transient = memory::cpu_stats().peak_bytes - held;
+  std::printf("adam8bit tensor ops over %lld elements: %.1f MB of temporaries\n",
+              static_cast<long long>(n), transient / 1e6);
+  EXPECT_LT(transient, 8 * n) << "more than two fp32 copies of the tensor";
+  EXPECT_FALSE(at::equal(before, s.param));
 }
 
 // Note [Adafactor's kernels per ISA]: the AVX-512, AVX2 and baseline copies of adafactor's loops
