@@ -141,6 +141,12 @@ struct LinearThroughFp32 : public torch::autograd::Function<LinearThroughFp32> {
 
 }  // namespace
 
+at::Tensor detail::widened_weight_rows(const at::Tensor& w, int64_t r, int64_t n) {
+  return widened_rows(w, r, n);
+}
+
+int64_t detail::widened_rows_per_block(int64_t in) { return rows_per_block(in); }
+
 void detail::release_widened_blocks() {
   // Blocks of 1 MiB and up stay: freed and made again each step they fragment the heap as
   // fresh blocks per product did (the 0.51 B GPT's step-2 peak went back up, 2872 -> 3096-3357

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "half_matmul.h"
 #include "loom/error.h"
 #include "loom/nn.h"
 #include "softmax_rows.h"
@@ -20,8 +21,47 @@ struct Grads {
   at::Tensor x, weight, bias;  // undefined where not wanted
 };
 
+// The head's two products with the weight, logits = xs W^T (+ bias) and gx = gc W. Where the
+// rows are fp32 and the weight half (Note [Half matmuls through fp32]: a CPU that emulates the
+// half dtype), the weight is widened block by block into the thread's kept buffer, as the
+// linears do, not whole: a whole widened head is V x D x 4 B for the length of the pass (147
+// MiB for GPT-2's, 2.1 GB for a 128256 x 4096 one) on top of its fp32 gradient.
+struct HeadProducts {
+  const at::Tensor& weight;  // (V, D), the rows' dtype or half
+  const at::Tensor& bias;    // (V) in the rows' dtype, or undefined
+  bool by_blocks;
+
+  at::Tensor logits(const at::Tensor& xs) const {
+    if (!by_blocks) return bias.defined() ? at::addmm(bias, xs, weight.t()) : at::mm(xs, weight.t());
+    const int64_t V = weight.size(0), step = detail::widened_rows_per_block(weight.size(1));
+    at::Tensor out = at::empty({xs.size(0), V}, xs.options());
+    for (int64_t r = 0; r < V; r += step) {
+      const int64_t n = std::min(step, V - r);
+      const at::Tensor wb = detail::widened_weight_rows(weight, r, n).t();
+      out.narrow(1, r, n).copy_(bias.defined() ? at::addmm(bias.narrow(0, r, n), xs, wb)
+                                               : at::mm(xs, wb));
+    }
+    return out;
+  }
+  // gc (n, V) times the weight, into out (n, D).
+  void x_grad(const at::Tensor& gc, at::Tensor out) const {
+    if (!by_blocks) {
+      out.copy_(at::mm(gc, weight));
+      return;
+    }
+    const int64_t V = weight.size(0), step = detail::widened_rows_per_block(weight.size(1));
+    at::Tensor sum = at::zeros(out.sizes(), gc.options());  // fp32 over the blocks
+    for (int64_t r = 0; r < V; r += step) {
+      const int64_t n = std::min(step, V - r);
+      sum.addmm_(gc.narrow(1, r, n), detail::widened_weight_rows(weight, r, n));
+    }
+    out.copy_(sum);
+  }
+};
+
 // The loss of rows x (N, D) in the compute dtype against labels (N), and, for the wanted
-// inputs, its gradient with respect to them (x's in x_dtype, the head's in fp32).
+// inputs, its gradient with respect to them (x's in x_dtype, the head's in fp32). The weight
+// is in x's dtype, or half with fp32 rows (HeadProducts).
 at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                         const at::Tensor& labels, int64_t ignore_index, int64_t chunk_rows,
                         at::ScalarType x_dtype, bool want_x, bool want_weight, bool want_bias,
@@ -33,7 +73,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   if (want_x) grads->x = at::empty({N, D}, x.options().dtype(x_dtype));
   if (want_weight) grads->weight = at::zeros({V, D}, f32);
   if (want_bias) grads->bias = at::zeros({V}, f32);
-  const at::Tensor weight_t = weight.t();
+  const HeadProducts head{weight, bias, weight.scalar_type() != x.scalar_type()};
   constexpr int kChunksPerSum = 4;
   at::Tensor partial = want_weight && x.scalar_type() != at::kFloat
                            ? at::empty({V, D}, x.options())
@@ -42,7 +82,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   // The gradients of x and of the head from one chunk's gradient of its logits, gc (n, V) in
   // the compute dtype.
   auto add_chunk_grads = [&](const at::Tensor& gc, const at::Tensor& xs, int64_t start, int64_t n) {
-    if (want_x) grads->x.narrow(0, start, n).copy_(at::mm(gc, weight));
+    if (want_x) head.x_grad(gc, grads->x.narrow(0, start, n));
     if (!want_weight) return;
     if (gc.scalar_type() == at::kFloat) {
       grads->weight.addmm_(gc.t(), xs);
@@ -64,7 +104,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   for (int64_t start = 0; start < N; start += rows) {
     const int64_t n = std::min(rows, N - start);
     const at::Tensor xs = x.narrow(0, start, n), ls = labels.narrow(0, start, n);
-    at::Tensor logits = bias.defined() ? at::addmm(bias, xs, weight_t) : at::mm(xs, weight_t);
+    at::Tensor logits = head.logits(xs);
     // Note [Softmax rows in one kernel]: the loss and, in the logits' memory, the gradient.
     at::Tensor row_loss;
     if (!want_bias && detail::softmax_rows(logits, ls, ignore_index, any_grad, row_loss)) {
@@ -102,14 +142,15 @@ at::Tensor cast_and_pass(const at::Tensor& x, const at::Tensor& weight, const at
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // Note [Half matmuls through fp32] (loom/nn.h): on a CPU that emulates the half
   // dtype, the operands are rounded to it and widened back, and the pass runs in fp32 (its
-  // logits are not rounded to the half dtype: closer to fp32, not further).
+  // logits are not rounded to the half dtype: closer to fp32, not further). The head stays
+  // half, widened a block at a time by HeadProducts.
   const at::ScalarType wide =
       x.is_cpu() && nn::half_matmul_path(compute) == nn::HalfMatmul::through_fp32 ? at::kFloat
                                                                                  : compute;
   auto in = [&](const at::Tensor& t) { return t.to(compute).to(wide); };
   const at::Tensor bc = bias.defined() ? in(bias) : at::Tensor();
-  return chunked_pass(in(x), in(weight), bc, labels, ignore_index, chunk_rows, x.scalar_type(),
-                      want_x, want_weight, want_bias, grads);
+  return chunked_pass(in(x), weight.to(compute), bc, labels, ignore_index, chunk_rows,
+                      x.scalar_type(), want_x, want_weight, want_bias, grads);
 }
 
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {

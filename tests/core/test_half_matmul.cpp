@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "loom/error.h"
+#include "loom/loss.h"
+#include "loom/memory.h"
 #include "loom/nn.h"
 #include "loom/trainer.h"
 #include "test_util.h"
@@ -116,6 +118,51 @@ TEST(HalfMatmul, LinearAgreesOnBothPathsInHalfWeightsAndUnderAutocast) {
 }
 
 // attention() widened agrees with LibTorch's half attention, causal and with a mask.
+// The fused loss's head on the widened path goes through the weight a block at a time (1024
+// rows of 1024 columns here, so 5000 rows take five, the last partial): the loss and all three
+// gradients are the fp64 ones of the same half values to fp32's accuracy, and the pass holds
+// the head's fp32 gradient and one block beside it, not a widened copy of the whole head too.
+TEST(HalfMatmul, FusedLossWidensTheHeadABlockAtATime) {
+  memory::install_cpu_tracker();
+  at::manual_seed(5);
+  const int64_t N = 6, D = 1024, V = 5000;
+  const at::Tensor x = at::randn({N, D}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor w = (at::randn({V, D}) / 32.0).to(at::kBFloat16).requires_grad_();
+  const at::Tensor b = (at::randn({V}) * 0.1).to(at::kBFloat16).requires_grad_();
+  const at::Tensor labels = at::randint(V, {N}, at::kLong);
+  labels[2] = -100;  // an ignored row
+  int64_t transient = 0;
+  at::Tensor loss;
+  {
+    Override widened(HalfMatmul::through_fp32);
+    const int64_t held = memory::cpu_stats().current_bytes;
+    memory::reset_cpu_peak();
+    loss = nn::linear_cross_entropy_sum(x, w, b, labels, -100, 4);
+    transient = memory::cpu_stats().peak_bytes - held;
+    loss.backward();
+  }
+  const at::Tensor xd = x.detach().to(at::kDouble).requires_grad_();
+  const at::Tensor wd = w.detach().to(at::kDouble).requires_grad_();
+  const at::Tensor bd = b.detach().to(at::kDouble).requires_grad_();
+  const at::Tensor want = at::cross_entropy_loss(at::linear(xd, wd, bd), labels, {},
+                                                 at::Reduction::Sum, -100);
+  want.backward();
+  EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
+  auto close = [](const at::Tensor& got, const at::Tensor& ref) {  // one bf16 step apart
+    return at::allclose(got.to(at::kDouble), ref.to(at::kBFloat16).to(at::kDouble), 1.0 / 128,
+                        1.0 / 128 * ref.abs().max().item<double>());
+  };
+  EXPECT_TRUE(close(x.grad(), xd.grad()));
+  EXPECT_TRUE(close(w.grad(), wd.grad()));
+  EXPECT_TRUE(close(b.grad(), bd.grad()));
+  // The fp32 head gradient (V x D x 4 B, 20.5 MB) and at most one 4 MiB widened block; a whole
+  // widened head would add another 20.5 MB.
+  const int64_t head = V * D * 4;
+  std::printf("fused loss, widened path: %.1f MB beside a %.1f MB head\n", transient / 1e6,
+              head / 1e6);
+  EXPECT_LT(transient, head + head / 2) << transient << " bytes beside a " << head << "-byte head";
+}
+
 TEST(HalfMatmul, AttentionAgreesOnBothPaths) {
   at::manual_seed(9);
   const at::Tensor q = at::randn({2, 2, 8, 16}).to(at::kBFloat16);

@@ -39,7 +39,8 @@ class LinearAdapter : public torch::nn::Module {
 // 4 MiB of rows at a time into a buffer each thread keeps (Note [Widened blocks kept] in
 // half_matmul.cpp: fresh blocks fragmented the kept heap); forward saves the half input and
 // the weight itself, as the half GEMM's autograd does. Linear, attention() and the fused loss (Note [Fused linear
-// cross-entropy] in loom/loss.h) do it. Which CPUs: the oneDNN level in effect (Note [CPU
+// cross-entropy] in loom/loss.h; its head, too, a block of rows at a time, not widened whole)
+// do it. Which CPUs: the oneDNN level in effect (Note [CPU
 // kernel probe]) decides, so a job capped by [train] cpu_isa below bf16 widens too.
 // LOOM_HALF_MATMUL=native or =fp32 forces either path (the tests run both on every CPU).
 enum class HalfMatmul {
