@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -427,17 +429,32 @@ class Adam8bit final : public UpdateRule {
   // kernel launches: ~250 slices for 1 B parameters.
   static constexpr int64_t kSliceElements = int64_t{1} << 22;
 
-  void update_tensors(Segment& s, const Coefficients& c) const {
-    const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
-    const int64_t slice_blocks = std::max<int64_t>(1, kSliceElements / block);
-    const at::Device device = s.param.device();
+  // The maps' codes and midpoints on a device, copied there once: a copy from pageable host
+  // memory per tensor and step (as before) made the host wait for the GPU four times a tensor.
+  struct DeviceMaps {
+    at::Device device;
+    at::Tensor mcode, vcode, mthreshold, vthreshold;
+  };
+  const DeviceMaps& maps_on(at::Device device) const {
+    std::lock_guard<std::mutex> lock(maps_mutex_);
+    for (const DeviceMaps& maps : maps_)
+      if (maps.device == device) return maps;
     auto on_device = [&](const float* data, int64_t count) {
       return at::from_blob(const_cast<float*>(data), {count}, at::kFloat).to(device);
     };
-    const at::Tensor mcode = on_device(signed_map().code.data(), 256),
-                     vcode = on_device(unsigned_map().code.data(), 256),
-                     mthreshold = on_device(signed_map().threshold.data(), 255),
-                     vthreshold = on_device(unsigned_map().threshold.data(), 255);
+    maps_.push_back({device, on_device(signed_map().code.data(), 256),
+                     on_device(unsigned_map().code.data(), 256),
+                     on_device(signed_map().threshold.data(), 255),
+                     on_device(unsigned_map().threshold.data(), 255)});
+    return maps_.back();
+  }
+
+  void update_tensors(Segment& s, const Coefficients& c) const {
+    const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
+    const int64_t slice_blocks = std::max<int64_t>(1, kSliceElements / block);
+    const DeviceMaps& maps = maps_on(s.param.device());
+    const at::Tensor &mcode = maps.mcode, &vcode = maps.vcode, &mthreshold = maps.mthreshold,
+                     &vthreshold = maps.vthreshold;
     at::Tensor& qm = s.state_at("exp_avg_q");
     at::Tensor& qv = s.state_at("exp_avg_sq_q");
     at::Tensor& am = s.state_at("exp_avg_absmax");
@@ -482,6 +499,8 @@ class Adam8bit final : public UpdateRule {
   double beta1_, beta2_, eps_;
   int64_t block_, min_8bit_;
   bool tensor_ops_;
+  mutable std::mutex maps_mutex_;
+  mutable std::deque<DeviceMaps> maps_;  // a deque: references to its elements stay valid
 };
 
 }  // namespace
