@@ -551,83 +551,75 @@ class Adafactor final : public UpdateRule {
   }
 
   // ---- tensor ops: the loops' arithmetic, step for step, as ATen ops on any device ----
-  // g is (rows, C) for factored tensors; `matrix` maps each local row to its matrix (M).
+  // Note [Adafactor's tensor ops in slices]: each op makes a temporary of the rows it covers
+  // (g² + eps1 in fp32 and fp64, g in fp64, g²/r, the update), 32 B an element at the peak, so
+  // over a whole tensor at once a GPU's update briefly held eight times the tensor's fp32
+  // bytes (537 MB for a 4096 x 4096 gradient; ~17 GB for a 128256 x 4096 embedding): more than
+  // the factored moments save. Both passes run over slices of whole rows, at most
+  // kSliceElements each (vectors: slices of elements, a vector's "rows" being its elements).
+  // Every element's arithmetic is the whole-tensor ops', and index_add_ adds the rows in order,
+  // so the factors and the update are the same bits; only the fp64 sums of p² and g²/v (one
+  // number per tensor) are added slice by slice, a rounding of fp64 apart.
+  static constexpr int64_t kSliceElements = int64_t{1} << 21;
+  static int64_t rows_per_slice(const Geometry& geo) {
+    return std::max<int64_t>(1, kSliceElements / geo.C);
+  }
+  // Local rows [k0, k0 + nk) of a factored segment: g as (nk, C) and each row's matrix (M).
   struct Rows {
     at::Tensor g, matrix;
   };
-  static Rows rows_of(const Segment& s, const Geometry& geo) {
+  static Rows rows_of(const Segment& s, const Geometry& geo, int64_t k0, int64_t nk) {
     Rows r;
-    r.g = s.grad.view({geo.rows, geo.C});
-    r.matrix = at::arange(geo.first_row, geo.first_row + geo.rows,
+    r.g = s.grad.view({geo.rows, geo.C}).narrow(0, k0, nk);
+    r.matrix = at::arange(geo.first_row + k0, geo.first_row + k0 + nk,
                           s.param.options().dtype(at::kLong))
                    .div_(geo.R, "floor");
     return r;
   }
-  at::Tensor new_row_factor(const Segment& s, const Geometry& geo, const Rows& r,
-                            Beta2 b2t) const {
-    // The row mean of g²+eps1, summed in fp64 and rounded once, as the loops do.
-    at::Tensor mean = (r.g * r.g + eps1f()).to(at::kDouble).sum(1).div_(
-        static_cast<double>(geo.C)).to(at::kFloat);
-    return s.state_at("exp_avg_sq_row") * b2t.keep + mean * b2t.add;
-  }
-  // The unclipped update u = g / sqrt(v_hat) and the new factors (or second moment).
-  struct TensorFactors {
-    at::Tensor u, new_row, new_col, new_v;
-  };
-  TensorFactors tensor_factors(const Segment& s, const Geometry& geo, const UpdateContext& ctx,
-                               Beta2 b2t) const {
-    TensorFactors f;
-    const at::Tensor& t0 = ctx.totals[0];
-    if (geo.factored) {
-      const Rows r = rows_of(s, geo);
-      // Round 0's row factors, carried (Note [Adafactor in two passes]).
-      f.new_row = t0.narrow(0, row_factors_at(geo), geo.rows).to(at::kFloat);
-      const double R = static_cast<double>(geo.R);
-      f.new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
-                  t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
-      at::Tensor row_mean = t0.narrow(0, 2 * geo.M * geo.C, geo.M).div(R).to(at::kFloat);
-      at::Tensor rf = at::reciprocal(at::sqrt(f.new_row / row_mean.index_select(0, r.matrix)));
-      at::Tensor cf = at::reciprocal(at::sqrt(f.new_col.view({geo.M, geo.C})))
-                          .index_select(0, r.matrix);
-      f.u = (rf.unsqueeze(1) * cf * r.g).view(-1);
-    } else {
-      f.new_v = s.state_at("exp_avg_sq") * b2t.keep + (s.grad * s.grad + eps1f()) * b2t.add;
-      f.u = at::reciprocal(at::sqrt(f.new_v)) * s.grad;
-    }
-    return f;
+  // The rows' new factors from their g²+eps1 in fp64 (the row mean summed in fp64 and rounded
+  // once, as the loops do).
+  at::Tensor new_row_factor(const Segment& s, const at::Tensor& g2_eps, const Geometry& geo,
+                            int64_t k0, int64_t nk, Beta2 b2t) const {
+    const at::Tensor mean =
+        g2_eps.sum(1).div_(static_cast<double>(geo.C)).to(at::kFloat);
+    return s.state_at("exp_avg_sq_row").narrow(0, k0, nk) * b2t.keep + mean * b2t.add;
   }
 
   void tensor_ops_accumulate(const Segment& s, const UpdateContext& ctx, at::Tensor& acc) const {
     const Geometry geo(s);
     const Beta2 b2t = beta2t(ctx.step);
-    at::Tensor p = s.param.to(at::kDouble);
-    acc.narrow(0, acc.numel() - 1, 1).add_((p * p).sum());
-    if (!geo.factored) {
-      const at::Tensor v =
-          s.state_at("exp_avg_sq") * b2t.keep + (s.grad * s.grad + eps1f()) * b2t.add;
-      const at::Tensor g = s.grad.to(at::kDouble);
-      acc.narrow(0, 0, 1).add_((g * g / v.to(at::kDouble)).sum());
-      return;
+    const int64_t per = rows_per_slice(geo), MC = geo.M * geo.C;
+    at::Tensor p2 = acc.narrow(0, acc.numel() - 1, 1);
+    for (int64_t k0 = 0; k0 < geo.rows; k0 += per) {
+      const int64_t nk = std::min(per, geo.rows - k0);
+      p2.add_(s.param.narrow(0, k0 * geo.C, nk * geo.C).to(at::kDouble).square_().sum());
+      if (!geo.factored) {
+        const at::Tensor g = s.grad.narrow(0, k0, nk);
+        const at::Tensor v = s.state_at("exp_avg_sq").narrow(0, k0, nk) * b2t.keep +
+                             (g * g + eps1f()) * b2t.add;
+        const at::Tensor gd = g.to(at::kDouble);
+        acc.narrow(0, 0, 1).add_((gd * gd / v.to(at::kDouble)).sum());
+        continue;
+      }
+      const Rows r = rows_of(s, geo, k0, nk);
+      const at::Tensor g2_eps = (r.g * r.g + eps1f()).to(at::kDouble);
+      const at::Tensor new_row = new_row_factor(s, g2_eps, geo, k0, nk, b2t);
+      acc.narrow(0, 0, MC).view({geo.M, geo.C}).index_add_(0, r.matrix, g2_eps);
+      const at::Tensor g = r.g.to(at::kDouble);
+      acc.narrow(0, MC, MC).view({geo.M, geo.C}).index_add_(
+          0, r.matrix, g.square().div_(new_row.to(at::kDouble).unsqueeze(1)));
+      acc.narrow(0, 2 * MC, geo.M).index_add_(0, r.matrix, new_row.to(at::kDouble));
+      acc.narrow(0, row_factors_at(geo) + k0, nk).copy_(new_row);
     }
-    const int64_t MC = geo.M * geo.C;
-    const Rows r = rows_of(s, geo);
-    const at::Tensor new_row = new_row_factor(s, geo, r, b2t);
-    acc.narrow(0, 0, MC).view({geo.M, geo.C}).index_add_(0, r.matrix,
-                                                          (r.g * r.g + eps1f()).to(at::kDouble));
-    const at::Tensor g = r.g.to(at::kDouble);
-    acc.narrow(0, MC, MC).view({geo.M, geo.C}).index_add_(
-        0, r.matrix, g * g / new_row.to(at::kDouble).unsqueeze(1));
-    acc.narrow(0, 2 * MC, geo.M).index_add_(0, r.matrix, new_row.to(at::kDouble));
-    acc.narrow(0, row_factors_at(geo), geo.rows).copy_(new_row);
   }
 
   // The unclipped update's sum of squares from the totals (Note [Adafactor in two passes]).
-  at::Tensor sum_u2(const Geometry& geo, const at::Tensor& t0, const TensorFactors& f) const {
+  at::Tensor sum_u2(const Geometry& geo, const at::Tensor& t0, const at::Tensor& new_col) const {
     if (!geo.factored) return t0.narrow(0, 0, 1);
     const int64_t MC = geo.M * geo.C;
     const at::Tensor row_mean =
         t0.narrow(0, 2 * MC, geo.M).div(static_cast<double>(geo.R)).to(at::kFloat);
-    return (row_mean.to(at::kDouble).unsqueeze(1) / f.new_col.view({geo.M, geo.C}).to(at::kDouble) *
+    return (row_mean.to(at::kDouble).unsqueeze(1) / new_col.view({geo.M, geo.C}).to(at::kDouble) *
             t0.narrow(0, MC, MC).view({geo.M, geo.C}))
         .sum()
         .view({1});
@@ -636,30 +628,59 @@ class Adafactor final : public UpdateRule {
   void tensor_ops_update(Segment& s, const UpdateContext& ctx) const {
     const Geometry geo(s);
     const Beta2 b2t = beta2t(ctx.step);
-    TensorFactors f = tensor_factors(s, geo, ctx, b2t);
+    const at::Tensor& t0 = ctx.totals[0];
     const double n = static_cast<double>(geo.numel);
-    // step_size() on device scalars: no host sync.
-    at::Tensor param_rms = ctx.totals[0].narrow(0, ctx.totals[0].numel() - 1, 1).div(n).sqrt();
+    // The whole tensor's factors (rows, M x C: small) and scalars, on device: no host sync.
+    at::Tensor new_row, new_col, rf, rsqrt_col;
+    if (geo.factored) {
+      // Round 0's row factors, carried (Note [Adafactor in two passes]).
+      new_row = t0.narrow(0, row_factors_at(geo), geo.rows).to(at::kFloat);
+      const double R = static_cast<double>(geo.R);
+      new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
+                t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
+      const at::Tensor row_mean = t0.narrow(0, 2 * geo.M * geo.C, geo.M).div(R).to(at::kFloat);
+      const at::Tensor matrix =
+          at::arange(geo.first_row, geo.first_row + geo.rows, s.param.options().dtype(at::kLong))
+              .div_(geo.R, "floor");
+      rf = at::reciprocal(at::sqrt(new_row / row_mean.index_select(0, matrix)));
+      rsqrt_col = at::reciprocal(at::sqrt(new_col.view({geo.M, geo.C})));
+    }
+    at::Tensor param_rms = t0.narrow(0, t0.numel() - 1, 1).div(n).sqrt();
     const double rel = relative_lr(ctx);
     at::Tensor lr = scale_parameter_
                         ? param_rms.to(at::kFloat).to(at::kDouble).clamp_min(eps2_).mul(rel)
                         : at::full({1}, rel, param_rms.options());
-    at::Tensor update_rms = sum_u2(geo, ctx.totals[0], f).div(n).sqrt();
+    at::Tensor update_rms = sum_u2(geo, t0, new_col).div(n).sqrt();
     at::Tensor clip_div = update_rms.div(clip_).clamp_min(1.0).to(at::kFloat);
-    at::Tensor x = f.u * (lr.to(at::kFloat) / clip_div);  // as the loops' Coefficients::step
-    if (beta1_ > 0) {
-      at::Tensor& m = s.state_at("exp_avg");
-      m.copy_(m * static_cast<float>(beta1_) + x * static_cast<float>(1.0 - beta1_));
-      x = m;
+    const at::Tensor step = lr.to(at::kFloat) / clip_div;  // as the loops' Coefficients::step
+    const at::Tensor decay = (lr * -ctx.weight_decay).to(at::kFloat);
+    const int64_t per = rows_per_slice(geo);
+    for (int64_t k0 = 0; k0 < geo.rows; k0 += per) {
+      const int64_t nk = std::min(per, geo.rows - k0), e0 = k0 * geo.C, ne = nk * geo.C;
+      at::Tensor u, new_v;
+      if (geo.factored) {
+        const Rows r = rows_of(s, geo, k0, nk);
+        u = (rf.narrow(0, k0, nk).unsqueeze(1) * rsqrt_col.index_select(0, r.matrix) * r.g)
+                .view(-1);
+      } else {
+        const at::Tensor g = s.grad.narrow(0, e0, ne);
+        new_v = s.state_at("exp_avg_sq").narrow(0, e0, ne) * b2t.keep + (g * g + eps1f()) * b2t.add;
+        u = at::reciprocal(at::sqrt(new_v)) * g;
+      }
+      at::Tensor x = u * step;
+      if (beta1_ > 0) {
+        at::Tensor m = s.state_at("exp_avg").narrow(0, e0, ne);
+        m.copy_(m * static_cast<float>(beta1_) + x * static_cast<float>(1.0 - beta1_));
+        x = m;
+      }
+      at::Tensor p = s.param.narrow(0, e0, ne);
+      if (ctx.weight_decay != 0) p.copy_(p + decay * p);
+      p.sub_(x);
+      if (!geo.factored) s.state_at("exp_avg_sq").narrow(0, e0, ne).copy_(new_v);
     }
-    if (ctx.weight_decay != 0)
-      s.param.copy_(s.param + (lr * -ctx.weight_decay).to(at::kFloat) * s.param);
-    s.param.sub_(x);
     if (geo.factored) {
-      s.state_at("exp_avg_sq_row").copy_(f.new_row);
-      s.state_at("exp_avg_sq_col").copy_(f.new_col);
-    } else {
-      s.state_at("exp_avg_sq").copy_(f.new_v);
+      s.state_at("exp_avg_sq_row").copy_(new_row);
+      s.state_at("exp_avg_sq_col").copy_(new_col);
     }
   }
 
