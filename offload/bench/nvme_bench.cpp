@@ -92,9 +92,15 @@ int checksum_bench(int argc, char** argv) {
 // file order, refilling each slot as its request completes.
 double raw_pass(int fd, int64_t bytes, int64_t block, int depth, bool writing,
                 std::vector<loom::offload::AlignedBuffer>& buffers) {
-  io_uring ring{};
-  if (int e = io_uring_queue_init(static_cast<unsigned>(depth), &ring, 0); e < 0)
-    throw loom::Error(std::string("io_uring_queue_init: ") + std::strerror(-e));
+  struct Ring {
+    io_uring ring{};
+    explicit Ring(int depth) {
+      if (int e = io_uring_queue_init(static_cast<unsigned>(depth), &ring, 0); e < 0)
+        throw loom::Error(std::string("io_uring_queue_init: ") + std::strerror(-e));
+    }
+    ~Ring() { io_uring_queue_exit(&ring); }
+  } owned(depth);
+  io_uring& ring = owned.ring;
   const int64_t blocks = bytes / block;
   int64_t next = 0, done = 0;
   auto submit = [&](int slot) {
@@ -125,9 +131,7 @@ double raw_pass(int fd, int64_t bytes, int64_t block, int depth, bool writing,
     }
   }
   // No fdatasync, as fio's job has none (end_fsync=0) and the swap file needs none.
-  const double s = seconds_since(start);
-  io_uring_queue_exit(&ring);
-  return bytes / double(1 << 20) / s;
+  return bytes / double(1 << 20) / seconds_since(start);
 }
 
 int raw_bench(int argc, char** argv) {
@@ -151,7 +155,16 @@ int raw_bench(int argc, char** argv) {
   const std::string path = folder + "/loom-raw-bench-" + std::to_string(::getpid()) + ".bin";
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600);
   if (fd < 0)
-    throw loom::Error(path + ": " + std::strerror(errno) + " (O_DIRECT needs a disk, not tmpfs)");
+    throw loom::Error(path + ": " + std::strerror(errno) +
+                      " (the folder must be on a filesystem that takes O_DIRECT)");
+  struct Removed {  // the file goes, whatever ends the run
+    int fd;
+    const std::string& path;
+    ~Removed() {
+      ::close(fd);
+      ::unlink(path.c_str());
+    }
+  } removed{fd, path};
   std::vector<loom::offload::AlignedBuffer> buffers;
   for (int k = 0; k < depth; ++k) {
     buffers.emplace_back(block);
@@ -159,18 +172,10 @@ int raw_bench(int argc, char** argv) {
   }
   std::printf("raw file %s (O_DIRECT, io_uring), %.2f GiB, block %lld B, queue depth %d\n",
               path.c_str(), bytes / double(1 << 30), static_cast<long long>(block), depth);
-  try {
-    for (int round = 0; round < rounds; ++round)
-      for (const bool writing : {true, false})
-        std::printf("round %d %s %.0f MiB/s\n", round + 1, writing ? "write" : "read",
-                    raw_pass(fd, bytes, block, depth, writing, buffers));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(path.c_str());
-    throw;
-  }
-  ::close(fd);
-  ::unlink(path.c_str());
+  for (int round = 0; round < rounds; ++round)
+    for (const bool writing : {true, false})
+      std::printf("round %d %s %.0f MiB/s\n", round + 1, writing ? "write" : "read",
+                  raw_pass(fd, bytes, block, depth, writing, buffers));
   return 0;
 }
 

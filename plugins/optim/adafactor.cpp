@@ -639,9 +639,7 @@ class Adafactor final : public UpdateRule {
       new_col = s.state_at("exp_avg_sq_col") * b2t.keep +
                 t0.narrow(0, 0, geo.M * geo.C).div(R).to(at::kFloat) * b2t.add;
       const at::Tensor row_mean = t0.narrow(0, 2 * geo.M * geo.C, geo.M).div(R).to(at::kFloat);
-      const at::Tensor matrix =
-          at::arange(geo.first_row, geo.first_row + geo.rows, s.param.options().dtype(at::kLong))
-              .div_(geo.R, "floor");
+      const at::Tensor matrix = rows_of(s, geo, 0, geo.rows).matrix;
       rf = at::reciprocal(at::sqrt(new_row / row_mean.index_select(0, matrix)));
       rsqrt_col = at::reciprocal(at::sqrt(new_col.view({geo.M, geo.C})));
     }

@@ -30,19 +30,22 @@ def fio(args, rw):
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 2**20
 
 
-def raw(args, rw):
+def fio_both(args):
+    """fio's (write, read) MiB/s."""
+    return fio(args, "write"), fio(args, "read")
+
+
+def raw(args):
     """fio's job without fio (`loom_nvme_bench --raw`: io_uring, O_DIRECT, no checksum, none of
-    the swap file's code): MiB/s of its second round, as fio's file persists across rounds."""
-    if rw == "read":
-        return raw.read
+    the swap file's code): (write, read) MiB/s of its second round, as fio's file persists
+    across rounds."""
     out = subprocess.run(
         [os.path.join(ROOT, args.build, "bin/loom_nvme_bench"), "--raw", args.folder,
          "--gib", str(args.gib), "--block-size", str(args.block_size),
          "--queue-depth", str(args.queue_depth), "--rounds", "2"],
         check=True, capture_output=True, text=True).stdout
     found = dict(re.findall(r"round 2 (write|read) (\d+) MiB/s", out))
-    raw.read = float(found["read"])
-    return float(found["write"])
+    return float(found["write"]), float(found["read"])
 
 
 def loom(args):
@@ -67,15 +70,16 @@ def main():
     p.add_argument("--build", default="build")
     p.add_argument("--reference", choices=("fio", "raw"), default="fio")
     args = p.parse_args()
-    reference = fio if args.reference == "fio" else raw
+    reference = fio_both if args.reference == "fio" else raw
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if "model name" in l),
                platform.machine())
     print(f"machine: {cpu}, {os.cpu_count()} cores; folder {args.folder}")
     results = {"fio write": [], "fio read": [], "loom write": [], "loom read": []}
     header = ""
     for _ in range(args.rounds):
-        results["fio write"].append(reference(args, "write"))
-        results["fio read"].append(reference(args, "read"))
+        write, read = reference(args)
+        results["fio write"].append(write)
+        results["fio read"].append(read)
         w, r, header = loom(args)
         results["loom write"].append(w)
         results["loom read"].append(r)

@@ -1089,6 +1089,9 @@ TEST(OptimBadInput, ErrorsNameTheKey) {
   EXPECT_THROW_WITH(build({"optimizer.name=adafactor", "optimizer.kernel=cuda_magic"}),
                     ConfigError, "[optimizer] kernel 'cuda_magic' is unknown",
                     "auto, cpu_loops or tensor_ops");
+  EXPECT_THROW_WITH(build({"optimizer.name=adam8bit", "optimizer.kernel=cpu_loops"}),
+                    ConfigError, "[optimizer] kernel 'cpu_loops' is unknown for adam8bit",
+                    "auto or tensor_ops");
 }
 
 }  // namespace
