@@ -1,7 +1,11 @@
 // The memory tracker, the sampler, and the built-in data sources.
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <fstream>
 #include <set>
+#include <sstream>
+#include <string>
 
 #include "loom/data.h"
 #include "loom/memory.h"
@@ -29,6 +33,71 @@ TEST(Memory, TrackerCountsEveryAllocationExactly) {
   const auto after = memory::cpu_stats();
   EXPECT_EQ(after.current_bytes, before.current_bytes);
   EXPECT_EQ(after.peak_bytes - before.current_bytes, 12080);
+}
+
+// The /proc/self/smaps entry of the mapping holding `address`: its first line and its fields.
+std::string mapping_of(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::string line, entry;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t from = 0, to = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (line.find(':') > line.find(' ') && (head >> std::hex >> from >> dash >> to) && dash == '-') {
+      if (inside) return entry;
+      inside = from <= at && at < to;
+      entry = line + "\n";
+    } else if (inside) {
+      entry += line + "\n";
+    }
+  }
+  return inside ? entry : "";
+}
+
+// Note [Large blocks in huge pages]: with the switch on, a tensor of 2 MiB and more is a
+// mapping of its own, 2 MiB-aligned and advised to huge pages ("hg" in its VmFlags), counted by
+// the tracker as any block, and unmapped when freed; smaller tensors stay the heap's.
+TEST(Memory, LargeBlocksAreMappingsOfTheirOwnInHugePages) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this kernel has no transparent huge pages (madvise refuses the advice)";
+  memory::install_cpu_tracker();
+  const auto before = memory::cpu_stats();
+  memory::map_large_cpu_blocks(true);
+  struct Off {
+    ~Off() { memory::map_large_cpu_blocks(false); }
+  } off;
+  const void* freed = nullptr;
+  {
+    at::Tensor large = at::ones({3 << 20}, at::kFloat);  // 12 MiB
+    at::Tensor small = at::ones({1 << 10}, at::kFloat);  // 4 KiB
+    EXPECT_EQ(memory::cpu_stats().current_bytes - before.current_bytes, (12 << 20) + 4096);
+    EXPECT_EQ(large.sum().item<float>(), static_cast<float>(3 << 20));
+    const std::string mapping = mapping_of(large.data_ptr());
+    ASSERT_FALSE(mapping.empty());
+    std::istringstream head(mapping);
+    uintptr_t from = 0;
+    head >> std::hex >> from;
+    EXPECT_EQ(from % (2 << 20), 0u) << mapping;
+    EXPECT_NE(mapping.find("VmFlags:"), std::string::npos);
+    EXPECT_NE(mapping.substr(mapping.find("VmFlags:")).find(" hg"), std::string::npos) << mapping;
+    // Its own mapping: the block's header and data, no more than its own pages.
+    uintptr_t to = 0;
+    char dash = 0;
+    std::istringstream range(mapping);
+    range >> std::hex >> from >> dash >> to;
+    EXPECT_EQ(to - from, static_cast<uintptr_t>((12 << 20) + 4096)) << mapping;
+    const std::string heap = mapping_of(small.data_ptr());
+    EXPECT_EQ(heap.substr(heap.find("VmFlags:")).find(" hg"), std::string::npos) << heap;
+    freed = large.data_ptr();
+  }
+  EXPECT_EQ(mapping_of(freed), "") << "the freed block is still mapped";
+  EXPECT_EQ(memory::cpu_stats().current_bytes, before.current_bytes);
+  memory::map_large_cpu_blocks(false);
+  at::Tensor after = at::ones({3 << 20}, at::kFloat);
+  const std::string mapping = mapping_of(after.data_ptr());
+  EXPECT_TRUE(mapping.empty() || mapping.find(" hg") == std::string::npos) << mapping;
 }
 
 TEST(Memory, FormatsBytes) {

@@ -26,6 +26,13 @@ void install_cpu_tracker();
 bool cpu_tracker_installed();
 Stats cpu_stats();
 void reset_cpu_peak();  // peak := current
+// Note [Large blocks in huge pages]: on (installs the tracker if needed), every CPU block of 2
+// MiB and more the tracker allocates from then on is a mapping of its own, 2 MiB-aligned and
+// advised to transparent huge pages (madvise MADV_HUGEPAGE), unmapped the moment it is freed:
+// its memory goes back to the system at once, and is faulted in again 2 MiB at a time, not 4 KiB.
+// Off: the wrapped allocator's blocks again (blocks already mapped stay so until freed).
+// ZeRO stage 3 turns it on to return its freed weights (Note [Freed weights go back]).
+void map_large_cpu_blocks(bool on);
 
 // The device's numbers: the tracker for the CPU, the caching allocator for CUDA.
 Stats device_stats(c10::Device device);
