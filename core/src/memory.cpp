@@ -88,14 +88,14 @@ class TrackingAllocator final : public c10::Allocator {
   // Note [Large blocks in huge pages]: ZeRO stage 3 returns the memory it frees (Note [Freed
   // weights go back]), so each step its gathered weights and its activations are mapped anew.
   // glibc maps them page by page: each 4 KiB page of a fresh block is a fault (an exception,
-  // a page from the allocator, the memory cgroup's charge, the zeroing), 14.0 M faults and 44-47
-  // s of system time over 4 steps of GPT-2 124M on 2 ranks, against 2.7 M and 17 s with the
-  // blocks kept in the heap. Blocks of 2 MiB and more are therefore mapped here, each by itself,
+  // a page from the allocator, the memory cgroup's charge, the zeroing), 17.2-17.5 M faults and
+  // 58-63 s of system time over 5 steps of GPT-2 124M on 2 ranks (2.7 M faults with the blocks
+  // kept in the heap). Blocks of 2 MiB and more are therefore mapped here, each by itself,
   // starting on a 2 MiB boundary and advised to transparent huge pages: they fault in 2 MiB at
-  // a time (2.6 M faults, 31-33 s of system time; what is left is mostly the zeroing, which
-  // only keeping the blocks avoids) and go back with munmap when freed. The mapping ends at the
-  // block's last 4 KiB page, so its last partial 2 MiB stays in small pages and no block holds
-  // more than its own pages (rank 0's peak RSS 1.83 -> 1.77 GiB in that run). Where THP is off
+  // a time (1.48 M faults, 33-37 s of system time: what is left is mostly the zeroing, which
+  // only keeping the blocks avoids; the step 1.13x faster) and go back with munmap when freed.
+  // The mapping ends at the block's last 4 KiB page, so its last partial 2 MiB stays in small
+  // pages and no block holds more than its own pages (rank 0's peak RSS 1.83 -> 1.72 GiB). Where THP is off
   // ("never"), the advice does nothing and the blocks behave as glibc's mapped ones.
   // docs/BENCHMARKS.md "ZeRO stage 3 against PyTorch FSDP2".
   static size_t huge_span(size_t n) {
