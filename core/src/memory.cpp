@@ -95,9 +95,11 @@ class TrackingAllocator final : public c10::Allocator {
   // a time (1.48 M faults, 33-37 s of system time: what is left is mostly the zeroing, which
   // only keeping the blocks avoids; the step 1.13x faster) and go back with munmap when freed.
   // The mapping ends at the block's last 4 KiB page, so its last partial 2 MiB stays in small
-  // pages and no block holds more than its own pages (rank 0's peak RSS 1.83 -> 1.72 GiB). Where THP is off
-  // ("never"), the advice does nothing and the blocks behave as glibc's mapped ones.
-  // docs/BENCHMARKS.md "ZeRO stage 3 against PyTorch FSDP2".
+  // pages and no block holds more than its own pages (rank 0's peak RSS 1.83 -> 1.72 GiB).
+  // Where THP is off ("never"), the advice does nothing and the blocks behave as glibc's mapped
+  // ones. Not glibc's hugetlb tunable nor LibTorch's THP_MEM_ALLOC_ENABLE: both are read once,
+  // at start or at the first allocation, before a job says it runs stage 3.
+  // docs/BENCHMARKS.md "Stage 3's returned blocks in huge pages".
   static size_t huge_span(size_t n) {
     const size_t need = n + kHeaderBytes;
     return need < kHugePage ? 0 : (need + kSmallPage - 1) / kSmallPage * kSmallPage;

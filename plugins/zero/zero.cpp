@@ -631,14 +631,15 @@ class Zero final : public loom::Plugin {
   // a 0.63 B GPT over 4 CPU ranks, RSS 5.5 GiB against 3.5 GiB of peak tensors. A fixed 1 MiB
   // threshold returns them (RSS 3.9 GiB, docs/BENCHMARKS.md). The price is time: every block of
   // 1 MiB and more (weights, activations, buckets) is then mapped and faulted in, zeroed, anew
-  // each step; tensors of 2 MiB and more now fault in huge pages (Note [Large blocks in huge
-  // pages], memory.cpp), which takes out most of the faults but not the zeroing. On GPT-2 124M over 2 gloo ranks x 1 thread, 10.6 M minor faults against 2.7 M,
-  // a fifth of the rank's samples in the kernel, and the step 1.2x slower than with the blocks
-  // kept (docs/BENCHMARKS.md, "ZeRO stage 3 against PyTorch FSDP2"), for 0.8 GiB less RSS per
-  // rank. So it is a choice, `[zero] stage3_return_freed_memory` (true: the least memory, the
-  // default, since stage 3 is chosen for memory; false: the heap keeps them, as every other CPU
-  // run does, Note [Freed memory kept]). A threshold the user set through glibc's environment
-  // wins either way.
+  // each step. On GPT-2 124M over 2 gloo ranks x 1 thread that was 10.6 M minor faults against
+  // 2.7 M, a fifth of the rank's samples in the kernel, and the step 1.2x slower than with the
+  // blocks kept (docs/BENCHMARKS.md, "ZeRO stage 3 against PyTorch FSDP2"), for 0.8 GiB less RSS
+  // per rank. Tensors of 2 MiB and more now fault in huge pages instead (Note [Large blocks in
+  // huge pages], memory.cpp): most of the faults are gone, the zeroing is not, and the gap to
+  // the kept blocks fell to 1.03x. So it is a choice, `[zero] stage3_return_freed_memory`
+  // (true: the least memory, the default, since stage 3 is chosen for memory; false: the heap
+  // keeps them, as every other CPU run does, Note [Freed memory kept]). A threshold the user set
+  // through glibc's environment wins either way.
   void return_freed_memory(loom::Engine& engine) const {
     if (!engine.device().is_cpu() || std::getenv("GLIBC_TUNABLES") ||
         std::getenv("MALLOC_MMAP_THRESHOLD_"))
@@ -650,7 +651,7 @@ class Zero final : public loom::Plugin {
     }
     if (mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1) {
       // Tensors of 2 MiB and more in mappings of their own, in huge pages (Note [Large blocks
-      // in huge pages], memory.cpp): a 512th of the faults.
+      // in huge pages], memory.cpp): a twelfth of the faults on GPT-2 124M.
       loom::memory::map_large_cpu_blocks(true);
       loom::log::info("zero: stage 3 on the CPU: blocks of 1 MiB and more are returned to the "
                       "system when freed, tensors of 2 MiB and more in transparent huge pages "

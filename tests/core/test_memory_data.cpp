@@ -45,7 +45,9 @@ std::string mapping_of(const void* address) {
     uintptr_t from = 0, to = 0;
     char dash = 0;
     std::istringstream head(line);
-    if (line.find(':') > line.find(' ') && (head >> std::hex >> from >> dash >> to) && dash == '-') {
+    // A mapping's first line ("from-to perms ..."), not one of its "Key: value" lines.
+    const bool first_line = line.find(':') > line.find(' ');
+    if (first_line && (head >> std::hex >> from >> dash >> to) && dash == '-') {
       if (inside) return entry;
       inside = from <= at && at < to;
       entry = line + "\n";
@@ -76,17 +78,14 @@ TEST(Memory, LargeBlocksAreMappingsOfTheirOwnInHugePages) {
     EXPECT_EQ(large.sum().item<float>(), static_cast<float>(3 << 20));
     const std::string mapping = mapping_of(large.data_ptr());
     ASSERT_FALSE(mapping.empty());
-    std::istringstream head(mapping);
-    uintptr_t from = 0;
-    head >> std::hex >> from;
+    uintptr_t from = 0, to = 0;
+    char dash = 0;
+    std::istringstream range(mapping);
+    range >> std::hex >> from >> dash >> to;
     EXPECT_EQ(from % (2 << 20), 0u) << mapping;
     EXPECT_NE(mapping.find("VmFlags:"), std::string::npos);
     EXPECT_NE(mapping.substr(mapping.find("VmFlags:")).find(" hg"), std::string::npos) << mapping;
     // Its own mapping: the block's header and data, no more than its own pages.
-    uintptr_t to = 0;
-    char dash = 0;
-    std::istringstream range(mapping);
-    range >> std::hex >> from >> dash >> to;
     EXPECT_EQ(to - from, static_cast<uintptr_t>((12 << 20) + 4096)) << mapping;
     const std::string heap = mapping_of(small.data_ptr());
     EXPECT_EQ(heap.substr(heap.find("VmFlags:")).find(" hg"), std::string::npos) << heap;
