@@ -143,9 +143,10 @@ macro(loom_find_torch mode)
     message(FATAL_ERROR "loom: LOOM_CUDA is auto, on or off, not '${LOOM_CUDA}'")
   endif()
   if(LOOM_CUDA_NVCC)
-    # Torch's config warns about a deprecated variable; the arch list only matters for .cu files.
+    # The GPUs loom's own .cu files are compiled for (Note [loom's own CUDA kernels]): Turing to
+    # Hopper as machine code, and Hopper's PTX, which the driver compiles for later GPUs.
     if(NOT DEFINED TORCH_CUDA_ARCH_LIST)
-      set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
+      set(TORCH_CUDA_ARCH_LIST "7.5;8.0;8.6;8.9;9.0+PTX")
     endif()
     find_package(Torch ${mode})
     # Note [CUDA loaded on demand]: everything links the CPU half; what needs the CUDA half

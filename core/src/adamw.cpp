@@ -1,31 +1,26 @@
 // The built-in AdamW update rule: a fused, vectorised, multi-threaded CPU kernel over flat fp32
 // segments, PyTorch's fused kernel on CUDA, and tensor ops on any other device; with [optimizer]
 // state_dtype = "bf16" its moments kept in bf16 and written back with stochastic rounding
-// (Note [Stochastic rounding of the state]). Not torch::optim: no param groups here; the step
+// (Note [Stochastic rounding of the state]), on CUDA by loom's own kernel of the CPU kernel's
+// element code (adamw_bf16_element.h). Not torch::optim: no param groups here; the step
 // driver resolves lr and weight decay per segment.
 #include "adamw.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 
+#include "adamw_bf16_element.h"
+#include "cuda_runtime.h"
 #include "loom/error.h"
 #include "loom/kernel_isa.h"
 
 namespace loom {
 namespace {
-
-struct AdamWCoefficients {
-  float decay;      // 1 - lr * weight_decay
-  float w1;         // 1 - beta1 (lerp weight)
-  float b2, w2;     // beta2, 1 - beta2
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
-  float eps;
-  float step_size;  // lr / (1 - beta1^t)
-};
 
 // One pass over param, grad, m, v (all (n) fp32): 16 bytes read and 12 written per element,
 // the least any AdamW can move. A plain loop the compiler vectorises (see core/CMakeLists.txt:
@@ -85,31 +80,22 @@ uint64_t rounding_key(uint64_t tensor_key, int64_t step, int64_t index) {
                (static_cast<uint64_t>(index) >> 32));
 }
 
-__attribute__((always_inline)) inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
+// Elements [begin, end) of a segment that starts at `offset` in the whole tensor, cut where the
+// whole tensor's index crosses a multiple of 2^32, so that one key serves each span:
+// span(from, stop, uint32 index of `from`, key).
+template <typename Span>
+void each_rounding_span(uint64_t tensor_key, int64_t step, int64_t offset, int64_t begin,
+                        int64_t end, const Span& span) {
+  while (begin < end) {
+    const int64_t index = offset + begin;
+    const int64_t block_end = ((index >> 32) + 1) << 32;
+    const int64_t stop = std::min(end, begin + (block_end - index));
+    span(begin, stop, static_cast<uint32_t>(index), rounding_key(tensor_key, step, index));
+    begin = stop;
+  }
 }
 
-__attribute__((always_inline)) inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Note [Stochastic rounding of the state].
-__attribute__((always_inline)) inline uint16_t float_to_bf16_stochastic(float f,
-                                                                       uint32_t random16) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  const uint32_t rounded = (bits + random16) >> 16;
-  return static_cast<uint16_t>(nan ? (bits >> 16) | 0x0040u : rounded);
-}
+// lowbias32 and the rounding itself: adamw_bf16_element.h, which the CUDA kernel compiles too.
 
 // The same AdamW step as adamw_kernel over bf16 moments (raw bf16 bits in m and v), for
 // elements first_index.. of the whole tensor, all with one rounding key. An always-inlined body
@@ -120,17 +106,7 @@ __attribute__((always_inline)) inline void adamw_bf16_body(
     float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
     uint16_t* __restrict v, int64_t n, AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
     uint32_t key_hi) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
-    const float mi = m0 + c.w1 * (gi - m0);
-    const float vi = c.b2 * v0 + c.w2 * gi * gi;
-    const uint32_t index = first_index + static_cast<uint32_t>(i);
-    const uint32_t x = lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
-    m[i] = float_to_bf16_stochastic(mi, x & 0xFFFFu);
-    v[i] = float_to_bf16_stochastic(vi, x >> 16);
-    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
-  }
+  for (int64_t i = 0; i < n; ++i) adamw_bf16::update(p, g, m, v, i, c, first_index, key_lo, key_hi);
 }
 
 // Picked per update by loom::cpu::kernel_isa(), so LOOM_KERNEL_ISA runs the AVX2 and scalar
@@ -319,7 +295,8 @@ class AdamW final : public UpdateRule {
   }
 
   // Note [Stochastic rounding of the state]. The CPU kernel for contiguous fp32 parameters and
-  // gradients; tensor ops with the same arithmetic and the same random bits anywhere else.
+  // gradients, its CUDA twin for the same on a GPU; tensor ops with the same arithmetic and the
+  // same random bits anywhere else (or on a GPU where loom was built without its kernels).
   void update_bf16_state(Segment& s, const UpdateContext& ctx, double bc2_sqrt,
                          double step_size) const {
     at::Tensor& m = s.state_at("exp_avg");
@@ -337,20 +314,34 @@ class AdamW final : public UpdateRule {
       auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
       auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
       const AdamWBf16Kernel kernel = adamw_bf16_kernel();
-      const int64_t offset = s.offset, step = ctx.step;
       at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
-        // A span never crosses a multiple of 2^32 in the whole tensor: one key per span.
-        while (begin < end) {
-          const int64_t index = offset + begin;
-          const int64_t block_end = ((index >> 32) + 1) << 32;
-          const int64_t stop = std::min(end, begin + (block_end - index));
-          const uint64_t key = rounding_key(tensor_key, step, index);
-          kernel(p + begin, g + begin, mp + begin, vp + begin, stop - begin, c,
-                 static_cast<uint32_t>(index), static_cast<uint32_t>(key),
-                 static_cast<uint32_t>(key >> 32));
-          begin = stop;
-        }
+        each_rounding_span(tensor_key, ctx.step, s.offset, begin, end,
+                           [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
+                             kernel(p + from, g + from, mp + from, vp + from, stop - from, c,
+                                    index, static_cast<uint32_t>(key),
+                                    static_cast<uint32_t>(key >> 32));
+                           });
       });
+      return;
+    }
+    // The same element on a GPU (adamw_bf16_element.h in a CUDA kernel): bitwise the above.
+    const CudaRuntime* cuda = cuda_runtime();
+    if (s.param.is_cuda() && cuda && cuda->adamw_bf16_update &&
+        s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+        s.grad.scalar_type() == at::kFloat && s.grad.is_contiguous() &&
+        s.grad.device() == s.param.device() && m.device() == s.param.device() &&
+        v.device() == s.param.device()) {
+      float* p = s.param.data_ptr<float>();
+      const float* g = s.grad.data_ptr<float>();
+      auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
+      auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+      each_rounding_span(tensor_key, ctx.step, s.offset, 0, n,
+                         [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
+                           cuda->adamw_bf16_update(s.param.get_device(), p + from, g + from,
+                                                   mp + from, vp + from, stop - from, c, index,
+                                                   static_cast<uint32_t>(key),
+                                                   static_cast<uint32_t>(key >> 32));
+                         });
       return;
     }
     // Tensor ops: each op rounds to fp32 as the kernel's expression does, in the same order.

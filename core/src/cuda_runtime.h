@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <string>
 
+#include "adamw_bf16_element.h"
+
 namespace c10d {
 class Backend;
 class Store;
@@ -39,6 +41,12 @@ struct CudaRuntime {
   c10::intrusive_ptr<c10d::Backend> (*make_nccl_backend)(const c10::intrusive_ptr<c10d::Store>& store,
                                                          int rank, int size,
                                                          std::chrono::milliseconds timeout);
+  // AdamW over bf16 moments (Note [Stochastic rounding of the state] in adamw.cpp) for n
+  // elements of one rounding span, queued on device `device`'s current stream; throws on a
+  // launch error. Null where loom was built without CUDA kernels (no CUDA compiler found).
+  void (*adamw_bf16_update)(int device, float* p, const float* g, uint16_t* m, uint16_t* v,
+                            int64_t n, const AdamWCoefficients& c, uint32_t first_index,
+                            uint32_t key_lo, uint32_t key_hi);
 };
 
 // The loaded CUDA half, or null: not a CUDA build, no GPU driver here, LOOM_LOAD_CUDA=0, or

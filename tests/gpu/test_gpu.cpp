@@ -256,16 +256,23 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
   const at::Tensor v0 = (at::rand({n}) * 1e-4).to(at::kBFloat16);
   std::vector<at::Tensor> grads;
   for (int step = 0; step < 4; ++step) grads.push_back(at::randn({n}) * 0.05);
-  std::array<Segment, 2> done;
-  for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
-    const c10::Device device = on_gpu ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
-    Segment& s = done[on_gpu];
+  // The CPU kernel; the CUDA kernel (adamw_bf16_element.h, the same code); and on the GPU the
+  // tensor ops, which a gradient that is not contiguous (here every other element of a wider
+  // tensor) takes.
+  enum Run { kCpu, kGpuKernel, kGpuTensorOps };
+  std::array<Segment, 3> done;
+  for (const Run run : {kCpu, kGpuKernel, kGpuTensorOps}) {
+    const c10::Device device = run == kCpu ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, 0);
+    Segment& s = done[run];
     s.name = "h.0.mlp.c_fc.weight";
-    s.shape = {n};
+    s.shape = {n + 3};
+    s.offset = 3;  // a ZeRO segment: the rounding's index counts from the whole tensor's start
     s.param = start.to(device).clone();
     s.state = {{"exp_avg", m0.to(device).clone()}, {"exp_avg_sq", v0.to(device).clone()}};
     for (int step = 0; step < 4; ++step) {
       s.grad = grads[step].to(device);
+      if (run == kGpuTensorOps) s.grad = at::stack({s.grad, s.grad}, 1).select(1, 0);
+      ASSERT_EQ(s.grad.is_contiguous(), run != kGpuTensorOps);
       UpdateContext context;
       context.step = step + 1;
       context.lr = 3e-3;
@@ -275,16 +282,22 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
     EXPECT_EQ(s.state_at("exp_avg").scalar_type(), at::kBFloat16);
     EXPECT_EQ(s.state_at("exp_avg").device(), device);
   }
-  EXPECT_LT(max_abs_diff(done[0].param, done[1].param), 1e-6);
+  // The kernels: bitwise alike.
+  EXPECT_TRUE(at::equal(done[kCpu].param, done[kGpuKernel].param.cpu()));
   for (const char* key : {"exp_avg", "exp_avg_sq"}) {
-    const at::Tensor cpu = done[0].state_at(key).to(at::kFloat);
-    const at::Tensor gpu = done[1].state_at(key).to(at::kCPU).to(at::kFloat);
+    const at::Tensor cpu = done[kCpu].state_at(key);
+    EXPECT_TRUE(at::equal(cpu, done[kGpuKernel].state_at(key).cpu())) << key;
+    EXPECT_FALSE(at::equal(cpu, key == std::string("exp_avg") ? m0 : v0)) << key << " did not move";
+  }
+  // The tensor ops: the same random bits, ATen's own rounding of each op.
+  EXPECT_LT(max_abs_diff(done[kCpu].param, done[kGpuTensorOps].param), 1e-6);
+  for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+    const at::Tensor cpu = done[kCpu].state_at(key).to(at::kFloat);
+    const at::Tensor gpu = done[kGpuTensorOps].state_at(key).to(at::kCPU).to(at::kFloat);
     // One bf16 step of each value: 2^-7 of its magnitude, rounded up to a power of two.
     const at::Tensor step = at::exp2(at::floor(at::log2(cpu.abs().clamp_min(1e-30))) - 7);
     EXPECT_TRUE(((cpu - gpu).abs() <= step).all().item<bool>()) << key;
     EXPECT_GT(cpu.eq(gpu).to(at::kDouble).mean().item<double>(), 0.99) << key;
-    EXPECT_FALSE(at::equal(cpu, (key == std::string("exp_avg") ? m0 : v0).to(at::kFloat)))
-        << key << " did not move";
   }
 }
 

@@ -2,9 +2,13 @@
 // processes that can use a GPU load LibTorch's CUDA half (Note [CUDA loaded on demand] in
 // ../cuda_runtime.h).
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include "../cuda_runtime.h"
+#if defined(LOOM_CUDA_KERNELS)
+#include "adamw_bf16_launch.h"
+#endif
 
 namespace {
 
@@ -29,8 +33,25 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 }
 
+#if defined(LOOM_CUDA_KERNELS)
+void adamw_bf16_update(int device, float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n,
+                       const loom::AdamWCoefficients& c, uint32_t first_index, uint32_t key_lo,
+                       uint32_t key_hi) {
+  // c10's generic guard, not CUDAGuard: its inline code would bind this library to a libcudart.
+  const c10::DeviceGuard guard(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  if (const char* error =
+          loom::launch_adamw_bf16(device, p, g, m, v, n, c, first_index, key_lo, key_hi,
+                                  c10::cuda::getCurrentCUDAStream(device).stream()))
+    throw std::runtime_error(std::string("adamw's bf16-state CUDA kernel did not launch on "
+                                         "cuda:") + std::to_string(device) + ": " + error);
+}
+constexpr auto kAdamwBf16 = &adamw_bf16_update;
+#else
+constexpr decltype(loom::CudaRuntime::adamw_bf16_update) kAdamwBf16 = nullptr;
+#endif
+
 const loom::CudaRuntime kRuntime{&allocator_initialized, &allocated_bytes, &reset_peak,
-                                 &make_nccl_backend};
+                                 &make_nccl_backend, kAdamwBf16};
 
 }  // namespace
 

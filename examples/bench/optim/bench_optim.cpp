@@ -13,6 +13,10 @@
 //        or RULE[:ISA][@PLUGIN] (ISA sets LOOM_KERNEL_ISA for its steps; PLUGIN a loom_optim.so
 //        to load instead of the build's). On a machine others load, ratios between entries of one
 //        process are what to compare: each round's entries run seconds apart.
+//        LOOM_BENCH_OPTIM_DEVICE=cuda (or cuda:N) puts every entry's parameters, gradients and
+//        state on that GPU: the rules take their tensor-op paths, torch-fused its CUDA kernel,
+//        and each timing ends when the last parameter's value has come back to the host (the
+//        stream's queued work done).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -78,9 +82,29 @@ std::string used_isa(const std::string& rule) {
   return std::string(loom::cpu::kernel_isa_name(loom::cpu::cpu_kernel_isa())) + " (not capped)";
 }
 
+// Where compare's tensors live: the CPU unless LOOM_BENCH_OPTIM_DEVICE names a GPU.
+at::Device bench_device() {
+  const char* name = std::getenv("LOOM_BENCH_OPTIM_DEVICE");
+  if (!name || !*name) return at::kCPU;
+  const at::Device device{std::string(name)};
+  if (device.is_cuda() && !at::hasCUDA())
+    throw std::runtime_error(std::string("LOOM_BENCH_OPTIM_DEVICE=") + name +
+                             ": no GPU here (LibTorch's CUDA half is not loaded; `loom env` "
+                             "says why)");
+  return device;
+}
+
+// Waits for the device's queued work: a value copied back is read after the kernels that wrote
+// it (on the CPU a no-op in effect). Needs no CUDA header, so the bench builds without CUDA.
+void finish(const at::Tensor& t) {
+  if (!t.is_cpu()) (void)t.view(-1)[0].item<float>();
+}
+
 // 100 tensors: 99 matrices (rows x 1024) and one vector, ~total elements, each with its grad.
 std::vector<loom::Segment> make_segments(const loom::UpdateRule* rule, int64_t total,
-                                         std::vector<at::Tensor>& grads) {
+                                         std::vector<at::Tensor>& grads,
+                                         at::Device device = at::kCPU) {
+  const auto on = at::TensorOptions().device(device);
   const int64_t cols = 1024, rows = total / 100 / cols;
   const bool fresh_grads = grads.empty();
   std::vector<loom::Segment> segments;
@@ -88,9 +112,9 @@ std::vector<loom::Segment> make_segments(const loom::UpdateRule* rule, int64_t t
     loom::Segment s;
     s.name = "t" + std::to_string(i);
     s.shape = i == 99 ? std::vector<int64_t>{rows * cols} : std::vector<int64_t>{rows, cols};
-    s.param = at::randn({rows * cols}) * 0.02;
+    s.param = at::randn({rows * cols}, on) * 0.02;
     if (rule) s.state = rule->init_state(s);
-    if (fresh_grads) grads.push_back(at::randn({rows * cols}) * 1e-3);
+    if (fresh_grads) grads.push_back(at::randn({rows * cols}, on) * 1e-3);
     s.grad = grads[i];
     segments.push_back(std::move(s));
   }
@@ -120,6 +144,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
   };
   std::vector<at::Tensor> grads;
   std::vector<Entry> entries;
+  const at::Device device = bench_device();
   for (const std::string& name : names) {
     Entry e;
     e.name = name;
@@ -137,7 +162,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
       throw std::runtime_error("entry '" + name + "': ISA '" + e.isa +
                                "' is not avx512, avx2 or scalar");
     if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str());
-    e.segments = make_segments(e.update_rule.get(), total, grads);
+    e.segments = make_segments(e.update_rule.get(), total, grads, device);
     if (!e.update_rule)
       for (const auto& s : e.segments) {
         e.m.push_back(at::zeros_like(s.param));
@@ -155,8 +180,10 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
         for (const auto& s : e.segments) {
           params.push_back(s.param);
           grads_of.push_back(s.grad);
-          steps.push_back(at::full({}, static_cast<double>(round + 1), at::kFloat));
+          steps.push_back(at::full({}, static_cast<double>(round + 1),
+                                   at::TensorOptions().dtype(at::kFloat).device(device)));
         }
+      finish(e.segments.back().param);  // the untimed work above done first
       const auto t = Clock::now();
       if (e.update_rule) {
         update_all(*e.update_rule, e.segments, round + 1);
@@ -164,6 +191,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
         at::_fused_adamw_(params, grads_of, e.m, e.v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8,
                           /*amsgrad=*/false, /*maximize=*/false);
       }
+      finish(e.segments.back().param);
       if (round > 0) e.seconds.push_back(seconds_since(t));  // round 0 warms up
       // What ran: LOOM_KERNEL_ISA is a cap, so "avx512" on an AVX2 CPU runs avx2.
       if (e.update_rule) e.used_isa = used_isa(e.rule);
@@ -178,9 +206,9 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
     std::string list;
     for (double x : e.seconds) list += (list.empty() ? "" : ", ") + std::to_string(x);
     std::printf("{\"entry\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": [%s], "
-                "\"kernel_isa\": \"%s\"}\n",
+                "\"kernel_isa\": \"%s\", \"device\": \"%s\"}\n",
                 e.name.c_str(), threads, static_cast<long long>(count), list.c_str(),
-                e.used_isa.c_str());
+                device.is_cpu() ? e.used_isa.c_str() : "tensor ops", device.str().c_str());
   }
   return 0;
 }

@@ -1,0 +1,100 @@
+// adamw_bf16_element.h (core-internal) — one element of AdamW over bf16 moments, compiled both
+// by the CPU kernel (core/src/adamw.cpp) and by the CUDA kernel (core/src/cuda/adamw_bf16.cu),
+// so the two are one piece of arithmetic: Note [Stochastic rounding of the state] in adamw.cpp.
+// Both compilers keep each operation's own rounding (no FMA contraction: -ffp-contract=off for
+// the CPU file, --fmad=false for the CUDA one; IEEE division and square root on both), so the
+// GPU's parameters and moments are bitwise the CPU kernel's (Gpu.Bf16OptimizerStateFollowsTheCpuKernel).
+// Plain C++ with no LibTorch header: nvcc compiles it without them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define LOOM_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define LOOM_HOST_DEVICE __attribute__((always_inline)) inline
+#endif
+
+namespace loom {
+
+// One step's constants, for the fp32 kernel as for this one.
+struct AdamWCoefficients {
+  float decay;      // 1 - lr * weight_decay
+  float w1;         // 1 - beta1 (lerp weight)
+  float b2, w2;     // beta2, 1 - beta2
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float eps;
+  float step_size;  // lr / (1 - beta1^t)
+};
+
+namespace adamw_bf16 {
+
+// Chris Wellons' 32-bit integer hash.
+LOOM_HOST_DEVICE uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+LOOM_HOST_DEVICE uint32_t bits_of(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+#endif
+}
+
+LOOM_HOST_DEVICE float float_of(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+LOOM_HOST_DEVICE float bf16_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+// f rounded to bf16 up with probability equal to its distance from the bf16 below; NaN quieted.
+LOOM_HOST_DEVICE uint16_t float_to_bf16_stochastic(float f, uint32_t random16) {
+  const uint32_t bits = bits_of(f);
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t rounded = (bits + random16) >> 16;
+  return static_cast<uint16_t>(nan ? (bits >> 16) | 0x0040u : rounded);
+}
+
+LOOM_HOST_DEVICE float square_root(float x) {
+#if defined(__CUDA_ARCH__)
+  return sqrtf(x);  // correctly rounded (nvcc's default -prec-sqrt=true), as sqrtps is
+#else
+  return std::sqrt(x);
+#endif
+}
+
+// Element i of a span whose first element has index `first_index` in the whole flattened
+// tensor and whose rounding key is (key_lo, key_hi). p, g: fp32; m, v: bf16 bits.
+LOOM_HOST_DEVICE void update(float* __restrict p, const float* __restrict g,
+                             uint16_t* __restrict m, uint16_t* __restrict v, int64_t i,
+                             const AdamWCoefficients& c, uint32_t first_index, uint32_t key_lo,
+                             uint32_t key_hi) {
+  const float gi = g[i];
+  const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
+  const float mi = m0 + c.w1 * (gi - m0);
+  const float vi = c.b2 * v0 + c.w2 * gi * gi;
+  const uint32_t index = first_index + static_cast<uint32_t>(i);
+  const uint32_t x = lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
+  m[i] = float_to_bf16_stochastic(mi, x & 0xFFFFu);
+  v[i] = float_to_bf16_stochastic(vi, x >> 16);
+  p[i] = p[i] * c.decay - c.step_size * (mi / (square_root(vi) / c.bc2_sqrt + c.eps));
+}
+
+}  // namespace adamw_bf16
+}  // namespace loom
