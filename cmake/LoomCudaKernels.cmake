@@ -1,12 +1,12 @@
 # Note [loom's own CUDA kernels]: most of loom's GPU work is LibTorch's kernels, but where an
 # operation has no ATen kernel and tensor ops would make tens of passes over memory (adamw's
 # bf16 state with stochastic rounding, core/src/cuda/adamw_bf16.cu), loom compiles its own,
-# into libloom_cuda.so (Note [CUDA loaded on demand]). Each such kernel runs the CPU kernel's
+# into libloom_cuda_kernels.so, which libloom_cuda.so calls (Note [CUDA loaded on demand]). Each such kernel runs the CPU kernel's
 # per-element code from a header both compilers read, so the CPU tests test its arithmetic and
 # the GPU tests hold the two bitwise equal. They need the CUDA compiler: with a CUDA build of
 # LibTorch but no usable nvcc (LOOM_CUDA=on without a toolkit on the path), LOOM_CUDA_KERNELS is
 # off and those operations keep their tensor-op paths. The CUDA runtime is linked statically
-# into libloom_cuda.so, as NCCL links it, so nothing beyond what LibTorch loads is looked up at
+# into libloom_cuda_kernels.so, as NCCL links it, so nothing beyond what LibTorch loads is looked up at
 # run time; the kernels run on LibTorch's streams.
 set(LOOM_CUDA_KERNELS OFF)
 if(LOOM_WITH_CUDA)

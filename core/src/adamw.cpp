@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <mutex>
 
 #include "adamw_bf16_element.h"
@@ -307,12 +306,29 @@ class AdamW final : public UpdateRule {
     const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
     const uint64_t tensor_key = mix64(seed_ ^ fnv1a64(s.name));
     const int64_t n = s.param.numel();
-    if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
+    // The kernels take flat fp32 parameters and gradients and the moments on one device: the
+    // CPU kernel, or the same element in a CUDA kernel (adamw_bf16_element.h), bitwise alike.
+    const CudaRuntime* cuda = cuda_runtime();
+    const bool flat = s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+                      s.grad.scalar_type() == at::kFloat && s.grad.is_contiguous() &&
+                      s.grad.device() == s.param.device() && m.device() == s.param.device() &&
+                      v.device() == s.param.device();
+    const bool on_gpu = s.param.is_cuda() && cuda && cuda->adamw_bf16_update;
+    if (flat && (s.param.is_cpu() || on_gpu)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
       auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+      if (on_gpu) {
+        each_rounding_span(tensor_key, ctx.step, s.offset, 0, n,
+                           [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
+                             cuda->adamw_bf16_update(s.param.get_device(), p + from, g + from,
+                                                     mp + from, vp + from, stop - from, c, index,
+                                                     static_cast<uint32_t>(key),
+                                                     static_cast<uint32_t>(key >> 32));
+                           });
+        return;
+      }
       const AdamWBf16Kernel kernel = adamw_bf16_kernel();
       at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
         each_rounding_span(tensor_key, ctx.step, s.offset, begin, end,
@@ -322,26 +338,6 @@ class AdamW final : public UpdateRule {
                                     static_cast<uint32_t>(key >> 32));
                            });
       });
-      return;
-    }
-    // The same element on a GPU (adamw_bf16_element.h in a CUDA kernel): bitwise the above.
-    const CudaRuntime* cuda = cuda_runtime();
-    if (s.param.is_cuda() && cuda && cuda->adamw_bf16_update &&
-        s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.scalar_type() == at::kFloat && s.grad.is_contiguous() &&
-        s.grad.device() == s.param.device() && m.device() == s.param.device() &&
-        v.device() == s.param.device()) {
-      float* p = s.param.data_ptr<float>();
-      const float* g = s.grad.data_ptr<float>();
-      auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
-      auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
-      each_rounding_span(tensor_key, ctx.step, s.offset, 0, n,
-                         [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
-                           cuda->adamw_bf16_update(s.param.get_device(), p + from, g + from,
-                                                   mp + from, vp + from, stop - from, c, index,
-                                                   static_cast<uint32_t>(key),
-                                                   static_cast<uint32_t>(key >> 32));
-                         });
       return;
     }
     // Tensor ops: each op rounds to fp32 as the kernel's expression does, in the same order.

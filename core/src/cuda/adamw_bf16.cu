@@ -1,7 +1,7 @@
 // AdamW over bf16 moments on a GPU: the CPU kernel's element (adamw_bf16_element.h) in a
 // grid-stride loop. One pass over p, g, m, v (20 bytes an element) where the tensor ops it
 // replaces made ~40 passes over int64 temporaries (Note [Stochastic rounding of the state] in
-// ../adamw.cpp; the numbers in docs/BENCHMARKS.md "bf16 optimizer state on a GPU").
+// ../adamw.cpp; the numbers in docs/BENCHMARKS.md "Again on an H200, 2026-11-28").
 // Compiled with --fmad=false (core/CMakeLists.txt) so it rounds as the CPU kernel does.
 #include <cuda_runtime.h>
 
@@ -22,10 +22,6 @@ __global__ void adamw_bf16_kernel(float* __restrict__ p, const float* __restrict
     loom::adamw_bf16::update(p, g, m, v, i, c, first_index, key_lo, key_hi);
 }
 
-}  // namespace
-
-namespace loom {
-
 // The multiprocessors of each device, asked once (cudaDeviceGetAttribute is cheap, but not free
 // at a launch per tensor and step).
 int multiprocessors(int device) {
@@ -41,6 +37,10 @@ int multiprocessors(int device) {
   }
   return count;
 }
+
+}  // namespace
+
+namespace loom {
 
 const char* launch_adamw_bf16(int device, float* p, const float* g, uint16_t* m, uint16_t* v,
                               int64_t n, const AdamWCoefficients& c, uint32_t first_index,

@@ -14,7 +14,7 @@
 //        to load instead of the build's). On a machine others load, ratios between entries of one
 //        process are what to compare: each round's entries run seconds apart.
 //        LOOM_BENCH_OPTIM_DEVICE=cuda (or cuda:N) puts every entry's parameters, gradients and
-//        state on that GPU: the rules take their tensor-op paths, torch-fused its CUDA kernel,
+//        state on that GPU: each rule takes its GPU path, torch-fused its CUDA kernel,
 //        and each timing ends when the last parameter's value has come back to the host (the
 //        stream's queued work done).
 #include <ATen/ATen.h>
@@ -208,7 +208,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
     std::printf("{\"entry\": \"%s\", \"threads\": %d, \"params\": %lld, \"seconds\": [%s], "
                 "\"kernel_isa\": \"%s\", \"device\": \"%s\"}\n",
                 e.name.c_str(), threads, static_cast<long long>(count), list.c_str(),
-                device.is_cpu() ? e.used_isa.c_str() : "tensor ops", device.str().c_str());
+                device.is_cpu() ? e.used_isa.c_str() : "gpu", device.str().c_str());
   }
   return 0;
 }
