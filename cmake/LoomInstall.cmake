@@ -21,6 +21,9 @@ if(TARGET loom_cuda)  # loaded by libloom_core from its own folder (core/src/cud
   if(TARGET loom_cuda_kernels)  # Note [loom's own CUDA kernels]: beside libloom_cuda
     install(TARGETS loom_cuda_kernels LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
   endif()
+  if(TARGET loom_optim_cuda)  # the optim plugin's kernels, found by its $ORIGIN/../..
+    install(TARGETS loom_optim_cuda LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  endif()
 endif()
 install(TARGETS loom loom-launch RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY core/include/loom sharding/include/loom offload/include/loom DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

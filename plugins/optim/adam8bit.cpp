@@ -14,20 +14,18 @@
 #include "loom/kernel_isa.h"
 #include "quantize.h"
 #include "rules.h"
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "cuda/adam8bit_launch.h"
+#endif
 
 namespace loom::optim {
 namespace {
 
-struct Coefficients {
-  float decay, w1, b2, w2, bc2_sqrt, eps, step_size;
-};
-
-// One AdamW element, torch.optim.AdamW's arithmetic (as the core's fused kernel).
-inline void adamw_element(float& p, float g, float& m, float& v, const Coefficients& c) {
-  m = m + c.w1 * (g - m);
-  v = c.b2 * v + c.w2 * g * g;
-  p = p * c.decay - c.step_size * (m / (std::sqrt(v) / c.bc2_sqrt + c.eps));
-}
+// adamw_element, the AdamW arithmetic: adam8bit_element.h (which the CUDA kernel compiles too).
+using Coefficients = Adam8bitCoefficients;
 
 // One block of update_fused: dequantize m and v, update p, m, v, keep the new m, v in a
 // block-sized buffer (L1-resident), take their absmax, requantize.
@@ -354,6 +352,7 @@ class Adam8bit final : public UpdateRule {
                          static_cast<float>(ctx.lr / bc1)};
     if (!quantized(s)) return update_fp32(s, c);
     if (fused(s)) return update_fused(s, c);
+    if (cuda_kernel(s)) return update_cuda(s, c);
     update_tensors(s, c);
   }
 
@@ -361,6 +360,57 @@ class Adam8bit final : public UpdateRule {
   // The fused CPU kernel where it can run, unless kernel = "tensor_ops" (the GPU path, on CPU
   // tensors for the tests).
   bool fused(const Segment& s) const { return !tensor_ops_ && cpu_fp32(s); }
+
+  // The CUDA kernel (cuda/adam8bit.cu, the CPU's element code) where loom was built with its
+  // kernels, unless kernel = "tensor_ops": fp32 parameters and gradients and the state, all
+  // contiguous on one GPU.
+  bool cuda_kernel(const Segment& s) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    if (tensor_ops_ || !s.param.is_cuda() || !signed_map().step_ready() ||
+        !unsigned_map().step_ready())
+      return false;
+    auto ok = [&](const at::Tensor& t, at::ScalarType type) {
+      return t.scalar_type() == type && t.is_contiguous() && t.device() == s.param.device();
+    };
+    return ok(s.param, at::kFloat) && ok(s.grad, at::kFloat) &&
+           ok(s.state_at("exp_avg_q"), at::kByte) && ok(s.state_at("exp_avg_sq_q"), at::kByte) &&
+           ok(s.state_at("exp_avg_absmax"), at::kFloat) &&
+           ok(s.state_at("exp_avg_sq_absmax"), at::kFloat);
+#else
+    (void)s;
+    return false;
+#endif
+  }
+
+  void update_cuda(Segment& s, const Coefficients& c) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    const at::Device device = s.param.device();
+    const DeviceMaps& maps = maps_on(device);
+    const Adam8bitDeviceTensor t{s.param.data_ptr<float>(),
+                                 s.grad.data_ptr<float>(),
+                                 s.state_at("exp_avg_q").data_ptr<uint8_t>(),
+                                 s.state_at("exp_avg_sq_q").data_ptr<uint8_t>(),
+                                 s.state_at("exp_avg_absmax").data_ptr<float>(),
+                                 s.state_at("exp_avg_sq_absmax").data_ptr<float>(),
+                                 s.param.numel(),
+                                 block_,
+                                 maps.mcode.data_ptr<float>(),
+                                 maps.vcode.data_ptr<float>(),
+                                 maps.mcells.data_ptr<int32_t>(),
+                                 maps.vcells.data_ptr<int32_t>()};
+    // The stream the caller's work is queued on, through c10's device-generic interface (this
+    // plugin links LibTorch's CPU half only; the CUDA half registers the implementation).
+    const c10::DeviceGuard guard(device);
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    void* stream = impl->getStreamNativeHandle(impl->getStream(device));
+    if (const char* error = launch_adam8bit(device.index(), t, c, stream))
+      throw Error(std::string("adam8bit's CUDA kernel did not launch on ") + device.str() +
+                  " for " + s.name + ": " + error);
+#else
+    (void)s;
+    (void)c;
+#endif
+  }
 
   // The whole tensor's size decides, so every segment of a tensor agrees.
   bool quantized(const Segment& s) const {
@@ -434,6 +484,7 @@ class Adam8bit final : public UpdateRule {
   struct DeviceMaps {
     at::Device device;
     at::Tensor mcode, vcode, mthreshold, vthreshold;
+    at::Tensor mcells, vcells;  // the one-step tables (Note [Quantize in one step]), int32
   };
   const DeviceMaps& maps_on(at::Device device) const {
     std::lock_guard<std::mutex> lock(maps_mutex_);
@@ -442,10 +493,16 @@ class Adam8bit final : public UpdateRule {
     auto on_device = [&](const float* data, int64_t count) {
       return at::from_blob(const_cast<float*>(data), {count}, at::kFloat).to(device);
     };
+    auto cells_on_device = [&](const QuantMap& map) {
+      return at::from_blob(const_cast<int32_t*>(map.step_cell.data()),
+                           {static_cast<int64_t>(map.step_cell.size())}, at::kInt)
+          .to(device);
+    };
     maps_.push_back({device, on_device(signed_map().code.data(), 256),
                      on_device(unsigned_map().code.data(), 256),
                      on_device(signed_map().threshold.data(), 255),
-                     on_device(unsigned_map().threshold.data(), 255)});
+                     on_device(unsigned_map().threshold.data(), 255),
+                     cells_on_device(signed_map()), cells_on_device(unsigned_map())});
     return maps_.back();
   }
 

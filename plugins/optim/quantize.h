@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #endif
 
+#include "adam8bit_element.h"
+
 namespace loom::optim {
 
 #if defined(__x86_64__)
@@ -144,25 +146,13 @@ struct QuantMap {
   // min(|y| bits, 1). The last cell is |y| >= 2, infinities and NaN (NaN's code is 0, masked).
   // One gather per vector of values instead of the walk's three or four lookups; byte-identical
   // to quantize_fast (tested for every float tried, in every lane).
-  static constexpr int kStepBits = 7, kStepMinExponent = 127 - 26;
-  static constexpr int kStepCells = 1 + (127 - kStepMinExponent + 1) * (1 << kStepBits) + 1;
+  // The cells and the scalar code are in adam8bit_element.h, which the CUDA kernel compiles too.
+  static constexpr int kStepBits = optim::kStepBits, kStepMinExponent = optim::kStepMinExponent;
+  static constexpr int kStepCells = optim::kStepCells;
   std::array<int32_t, 2 * kStepCells> step_cell{};  // by 2 x cell + sign: base | offset << 8
   bool step_ready() const { return step_cells_fit; }
   // The scalar statement of the vector code (the tests hold it to quantize()).
-  uint8_t quantize_step(float y) const {
-    uint32_t bits;
-    std::memcpy(&bits, &y, sizeof bits);
-    const uint32_t magnitude = bits & 0x7fffffffu;
-    const int raw = static_cast<int>(magnitude >> 16) - (kStepMinExponent << kStepBits) + 1;
-    const int cell = std::min(std::max(raw, 0), kStepCells - 1);
-    const int32_t negative = -static_cast<int32_t>(bits >> 31);  // 0 or -1 (all ones)
-    const int32_t entry = step_cell[2 * cell - negative];
-    const int32_t offset =
-        (raw <= 0 ? static_cast<int32_t>(std::min<uint32_t>(magnitude, 1))
-                  : static_cast<int32_t>(magnitude & 0xffffu)) ^ negative;
-    const int q = (entry & 0xff) + static_cast<int>((entry >> 8) < offset);
-    return static_cast<uint8_t>(y == y ? q : 0);
-  }
+  uint8_t quantize_step(float y) const { return quantize_by_cells(y, step_cell.data()); }
 #if defined(__x86_64__)
   // quantize_step for 8 lanes (AVX2) and for 16 (AVX-512): the codes as int32 lanes.
   __attribute__((target("avx2"))) __m256i quantize8(__m256 y) const {

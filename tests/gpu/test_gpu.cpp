@@ -156,6 +156,59 @@ TEST(Gpu, EveryUpdateRuleMatchesItsCpuResult) {
   }
 }
 
+// adam8bit's CUDA kernel (plugins/optim/cuda/adam8bit.cu) runs the CPU kernel's element code
+// (adam8bit_element.h): parameters, codes and block absmaxes bitwise the fused CPU kernel's, for
+// the default block and the paper's, a ragged last block, and more blocks than one wave of the
+// GPU holds; with kernel = "tensor_ops" the GPU takes its tensor ops again (within a code step).
+TEST(Gpu, Adam8bitKernelIsBitwiseTheCpuKernel) {
+  LOOM_REQUIRE_GPU();
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (const int64_t block : {int64_t{256}, int64_t{2048}}) {
+    for (const bool tensor_ops : {false, true}) {
+      SCOPED_TRACE("block_size " + std::to_string(block) + (tensor_ops ? ", tensor_ops" : ""));
+      auto cpu_rule = test::make_rule("adam8bit", {{"block_size", block}, {"min_8bit_size", 0}});
+      auto gpu_rule = test::make_rule(
+          "adam8bit", {{"block_size", block},
+                       {"min_8bit_size", 0},
+                       {"kernel", std::string(tensor_ops ? "tensor_ops" : "auto")}});
+      at::manual_seed(11);
+      const int64_t n = 600 * block + 77;  // 601 blocks, the last ragged
+      const at::Tensor start = at::randn({n});
+      std::vector<at::Tensor> grads;
+      for (int step = 0; step < 3; ++step) grads.push_back(at::randn({n}) * 0.1);
+      std::array<Segment, 2> done;
+      for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+        const c10::Device device = on_gpu ? cuda : c10::Device(c10::kCPU);
+        const UpdateRule& rule = on_gpu ? *gpu_rule : *cpu_rule;
+        Segment& s = done[on_gpu];
+        s.name = "w";
+        s.shape = {n};
+        s.param = start.to(device).clone();
+        s.state = rule.init_state(s);
+        for (int step = 0; step < 3; ++step) {
+          s.grad = grads[step].to(device);
+          UpdateContext context;
+          context.step = step + 1;
+          context.lr = 1e-2;
+          context.weight_decay = 0.1;
+          rule.update(s, context);
+        }
+      }
+      const at::Tensor gpu_param = done[1].param.cpu();
+      EXPECT_GT(max_abs_diff(done[0].param, start), 1e-4) << "the rule did not update";
+      if (!tensor_ops) {
+        EXPECT_TRUE(at::equal(done[0].param, gpu_param));
+        for (const char* key :
+             {"exp_avg_q", "exp_avg_sq_q", "exp_avg_absmax", "exp_avg_sq_absmax"})
+          EXPECT_TRUE(at::equal(done[0].state_at(key), done[1].state_at(key).cpu())) << key;
+      } else {
+        // ATen's ops round a few moments differently; a code on a boundary may then move.
+        EXPECT_LT(max_abs_diff(done[0].param, gpu_param), 2e-4);
+      }
+    }
+  }
+}
+
 TEST(Gpu, Fp16LossScalerSkipsExactlyTheOverflowedUpdate) {
   LOOM_REQUIRE_GPU();
   TempDir dir;
