@@ -309,12 +309,19 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
   const at::Tensor v0 = (at::rand({n}) * 1e-4).to(at::kBFloat16);
   std::vector<at::Tensor> grads;
   for (int step = 0; step < 4; ++step) grads.push_back(at::randn({n}) * 0.05);
-  // The CPU kernel; the CUDA kernel (adamw_bf16_element.h, the same code); and on the GPU the
-  // tensor ops, which a gradient that is not contiguous (here every other element of a wider
-  // tensor) takes.
-  enum Run { kCpu, kGpuKernel, kGpuTensorOps };
-  std::array<Segment, 3> done;
-  for (const Run run : {kCpu, kGpuKernel, kGpuTensorOps}) {
+  // The CPU kernel; the CUDA kernel (adamw_bf16_element.h, the same code), four elements a
+  // thread on aligned tensors and one on tensors that start one element into their storage;
+  // and on the GPU the tensor ops, which a gradient that is not contiguous (here every other
+  // element of a wider tensor) takes.
+  enum Run { kCpu, kGpuKernel, kGpuTensorOps, kGpuKernelUnaligned };
+  std::array<Segment, 4> done;
+  // t's values in a tensor one element into a wider one's storage: contiguous, not aligned.
+  const auto unaligned = [](const at::Tensor& t) {
+    at::Tensor wider = at::empty({t.numel() + 1}, t.options());
+    wider.narrow(0, 1, t.numel()).copy_(t);
+    return wider.narrow(0, 1, t.numel());
+  };
+  for (const Run run : {kCpu, kGpuKernel, kGpuTensorOps, kGpuKernelUnaligned}) {
     const c10::Device device = run == kCpu ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, 0);
     Segment& s = done[run];
     s.name = "h.0.mlp.c_fc.weight";
@@ -322,9 +329,14 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
     s.offset = 3;  // a ZeRO segment: the rounding's index counts from the whole tensor's start
     s.param = start.to(device).clone();
     s.state = {{"exp_avg", m0.to(device).clone()}, {"exp_avg_sq", v0.to(device).clone()}};
+    if (run == kGpuKernelUnaligned) {
+      s.param = unaligned(s.param);
+      for (auto& [key, t] : s.state) t = unaligned(t);
+    }
     for (int step = 0; step < 4; ++step) {
       s.grad = grads[step].to(device);
       if (run == kGpuTensorOps) s.grad = at::stack({s.grad, s.grad}, 1).select(1, 0);
+      if (run == kGpuKernelUnaligned) s.grad = unaligned(s.grad);
       ASSERT_EQ(s.grad.is_contiguous(), run != kGpuTensorOps);
       UpdateContext context;
       context.step = step + 1;
@@ -337,9 +349,11 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
   }
   // The kernels: bitwise alike.
   EXPECT_TRUE(at::equal(done[kCpu].param, done[kGpuKernel].param.cpu()));
+  EXPECT_TRUE(at::equal(done[kCpu].param, done[kGpuKernelUnaligned].param.cpu()));
   for (const char* key : {"exp_avg", "exp_avg_sq"}) {
     const at::Tensor cpu = done[kCpu].state_at(key);
     EXPECT_TRUE(at::equal(cpu, done[kGpuKernel].state_at(key).cpu())) << key;
+    EXPECT_TRUE(at::equal(cpu, done[kGpuKernelUnaligned].state_at(key).cpu())) << key;
     EXPECT_FALSE(at::equal(cpu, key == std::string("exp_avg") ? m0 : v0)) << key << " did not move";
   }
   // The tensor ops: the same random bits, ATen's own rounding of each op.
