@@ -202,8 +202,12 @@ TEST(Gpu, Adam8bitKernelIsBitwiseTheCpuKernel) {
              {"exp_avg_q", "exp_avg_sq_q", "exp_avg_absmax", "exp_avg_sq_absmax"})
           EXPECT_TRUE(at::equal(done[0].state_at(key), done[1].state_at(key).cpu())) << key;
       } else {
-        // ATen's ops round a few moments differently; a code on a boundary may then move.
-        EXPECT_LT(max_abs_diff(done[0].param, gpu_param), 2e-4);
+        // ATen's ops round a few moments differently; a code on a boundary may then move, which
+        // moves that parameter by a fraction of one step (lr): few parameters, and not far.
+        const at::Tensor off = (done[0].param - gpu_param).abs();
+        const double moved = off.gt(1e-6).to(at::kDouble).mean().item<double>();
+        EXPECT_LT(moved, 0.01) << "share of parameters off the CPU kernel's";
+        EXPECT_LT(off.max().item<double>(), 0.1 * 1e-2) << "a tenth of the learning rate";
       }
     }
   }
