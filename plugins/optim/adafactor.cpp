@@ -12,8 +12,14 @@
 #include <cstdlib>
 #include <vector>
 
+#include "adafactor_element.h"
 #include "loom/kernel_isa.h"
 #include "rules.h"
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+#include <c10/core/DeviceGuard.h>
+
+#include "cuda/adafactor_launch.h"
+#endif
 
 namespace loom::optim {
 namespace {
@@ -76,7 +82,7 @@ struct RowGroup {
 // was 4 groups, cut 256 rows to 134 between two threads; at 2^14 it is 25, cut 192 to 198
 // (accumulate() cuts the threads' shares by rows).
 std::vector<RowGroup> row_groups(const Geometry& geo) {
-  const int64_t size = std::max<int64_t>(16, (int64_t{1} << 14) / geo.C);
+  const int64_t size = adafactor_group_rows(geo.C);
   std::vector<RowGroup> groups;
   for (int64_t k = 0; k < geo.rows;) {
     const int64_t global = geo.first_row + k;
@@ -99,26 +105,20 @@ double* cache_aligned(std::vector<double>& buffer, int64_t n) {
   return buffer.data() + ((64 - address % 64) % 64) / sizeof(double);
 }
 
-// step = lr / clip_div, in fp32 from the two fp32 values Transformers divides and multiplies
-// by: one multiply per element instead of a division (the update's RMS is over clip_threshold
-// on most steps; the division was 16 % of the update loop's samples on AVX2). x = u · step is
-// within 1.5 ulp of Transformers' (u / clip_div) · lr, and equal to it when clip_div is 1.
-struct Coefficients {
-  float step, b1, w1, wd;
-};
+// The step's scalars (AdafactorCoefficients, adafactor_element.h: the CUDA kernels' too).
+using Coefficients = AdafactorCoefficients;
 
 // Element j of the step from its unclipped update u: x = u · lr / clip_div, then momentum,
-// weight decay and the step, in transformers' order. Inlined into each clone below.
+// weight decay and the step, in transformers' order (adafactor_element.h). Inlined into each
+// clone below.
 __attribute__((always_inline)) inline void step_element(float u, int64_t j, float* __restrict p,
                                                         float* __restrict m, const Coefficients& c) {
   float x = u * c.step;
   if (m) {
-    m[j] = m[j] * c.b1 + c.w1 * x;
+    m[j] = adafactor_momentum(m[j], x, c);
     x = m[j];
   }
-  float pj = p[j];
-  if (c.wd != 0) pj = pj + c.wd * pj;
-  p[j] = pj - x;
+  p[j] = adafactor_decay_and_step(p[j], x, c);
 }
 
 // Note [Adafactor's kernels per ISA]: the loops of adafactor_kernels.inc, compiled for AVX-512
@@ -247,6 +247,7 @@ class Adafactor final : public UpdateRule {
 
   void accumulate(const Segment& segment, const UpdateContext& ctx, int,
                   at::Tensor& acc) const override {
+    if (cuda_kernels(segment)) return cuda_accumulate(segment, ctx, acc);
     if (!use_loops(segment)) return tensor_ops_accumulate(segment, ctx, acc);
     const Kernels& kern = kernels();
     const Cpu s(segment);
@@ -401,6 +402,7 @@ class Adafactor final : public UpdateRule {
 
   void update(Segment& segment, const UpdateContext& ctx) const override {
     LOOM_INTERNAL_ASSERT(ctx.totals.size() == 1, "adafactor runs through update_tensor");
+    if (cuda_kernels(segment)) return cuda_update(segment, ctx);
     if (!use_loops(segment)) return tensor_ops_update(segment, ctx);
     const Kernels& kern = kernels();
     Cpu s(segment);
@@ -409,16 +411,10 @@ class Adafactor final : public UpdateRule {
     const double* t0 = ctx.totals[0].data_ptr<double>();
     const int64_t n_total = ctx.totals[0].numel();
     const double n = static_cast<double>(geo.numel);
-    const double param_rms = std::sqrt(t0[n_total - 1] / n);
-    const double lr = step_size(ctx, param_rms);
-    const float lr_f = static_cast<float>(lr);
-    Coefficients c;
-    c.b1 = static_cast<float>(beta1_);
-    c.w1 = static_cast<float>(1.0 - beta1_);
-    c.wd = static_cast<float>(-ctx.weight_decay * lr);
+    Coefficients c = base_coefficients();
     float* m = beta1_ > 0 ? s.state("exp_avg") : nullptr;
     if (!geo.factored) {
-      c.step = lr_f / clip_divisor(std::sqrt(t0[0] / n));
+      adafactor_step_scalars(t0[n_total - 1], t0[0], n, step_inputs(ctx), c);
       float* v = s.state("exp_avg_sq");
       at::parallel_for(0, geo.rows, 4096, [&](int64_t i0, int64_t i1) {
         kern.update_vector(s.g + i0, v + i0, s.p + i0, m ? m + i0 : nullptr, i1 - i0, eps1f(),
@@ -428,7 +424,7 @@ class Adafactor final : public UpdateRule {
       return;
     }
     const ColumnFactors f = column_factors(s, geo, t0, b2t);
-    c.step = lr_f / clip_divisor(std::sqrt(f.sum_u2 / n));
+    adafactor_step_scalars(t0[n_total - 1], f.sum_u2, n, step_inputs(ctx), c);
     // Round 0's row factors (Note [Adafactor in two passes]), exact: floats carried in doubles.
     const double* carried_rows = t0 + row_factors_at(geo);
     std::vector<float> new_row(geo.rows);
@@ -453,6 +449,120 @@ class Adafactor final : public UpdateRule {
 
   bool use_loops(const Segment& s) const {
     return kernel_ == "cpu_loops" || (kernel_ == "auto" && cpu_fp32(s));
+  }
+
+  // ---- CUDA kernels (Note [Adafactor's CUDA kernels] in cuda/adafactor.cu) ----
+  // Where loom was built with them and kernel = "auto": the parameter, gradient and state fp32
+  // and contiguous on one GPU, and a factored tensor's rows at least 16 wide (a row group then
+  // fits the kernel's shared memory); tensor ops otherwise.
+  bool cuda_kernels(const Segment& s) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    if (kernel_ != "auto" || !s.param.is_cuda()) return false;
+    if (!kernel_ready(s, s.param, at::kFloat) || !kernel_ready(s, s.grad, at::kFloat)) return false;
+    for (const auto& [key, t] : s.state)
+      if (!kernel_ready(s, t, at::kFloat)) return false;
+    const Geometry geo(s);
+    return !geo.factored || geo.C >= 16;
+#else
+    (void)s;
+    return false;
+#endif
+  }
+
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+  AdafactorFactored factored_view(const Segment& s, const Geometry& geo, const at::Tensor& acc,
+                                  AdafactorBeta2 b2t) const {
+    Segment& w = const_cast<Segment&>(s);  // the kernels write state and parameter in update
+    return AdafactorFactored{w.param.data_ptr<float>(),
+                             s.grad.data_ptr<float>(),
+                             beta1_ > 0 ? w.state_at("exp_avg").data_ptr<float>() : nullptr,
+                             w.state_at("exp_avg_sq_row").data_ptr<float>(),
+                             w.state_at("exp_avg_sq_col").data_ptr<float>(),
+                             acc.data_ptr<double>(),
+                             geo.rows,
+                             geo.C,
+                             geo.R,
+                             geo.M,
+                             geo.first_row,
+                             eps1f(),
+                             b2t,
+                             scale_parameter_};
+  }
+  AdafactorVector vector_view(const Segment& s, const Geometry& geo, const at::Tensor& acc,
+                              AdafactorBeta2 b2t) const {
+    Segment& w = const_cast<Segment&>(s);
+    return AdafactorVector{w.param.data_ptr<float>(),
+                           s.grad.data_ptr<float>(),
+                           beta1_ > 0 ? w.state_at("exp_avg").data_ptr<float>() : nullptr,
+                           w.state_at("exp_avg_sq").data_ptr<float>(),
+                           acc.data_ptr<double>(),
+                           geo.rows,
+                           s.offset,
+                           geo.numel,
+                           eps1f(),
+                           b2t,
+                           scale_parameter_};
+  }
+  static void check_launch(const char* error, const Segment& s, const char* what) {
+    if (error)
+      throw Error(std::string("adafactor's CUDA kernels (") + what + ") did not launch on " +
+                  s.param.device().str() + " for " + s.name + ": " + error);
+  }
+#endif
+
+  void cuda_accumulate(const Segment& s, const UpdateContext& ctx, at::Tensor& acc) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    const Geometry geo(s);
+    const c10::DeviceGuard guard(s.param.device());
+    void* stream = current_cuda_stream(s.param.device());
+    const auto f64 = acc.options();
+    if (geo.factored) {
+      const AdafactorFactored t = factored_view(s, geo, acc, beta2t(ctx.step));
+      // Freed at the end of this scope, reused by the allocator only after the kernels (the
+      // caching allocator orders reuse on this stream).
+      at::Tensor scratch = at::empty({adafactor_factored_scratch(t)}, f64);
+      check_launch(launch_adafactor_accumulate_factored(s.param.device().index(), t,
+                                                        scratch.data_ptr<double>(), stream),
+                   s, "accumulate");
+    } else {
+      const AdafactorVector t = vector_view(s, geo, acc, beta2t(ctx.step));
+      at::Tensor scratch = at::empty({adafactor_vector_scratch(t)}, f64);
+      check_launch(launch_adafactor_accumulate_vector(s.param.device().index(), t,
+                                                      scratch.data_ptr<double>(), stream),
+                   s, "accumulate");
+    }
+#else
+    (void)s, (void)ctx, (void)acc;
+#endif
+  }
+
+  void cuda_update(Segment& s, const UpdateContext& ctx) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    const Geometry geo(s);
+    const c10::DeviceGuard guard(s.param.device());
+    void* stream = current_cuda_stream(s.param.device());
+    const at::Tensor& t0 = ctx.totals[0];
+    LOOM_INTERNAL_ASSERT(t0.device() == s.param.device() && t0.scalar_type() == at::kDouble &&
+                             t0.is_contiguous(),
+                         "adafactor's totals for ", s.name, " are not on its GPU");
+    const AdafactorStepInputs in = step_inputs(ctx);
+    if (geo.factored) {
+      const AdafactorFactored t = factored_view(s, geo, t0, beta2t(ctx.step));
+      at::Tensor scratch =
+          at::empty({adafactor_factored_update_scratch(t)}, s.param.options());
+      check_launch(launch_adafactor_update_factored(s.param.device().index(), t, in,
+                                                    base_coefficients(),
+                                                    scratch.data_ptr<float>(), stream),
+                   s, "update");
+    } else {
+      const AdafactorVector t = vector_view(s, geo, t0, beta2t(ctx.step));
+      check_launch(launch_adafactor_update_vector(s.param.device().index(), t, in,
+                                                  base_coefficients(), stream),
+                   s, "update");
+    }
+#else
+    (void)s, (void)ctx;
+#endif
   }
 
   // ---- CPU loops ----
@@ -499,9 +609,7 @@ class Adafactor final : public UpdateRule {
   }
   // 1 - t^decay_rate; the weights b2t and 1 - b2t are rounded to fp32 from double, as torch
   // does with Python-float scalars.
-  struct Beta2 {
-    float keep, add;
-  };
+  using Beta2 = AdafactorBeta2;
   Beta2 beta2t(int64_t step) const {
     const double b = 1.0 - std::pow(static_cast<double>(step), decay_rate_);
     return {static_cast<float>(b), static_cast<float>(1.0 - b)};
@@ -512,24 +620,25 @@ class Adafactor final : public UpdateRule {
     const double t = static_cast<double>(ctx.step);
     return std::min(warmup_init_ ? 1e-6 * t : 1e-2, 1.0 / std::sqrt(t));
   }
-  double step_size(const UpdateContext& ctx, double param_rms) const {
-    // Transformers computes the RMS in fp32; match its rounding.
-    const double scale = scale_parameter_ ? std::max(eps2_, double(float(param_rms))) : 1.0;
-    return scale * relative_lr(ctx);
+  // What the step's scalars need besides the tensor's sums (adafactor_step_scalars).
+  AdafactorStepInputs step_inputs(const UpdateContext& ctx) const {
+    return {relative_lr(ctx), eps2_, clip_, ctx.weight_decay, scale_parameter_};
   }
-  float clip_divisor(double update_rms) const {
-    return static_cast<float>(std::max(update_rms / clip_, 1.0));
+  // Momentum's weights; step and wd come from adafactor_step_scalars.
+  Coefficients base_coefficients() const {
+    Coefficients c{};
+    c.b1 = static_cast<float>(beta1_);
+    c.w1 = static_cast<float>(1.0 - beta1_);
+    return c;
   }
 
-  // b2t row + (1-b2t) mean_j(g²+eps1) of one row, from the row's sum of g²+eps1.
   static float new_row_factor(double sum, int64_t C, float old, Beta2 b2t) {
-    const float mean = static_cast<float>(sum / static_cast<double>(C));
-    return old * b2t.keep + b2t.add * mean;
+    return adafactor_new_row_factor(sum, C, old, b2t);
   }
 
   // The new column factors from round 0's totals, and the update's sum of squares.
   ColumnFactors column_factors(const Cpu& s, const Geometry& geo, const double* t0,
-                               Beta2 b2t) const {
+                               AdafactorBeta2 b2t) const {
     ColumnFactors f;
     const int64_t MC = geo.M * geo.C;
     const double R = static_cast<double>(geo.R);

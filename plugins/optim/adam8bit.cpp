@@ -16,7 +16,6 @@
 #include "rules.h"
 #if defined(LOOM_OPTIM_CUDA_KERNELS)
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "cuda/adam8bit_launch.h"
 #endif
@@ -369,9 +368,7 @@ class Adam8bit final : public UpdateRule {
     if (tensor_ops_ || !s.param.is_cuda() || !signed_map().step_ready() ||
         !unsigned_map().step_ready())
       return false;
-    auto ok = [&](const at::Tensor& t, at::ScalarType type) {
-      return t.scalar_type() == type && t.is_contiguous() && t.device() == s.param.device();
-    };
+    auto ok = [&](const at::Tensor& t, at::ScalarType type) { return kernel_ready(s, t, type); };
     return ok(s.param, at::kFloat) && ok(s.grad, at::kFloat) &&
            ok(s.state_at("exp_avg_q"), at::kByte) && ok(s.state_at("exp_avg_sq_q"), at::kByte) &&
            ok(s.state_at("exp_avg_absmax"), at::kFloat) &&
@@ -398,12 +395,9 @@ class Adam8bit final : public UpdateRule {
                                  maps.vcode.data_ptr<float>(),
                                  maps.mcells.data_ptr<int32_t>(),
                                  maps.vcells.data_ptr<int32_t>()};
-    // The stream the caller's work is queued on, through c10's device-generic interface (this
-    // plugin links LibTorch's CPU half only; the CUDA half registers the implementation).
+    // The stream the caller's work is queued on.
     const c10::DeviceGuard guard(device);
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    void* stream = impl->getStreamNativeHandle(impl->getStream(device));
-    if (const char* error = launch_adam8bit(device.index(), t, c, stream))
+    if (const char* error = launch_adam8bit(device.index(), t, c, current_cuda_stream(device)))
       throw Error(std::string("adam8bit's CUDA kernel did not launch on ") + device.str() +
                   " for " + s.name + ": " + error);
 #else

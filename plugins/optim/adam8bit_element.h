@@ -5,15 +5,10 @@
 // the kernel; IEEE division and square root on both. No LibTorch header: nvcc reads this file.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define LOOM_OPTIM_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define LOOM_OPTIM_HOST_DEVICE __attribute__((always_inline)) inline
-#endif
+#include "host_device.h"
 
 namespace loom::optim {
 
@@ -21,14 +16,6 @@ namespace loom::optim {
 struct Adam8bitCoefficients {
   float decay, w1, b2, w2, bc2_sqrt, eps, step_size;
 };
-
-LOOM_OPTIM_HOST_DEVICE float optim_sqrt(float x) {
-#if defined(__CUDA_ARCH__)
-  return sqrtf(x);  // correctly rounded (nvcc's default -prec-sqrt=true), as sqrtss is
-#else
-  return std::sqrt(x);
-#endif
-}
 
 // One AdamW element, torch.optim.AdamW's arithmetic (as the core's fused kernel).
 LOOM_OPTIM_HOST_DEVICE void adamw_element(float& p, float g, float& m, float& v,

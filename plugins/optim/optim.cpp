@@ -2,6 +2,7 @@
 // choices (adamw is built into the core), and the element-wise rules sgd and lion themselves.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "loom/engine.h"
 #include "loom/log.h"
@@ -243,6 +244,11 @@ class OptimPlugin final : public Plugin {
 
 std::unique_ptr<UpdateRule> make_sgd(const ConfigSection& c) { return std::make_unique<Sgd>(c); }
 std::unique_ptr<UpdateRule> make_lion(const ConfigSection& c) { return std::make_unique<Lion>(c); }
+
+void* current_cuda_stream(const c10::Device& device) {
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStreamNativeHandle(impl->getStream(device));
+}
 
 }  // namespace loom::optim
 

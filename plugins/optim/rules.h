@@ -24,6 +24,16 @@ inline double beta_in_range(const ConfigSection& c, const char* key) {
   return beta;
 }
 
+// For the CUDA kernels (cuda/): t is of `type`, contiguous, on the parameter's device.
+inline bool kernel_ready(const Segment& s, const at::Tensor& t, at::ScalarType type) {
+  return t.scalar_type() == type && t.is_contiguous() && t.device() == s.param.device();
+}
+
+// The current stream of a GPU as a cudaStream_t, through c10's device-generic interface: this
+// plugin links LibTorch's CPU half only (the CUDA half registers the implementation). The caller
+// holds a c10::DeviceGuard for `device`. Defined in optim.cpp.
+void* current_cuda_stream(const c10::Device& device);
+
 // True when the segment can take the raw-pointer CPU kernels.
 inline bool cpu_fp32(const Segment& s) {
   return s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&

@@ -213,6 +213,84 @@ TEST(Gpu, Adam8bitKernelIsBitwiseTheCpuKernel) {
   }
 }
 
+// adafactor's CUDA kernels (plugins/optim/cuda/adafactor.cu) run the CPU loops' element code
+// (adafactor_element.h) with the CPU's row groups and lanes: the factored moments bitwise the
+// CPU's, and the parameters within one fp32 rounding of the step (the row factors' sum and the
+// two RMS sums are added in a tree there, in row order here: fp64 roundings apart). Shapes: rows
+// of 1024 in ragged groups (four elements a thread), 100 columns (one a thread), three matrices
+// in one tensor, rows of 3000 (a group staged in four chunks), rows past 2^14 (not staged), a
+// vector; tensors cut in two segments mid-group (as ZeRO cuts them); with and without momentum
+// and parameter scaling.
+TEST(Gpu, AdafactorKernelsFollowTheCpuLoops) {
+  LOOM_REQUIRE_GPU();
+  const c10::Device cuda(c10::kCUDA, 0);
+  struct Case {
+    std::vector<int64_t> shape;
+    int64_t cut;  // elements in the first segment (0: one segment)
+    double beta1;
+    bool scale_parameter;
+  };
+  const std::vector<Case> cases = {{{390, 1024}, 0, 0.0, true},
+                                   {{390, 1024}, 101 * 1024, 0.9, true},
+                                   {{70, 100}, 0, 0.9, false},
+                                   {{3, 40, 48}, 0, 0.0, true},
+                                   {{40, 3000}, 17 * 3000, 0.9, true},
+                                   {{3, 16390}, 0, 0.0, true},
+                                   {{5000}, 0, 0.9, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE("shape " + std::to_string(c.shape[0]) + " x ... cut " + std::to_string(c.cut) +
+                 " beta1 " + std::to_string(c.beta1));
+    auto rule = test::make_rule("adafactor", {{"beta1", c.beta1},
+                                              {"scale_parameter", c.scale_parameter}});
+    at::manual_seed(5);
+    const at::Tensor start = at::randn(c.shape).view(-1);
+    std::vector<at::Tensor> grads;
+    for (int step = 0; step < 3; ++step) grads.push_back(at::randn(c.shape).view(-1) * 0.1);
+    const int64_t n = start.numel();
+    std::array<std::vector<Segment>, 2> runs;
+    for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+      const c10::Device device = on_gpu ? cuda : c10::Device(c10::kCPU);
+      std::vector<Segment>& segments = runs[on_gpu];
+      std::vector<std::pair<int64_t, int64_t>> cuts = {{0, c.cut ? c.cut : n}};
+      if (c.cut) cuts.push_back({c.cut, n - c.cut});
+      for (const auto& [offset, count] : cuts) {
+        Segment s;
+        s.name = "w";
+        s.shape = c.shape;
+        s.offset = offset;
+        s.param = start.narrow(0, offset, count).to(device).clone();
+        s.state = rule->init_state(s);
+        segments.push_back(std::move(s));
+      }
+      for (int step = 0; step < 3; ++step) {
+        std::vector<Segment*> pointers;
+        for (Segment& s : segments) {
+          s.grad = grads[step].narrow(0, s.offset, s.param.numel()).to(device).contiguous();
+          pointers.push_back(&s);
+        }
+        UpdateContext context;
+        context.step = step + 1;
+        context.lr = 1e-2;
+        context.weight_decay = 0.1;
+        update_tensor(*rule, pointers, context);
+      }
+    }
+    for (size_t i = 0; i < runs[0].size(); ++i) {
+      const Segment &cpu = runs[0][i], &gpu = runs[1][i];
+      EXPECT_GT(max_abs_diff(cpu.param, start.narrow(0, cpu.offset, cpu.param.numel())), 1e-4)
+          << "the rule did not update";
+      EXPECT_LT(max_abs_diff(cpu.param, gpu.param.cpu()), 1e-7) << "segment " << i;
+      for (const auto& [key, tensor] : cpu.state) {
+        if (key == "exp_avg") {
+          EXPECT_LT(max_abs_diff(tensor, gpu.state_at(key).cpu()), 1e-7) << key;
+        } else {
+          EXPECT_TRUE(at::equal(tensor, gpu.state_at(key).cpu())) << key << ", segment " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(Gpu, Fp16LossScalerSkipsExactlyTheOverflowedUpdate) {
   LOOM_REQUIRE_GPU();
   TempDir dir;

@@ -1,0 +1,622 @@
+// adafactor on a GPU: the CPU loops' arithmetic (adafactor_element.h) in four kernels a
+// factored tensor, three a vector. The tensor ops they replace made a dozen passes and
+// temporaries per slice of 2 M elements (Note [Adafactor's tensor ops in slices]): 30x torch's
+// fused AdamW on an H200 (docs/BENCHMARKS.md "Again on an H200, 2026-11-28").
+//
+// Note [Adafactor's CUDA kernels]: round 0 (accumulate) and the update, as the CPU loops do them
+// (Note [Adafactor in two passes] in adafactor.cpp):
+// - adafactor_groups, one thread block per row group (Note [Adafactor's column sums in row
+//   groups]: the same groups, cut by global row): first each row's sum of g² + eps1 in the CPU's
+//   eight fp64 lanes (eight threads a row, lane l holding columns l, l + 8, ..., the tail past the
+//   last eight in lane 0, folded pairwise), so each row's new factor has the CPU's bits; then one
+//   thread a column adds the group's rows in row order into the group's column sums and w, as
+//   the CPU's partials. The group's rows are read twice, the second time from cache.
+// - adafactor_add_groups adds each group's partials into the accumulator in group order (the
+//   CPU's order: the column sums and w have its bits), and, in one more thread block, the row
+//   factors per matrix and the sum of p² — those two in a fixed tree, where the CPU adds row by
+//   row: an fp64 rounding apart, which reaches the fp32 values they set (the row mean, the
+//   parameter's RMS) only where the sum falls within that of a rounding boundary.
+// - adafactor_columns: the new column factors and their 1/sqrt, the update's sum of squares in
+//   shares per thread block (a tree again), each matrix's row mean.
+// - adafactor_update_rows: the step's two scalars from the shares (each thread block alike, on
+//   the GPU: no host sync), each row's factor, then u = rf · rsqrt_col · g, momentum, decay,
+//   the step: four elements a thread where the rows allow.
+// A vector's sums are a tree, its update one elementwise kernel. All compiled with
+// --fmad=false, so each element's rounding is the CPU's.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "adafactor_launch.h"
+
+namespace loom::optim {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kFull = 0xffffffffu;
+
+// The row groups of a segment (Note [Adafactor's column sums in row groups]): group q of
+// matrix m holds global rows m·R + q·S .. min(m·R + (q+1)·S, (m+1)·R); the segment's groups are
+// those its rows meet, `first` .. `first + count`, numbered m·per_matrix + q.
+struct Groups {
+  int64_t S, per_matrix, first, count;
+};
+__host__ __device__ inline int64_t group_of(const AdafactorFactored& t, const Groups& gr,
+                                            int64_t global_row) {
+  return global_row / t.R * gr.per_matrix + global_row % t.R / gr.S;
+}
+__host__ inline Groups groups_of(const AdafactorFactored& t) {
+  Groups gr{};
+  gr.S = adafactor_group_rows(t.C);
+  gr.per_matrix = (t.R + gr.S - 1) / gr.S;
+  gr.first = group_of(t, gr, t.first_row);
+  gr.count = group_of(t, gr, t.first_row + t.rows - 1) - gr.first + 1;
+  return gr;
+}
+// Group `index`'s local rows [k0, k1) in the segment.
+__device__ inline void group_rows(const AdafactorFactored& t, const Groups& gr, int64_t index,
+                                  int64_t& k0, int64_t& k1) {
+  const int64_t m = index / gr.per_matrix, q = index % gr.per_matrix;
+  const int64_t begin = m * t.R + q * gr.S;
+  const int64_t end = begin + gr.S < (m + 1) * t.R ? begin + gr.S : (m + 1) * t.R;
+  const int64_t seg_end = t.first_row + t.rows;
+  k0 = (begin > t.first_row ? begin : t.first_row) - t.first_row;
+  k1 = (end < seg_end ? end : seg_end) - t.first_row;
+}
+
+__host__ __device__ inline int64_t carried_at(const AdafactorFactored& t) {
+  return 2 * t.M * t.C + t.M + t.first_row;  // the segment's first carried row factor
+}
+__host__ __device__ inline int64_t p2_at(const AdafactorFactored& t) {
+  return 2 * t.M * t.C + t.M + t.M * t.R;
+}
+
+// The sum of x over the thread block, in a fixed order (the same bits every run): each warp by
+// shuffles, then the warps' sums by thread 0 in warp order. Every thread calls it; thread 0
+// gets the sum.
+__device__ double block_sum(double x, double* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(kFull, x, offset);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  double sum = 0;
+  if (threadIdx.x == 0) {
+    sum = scratch[0];
+    for (int w = 1; w < static_cast<int>(blockDim.x) / 32; ++w) sum += scratch[w];
+  }
+  __syncthreads();  // scratch is reused by the next call
+  return sum;
+}
+
+// Part [group][2C]: the group's column sums, then its w; sums [group][2]: its row factors' sum
+// and its rows' sum of p² (tree order).
+__global__ void __launch_bounds__(kThreads) adafactor_groups(AdafactorFactored t, Groups gr,
+                                                             double* part, double* sums) {
+  __shared__ float inv_row[1024];  // S <= 1024 (launch checks C >= 16)
+  __shared__ double scratch[kThreads / 32];
+  int64_t k0, k1;
+  group_rows(t, gr, gr.first + blockIdx.x, k0, k1);
+  const int64_t C = t.C, C8 = C & ~int64_t{7}, carried = carried_at(t);
+  const int lane = threadIdx.x & 7, slot = threadIdx.x >> 3;
+  const int64_t rows = k1 - k0;
+  double row_total = 0, p2_total = 0;  // slot's rows in order (lane 0)
+  // Rows in rounds of 32 (eight threads a row); every thread runs every round (the shuffles).
+  for (int64_t base = 0; base < rows; base += kThreads / 8) {
+    const int64_t r = base + slot;
+    const bool here = r < rows;
+    double s = 0, q = 0;
+    if (here) {
+      const float* gk = t.g + (k0 + r) * C;
+      const float* pk = t.p + (k0 + r) * C;
+#pragma unroll 4
+      for (int64_t j = lane; j < C8; j += 8) {
+        s += adafactor_square_term(__ldg(gk + j), t.eps1);
+        if (t.with_p2) q += adafactor_p2_term(pk[j]);
+      }
+      if (lane == 0)
+        for (int64_t j = C8; j < C; ++j) {
+          s += adafactor_square_term(__ldg(gk + j), t.eps1);
+          if (t.with_p2) q += adafactor_p2_term(pk[j]);
+        }
+    }
+    double a[8], b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      a[i] = __shfl_sync(kFull, s, i, 8);
+      b[i] = __shfl_sync(kFull, q, i, 8);
+    }
+    if (here && lane == 0) {
+      const int64_t k = k0 + r;
+      const float factor = adafactor_new_row_factor(adafactor_fold_lanes(a), C, t.row[k], t.b2t);
+      t.acc[carried + k] = factor;  // Note [Adafactor in two passes]: carried to the update
+      inv_row[r] = 1.0f / factor;
+      row_total += factor;
+      p2_total += adafactor_fold_lanes(b);
+    }
+  }
+  __syncthreads();
+  double* col = part + static_cast<int64_t>(blockIdx.x) * 2 * C;
+  double* w = col + C;
+  for (int64_t j = threadIdx.x; j < C; j += kThreads) {
+    const float* gj = t.g + k0 * C + j;
+    float x = __ldg(gj);
+    double c = adafactor_square_term(x, t.eps1), v = adafactor_w_term(x, inv_row[0]);
+#pragma unroll 4
+    for (int64_t r = 1; r < rows; ++r) {
+      x = __ldg(gj + r * C);
+      c += adafactor_square_term(x, t.eps1);
+      v += adafactor_w_term(x, inv_row[r]);
+    }
+    col[j] = c;
+    w[j] = v;
+  }
+  row_total = block_sum(lane == 0 ? row_total : 0.0, scratch);
+  p2_total = block_sum(lane == 0 ? p2_total : 0.0, scratch);
+  if (threadIdx.x == 0) {
+    sums[2 * blockIdx.x] = row_total;
+    sums[2 * blockIdx.x + 1] = p2_total;
+  }
+}
+
+// Note [Adafactor's groups staged in shared memory]: adafactor_groups above reads each group
+// twice from global memory, the row chains 4 loads deep (each a memory latency apart) with 128
+// of 256 threads busy at 1024 columns: 7.9 ms for 400 M parameters on an H200, 0.42x torch's
+// fused AdamW (docs/BENCHMARKS.md). Here the whole thread block first copies a chunk of the
+// group's rows (up to 2^14 elements: the whole group up to 1024 columns) into shared memory
+// with 16-byte loads, all in flight at once, and both the row chains and the column sums then
+// read shared memory. Rows sit C + 8 floats apart there, so the four rows a warp's chains read
+// fall in different banks. Past one chunk a group (C > 1024) keeps its column partials in
+// `part` between chunks (L2). The parameter's sum of squares, a tree in any order, is read in
+// the same copy loop. Rows over 2^14 columns take adafactor_groups.
+constexpr int64_t kStagedElements = int64_t{1} << 14;
+__host__ __device__ inline int64_t staged_rows(int64_t C) {
+  const int64_t rows = kStagedElements / C;
+  return rows > 0 ? rows : 1;
+}
+__host__ __device__ inline int64_t staged_stride(int64_t C) { return C + 8; }
+
+template <bool By4>
+__global__ void __launch_bounds__(kThreads) adafactor_groups_staged(AdafactorFactored t, Groups gr,
+                                                                    double* part, double* sums) {
+  extern __shared__ float stage[];
+  __shared__ float inv_row[1024];  // S <= 1024 (launch checks C >= 16)
+  __shared__ double scratch[kThreads / 32];
+  int64_t k0, k1;
+  group_rows(t, gr, gr.first + blockIdx.x, k0, k1);
+  const int64_t C = t.C, C8 = C & ~int64_t{7}, carried = carried_at(t);
+  const int64_t stride = staged_stride(C), chunk = staged_rows(C);
+  const int lane = threadIdx.x & 7, slot = threadIdx.x >> 3;
+  const int64_t rows = k1 - k0;
+  double* col = part + static_cast<int64_t>(blockIdx.x) * 2 * C;
+  double* w = col + C;
+  double row_total = 0, p2 = 0;
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t cr = rows - c0 < chunk ? rows - c0 : chunk;
+    const float* g = t.g + (k0 + c0) * C;
+    const float* p = t.p + (k0 + c0) * C;
+    if (By4) {  // C % 4 == 0 and g, p 16-byte aligned: every row starts aligned
+      const int64_t per_row = C / 4;
+      for (int64_t i = threadIdx.x; i < cr * per_row; i += kThreads) {
+        const int64_t r = i / per_row, j4 = i - r * per_row;
+        const float4 x = __ldg(reinterpret_cast<const float4*>(g) + i);
+        *reinterpret_cast<float4*>(stage + r * stride + 4 * j4) = x;
+        if (t.with_p2) {
+          const float4 y = __ldg(reinterpret_cast<const float4*>(p) + i);
+          p2 += ((adafactor_p2_term(y.x) + adafactor_p2_term(y.y)) +
+                 (adafactor_p2_term(y.z) + adafactor_p2_term(y.w)));
+        }
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < cr * C; i += kThreads) {
+        const int64_t r = i / C, j = i - r * C;
+        stage[r * stride + j] = __ldg(g + i);
+        if (t.with_p2) p2 += adafactor_p2_term(p[i]);
+      }
+    }
+    __syncthreads();
+    // Each row's sum in the CPU's eight lanes (eight threads a row, 32 rows a round; every
+    // thread runs every round, for the shuffles).
+    for (int64_t base = 0; base < cr; base += kThreads / 8) {
+      const int64_t r = base + slot;
+      const bool here = r < cr;
+      double s = 0;
+      if (here) {
+        const float* x = stage + r * stride;
+#pragma unroll 8
+        for (int64_t j = lane; j < C8; j += 8) s += adafactor_square_term(x[j], t.eps1);
+        if (lane == 0)
+          for (int64_t j = C8; j < C; ++j) s += adafactor_square_term(x[j], t.eps1);
+      }
+      double a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = __shfl_sync(kFull, s, i, 8);
+      if (here && lane == 0) {
+        const int64_t k = k0 + c0 + r;
+        const float factor =
+            adafactor_new_row_factor(adafactor_fold_lanes(a), C, t.row[k], t.b2t);
+        t.acc[carried + k] = factor;  // Note [Adafactor in two passes]: carried to the update
+        inv_row[c0 + r] = 1.0f / factor;
+        row_total += factor;
+      }
+    }
+    __syncthreads();
+    // The chunk's rows in row order into each column's sums (the group's first row starts them).
+    for (int64_t j = threadIdx.x; j < C; j += kThreads) {
+      double c, v;
+      int64_t r = 0;
+      if (c0 == 0) {
+        const float x = stage[j];
+        c = adafactor_square_term(x, t.eps1);
+        v = adafactor_w_term(x, inv_row[0]);
+        r = 1;
+      } else {
+        c = col[j];
+        v = w[j];
+      }
+#pragma unroll 4
+      for (; r < cr; ++r) {
+        const float x = stage[r * stride + j];
+        c += adafactor_square_term(x, t.eps1);
+        v += adafactor_w_term(x, inv_row[c0 + r]);
+      }
+      col[j] = c;
+      w[j] = v;
+    }
+    __syncthreads();  // the stage is refilled by the next chunk
+  }
+  row_total = block_sum(lane == 0 ? row_total : 0.0, scratch);
+  p2 = block_sum(p2, scratch);
+  if (threadIdx.x == 0) {
+    sums[2 * blockIdx.x] = row_total;
+    sums[2 * blockIdx.x + 1] = p2;
+  }
+}
+
+// One thread per column of each matrix the segment meets: the groups' partials into the
+// accumulator in group order. The last thread block adds the row factors' sums per matrix and
+// the sum of p² (a tree over the groups). A column's adds are a chain (the CPU's order), so its
+// time is its loads' latency: one warp a thread block spreads the columns over 32
+// multiprocessors at 1024 columns, where 256 threads a block left them to 4 (44 us a tensor of
+// 4 M parameters on an H200: more than the two passes over its elements together).
+constexpr int kAddThreads = 32;
+__global__ void __launch_bounds__(kAddThreads) adafactor_add_groups(AdafactorFactored t,
+                                                                    Groups gr,
+                                                                    const double* part,
+                                                                    const double* sums) {
+  const int64_t C = t.C, MC = t.M * t.C;
+  const int64_t m_first = t.first_row / t.R;
+  const int64_t m_last = (t.first_row + t.rows - 1) / t.R;
+  const int64_t g_last = gr.first + gr.count - 1;
+  if (blockIdx.x + 1 < gridDim.x) {
+    const int64_t index = static_cast<int64_t>(blockIdx.x) * kAddThreads + threadIdx.x;
+    if (index >= (m_last - m_first + 1) * C) return;
+    const int64_t m = m_first + index / C, j = index % C;
+    const int64_t g0 = m * gr.per_matrix > gr.first ? m * gr.per_matrix : gr.first;
+    const int64_t g1 = (m + 1) * gr.per_matrix - 1 < g_last ? (m + 1) * gr.per_matrix - 1 : g_last;
+    double c = t.acc[m * C + j], v = t.acc[MC + m * C + j];
+    // In group order; loaded 16 groups ahead of the adds, so 32 loads are in flight, not one.
+    constexpr int kAhead = 16;
+    int64_t g = g0;
+    for (; g + kAhead - 1 <= g1; g += kAhead) {
+      double pc[kAhead], pw[kAhead];
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) {
+        pc[i] = part[(g + i - gr.first) * 2 * C + j];
+        pw[i] = part[(g + i - gr.first) * 2 * C + C + j];
+      }
+#pragma unroll
+      for (int i = 0; i < kAhead; ++i) {
+        c += pc[i];
+        v += pw[i];
+      }
+    }
+    for (; g <= g1; ++g) {
+      const double* pc = part + (g - gr.first) * 2 * C;
+      c += pc[j];
+      v += pc[C + j];
+    }
+    t.acc[m * C + j] = c;
+    t.acc[MC + m * C + j] = v;
+    return;
+  }
+  __shared__ double scratch[kAddThreads / 32];
+  for (int64_t m = m_first; m <= m_last; ++m) {
+    const int64_t g0 = m * gr.per_matrix > gr.first ? m * gr.per_matrix : gr.first;
+    const int64_t g1 = (m + 1) * gr.per_matrix - 1 < g_last ? (m + 1) * gr.per_matrix - 1 : g_last;
+    double x = 0;
+    for (int64_t g = g0 + threadIdx.x; g <= g1; g += kAddThreads) x += sums[2 * (g - gr.first)];
+    x = block_sum(x, scratch);
+    if (threadIdx.x == 0) t.acc[2 * MC + m] += x;
+  }
+  if (t.with_p2) {
+    double x = 0;
+    for (int64_t g = threadIdx.x; g < gr.count; g += kAddThreads) x += sums[2 * g + 1];
+    x = block_sum(x, scratch);
+    if (threadIdx.x == 0) t.acc[p2_at(t)] += x;
+  }
+}
+
+// The update's scratch, in floats: [each column block's share of the update's sum of squares
+// (doubles, an even count) | 1/sqrt of the new column factors (M·C) | each matrix's row mean].
+struct UpdateScratch {
+  int64_t blocks, rsqrt_col_at, row_mean_at, size;
+};
+__host__ __device__ inline UpdateScratch update_scratch(const AdafactorFactored& t) {
+  UpdateScratch u{};
+  u.blocks = (t.M * t.C + kThreads - 1) / kThreads;
+  u.rsqrt_col_at = 2 * (u.blocks + u.blocks % 2);  // 16-byte aligned for the float4 loads
+  u.row_mean_at = u.rsqrt_col_at + t.M * t.C;
+  u.size = u.row_mean_at + t.M;
+  return u;
+}
+
+// One thread a column of the whole tensor (M·C): its new factor (into the state) and its 1/sqrt,
+// and its term of the update's sum of squares, summed per thread block (a fixed tree); block 0
+// also the row mean of each matrix. Was one thread block for all of it, with each row's factor:
+// 8.2 us a tensor of 4 M parameters on an H200.
+__global__ void __launch_bounds__(kThreads) adafactor_columns(AdafactorFactored t, float* scratch) {
+  __shared__ double partial[kThreads / 32];
+  const UpdateScratch layout = update_scratch(t);
+  const int64_t MC = t.M * t.C, i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const double R = static_cast<double>(t.R);
+  double u2 = 0;
+  if (i < MC) {
+    const float col = t.col[i] * t.b2t.keep + t.b2t.add * static_cast<float>(t.acc[i] / R);
+    t.col[i] = col;
+    scratch[layout.rsqrt_col_at + i] = 1.0f / optim_sqrt(col);
+    const float row_mean = static_cast<float>(t.acc[2 * MC + i / t.C] / R);
+    u2 = static_cast<double>(row_mean) / col * t.acc[MC + i];
+  }
+  if (blockIdx.x == 0)
+    for (int64_t m = threadIdx.x; m < t.M; m += kThreads)
+      scratch[layout.row_mean_at + m] = static_cast<float>(t.acc[2 * MC + m] / R);
+  u2 = block_sum(u2, partial);
+  if (threadIdx.x == 0) reinterpret_cast<double*>(scratch)[blockIdx.x] = u2;
+}
+
+__device__ __forceinline__ float apply(float u, float p, float* m, const AdafactorCoefficients& c) {
+  float x = u * c.step;
+  if (m) {
+    *m = adafactor_momentum(*m, x, c);
+    x = *m;
+  }
+  return adafactor_decay_and_step(p, x, c);
+}
+
+// Element e = k·C + j of the segment: u = rf_k · rsqrt_col_(matrix, j) · g, with rf_k from the
+// row's carried factor and its matrix's row mean (the thread at j = 0 also stores the factor).
+// Each thread block first adds the column blocks' shares of the update's sum of squares (in
+// block order: every block gets the same bits) into the step's scalars. By4: four elements a
+// thread (C a multiple of 4, the tensors 16-byte aligned). Small: under 2^32 elements.
+template <bool By4, bool Small>
+__global__ void __launch_bounds__(kThreads) adafactor_update_rows(AdafactorFactored t,
+                                                                  AdafactorStepInputs in,
+                                                                  AdafactorCoefficients c,
+                                                                  const float* scratch) {
+  __shared__ float scalars[2];
+  const UpdateScratch layout = update_scratch(t);
+  if (threadIdx.x == 0) {
+    const double* shares = reinterpret_cast<const double*>(scratch);
+    double u2 = shares[0];
+    for (int64_t b = 1; b < layout.blocks; ++b) u2 += shares[b];
+    const double n = static_cast<double>(t.M * t.R * t.C);
+    adafactor_step_scalars(t.with_p2 ? t.acc[p2_at(t)] : 0.0, u2, n, in, c);
+    scalars[0] = c.step;
+    scalars[1] = c.wd;
+  }
+  __syncthreads();
+  c.step = scalars[0];
+  c.wd = scalars[1];
+  const float* rsqrt_col = scratch + layout.rsqrt_col_at;
+  const float* row_mean = scratch + layout.row_mean_at;
+  const double* carried = t.acc + carried_at(t);
+  const int64_t n = t.rows * t.C, width = By4 ? 4 : 1;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * width;
+  for (int64_t e = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * width; e < n;
+       e += stride) {
+    // A 32-bit division where the segment allows (a 64-bit one is a long software sequence).
+    const int64_t k = Small ? static_cast<int64_t>(static_cast<uint32_t>(e) /
+                                                   static_cast<uint32_t>(t.C))
+                            : e / t.C;
+    const int64_t j = e - k * t.C;
+    const int64_t matrix = (t.first_row + k) / t.R;
+    const int64_t col_at = matrix * t.C + j;
+    const float factor = static_cast<float>(carried[k]);
+    const float r = 1.0f / optim_sqrt(factor / row_mean[matrix]);
+    if (j == 0) t.row[k] = factor;
+    if constexpr (By4) {
+      const float4 g = __ldg(reinterpret_cast<const float4*>(t.g + e));
+      const float4 s = __ldg(reinterpret_cast<const float4*>(rsqrt_col + col_at));
+      float4 p = *reinterpret_cast<const float4*>(t.p + e);
+      if (t.m) {
+        float4 m = *reinterpret_cast<const float4*>(t.m + e);
+        p.x = apply(r * s.x * g.x, p.x, &m.x, c);
+        p.y = apply(r * s.y * g.y, p.y, &m.y, c);
+        p.z = apply(r * s.z * g.z, p.z, &m.z, c);
+        p.w = apply(r * s.w * g.w, p.w, &m.w, c);
+        *reinterpret_cast<float4*>(t.m + e) = m;
+      } else {
+        p.x = apply(r * s.x * g.x, p.x, nullptr, c);
+        p.y = apply(r * s.y * g.y, p.y, nullptr, c);
+        p.z = apply(r * s.z * g.z, p.z, nullptr, c);
+        p.w = apply(r * s.w * g.w, p.w, nullptr, c);
+      }
+      *reinterpret_cast<float4*>(t.p + e) = p;
+    } else {
+      t.p[e] = apply(r * rsqrt_col[col_at] * t.g[e], t.p[e], t.m ? t.m + e : nullptr, c);
+    }
+  }
+}
+
+// ---- vectors ----
+constexpr int kVectorBlocks = 1024;
+
+// Per thread block: [sum g²/v, sum p²] of its elements, a fixed tree.
+__global__ void __launch_bounds__(kThreads) adafactor_vector_sums(AdafactorVector t,
+                                                                  double* sums) {
+  __shared__ double scratch[kThreads / 32];
+  double u2 = 0, p2 = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < t.n;
+       i += stride) {
+    const float g = t.g[i];
+    u2 += adafactor_g2_over_v_term(g, adafactor_new_v(t.v[i], g, t.eps1, t.b2t));
+    if (t.with_p2) p2 += adafactor_p2_term(t.p[i]);
+  }
+  u2 = block_sum(u2, scratch);
+  p2 = block_sum(p2, scratch);
+  if (threadIdx.x == 0) {
+    sums[2 * blockIdx.x] = u2;
+    sums[2 * blockIdx.x + 1] = p2;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) adafactor_vector_total(AdafactorVector t,
+                                                                   const double* sums, int count) {
+  __shared__ double scratch[kThreads / 32];
+  double u2 = 0, p2 = 0;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    u2 += sums[2 * i];
+    p2 += sums[2 * i + 1];
+  }
+  u2 = block_sum(u2, scratch);
+  p2 = block_sum(p2, scratch);
+  if (threadIdx.x == 0) {
+    t.acc[0] += u2;
+    t.acc[1] += p2;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) adafactor_vector_update(AdafactorVector t,
+                                                                    AdafactorStepInputs in,
+                                                                    AdafactorCoefficients c) {
+  adafactor_step_scalars(t.acc[1], t.acc[0], static_cast<double>(t.numel), in, c);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < t.n;
+       i += stride) {
+    const float g = t.g[i];
+    const float v = adafactor_new_v(t.v[i], g, t.eps1, t.b2t);
+    t.v[i] = v;
+    t.p[i] = apply((1.0f / optim_sqrt(v)) * g, t.p[i], t.m ? t.m + i : nullptr, c);
+  }
+}
+
+int multiprocessors(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  if (device < 0 || device >= kDevices) return 132;
+  int count = known[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        count <= 0)
+      count = 132;
+    known[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+unsigned grid_for(int device, int64_t work) {
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  const int64_t most = 16LL * multiprocessors(device);
+  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < most ? wanted : most));
+}
+
+bool aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+const char* last_error() {
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
+}  // namespace
+
+int64_t adafactor_factored_scratch(const AdafactorFactored& t) {
+  const Groups gr = groups_of(t);
+  return gr.count * (2 * t.C + 2);
+}
+
+const char* launch_adafactor_accumulate_factored(int /*device*/, const AdafactorFactored& t,
+                                                 double* scratch, void* stream) {
+  if (t.rows <= 0) return nullptr;
+  if (t.C < 16) return "adafactor's CUDA kernels need rows of at least 16 columns";
+  const Groups gr = groups_of(t);
+  if (gr.count > 0x7fffffffLL) return "more than 2^31 - 1 row groups in one tensor";
+  const auto on = static_cast<cudaStream_t>(stream);
+  double* part = scratch;
+  double* sums = scratch + gr.count * 2 * t.C;
+  const auto blocks = static_cast<unsigned>(gr.count);
+  if (t.C <= kStagedElements) {
+    const bool by4 = t.C % 4 == 0 && aligned(t.g) && aligned(t.p);
+    const auto kernel = by4 ? adafactor_groups_staged<true> : adafactor_groups_staged<false>;
+    const int64_t rows = staged_rows(t.C) < gr.S ? staged_rows(t.C) : gr.S;
+    const int bytes = static_cast<int>(rows * staged_stride(t.C) * sizeof(float));
+    cudaError_t error =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return cudaGetErrorString(error);
+    kernel<<<blocks, kThreads, bytes, on>>>(t, gr, part, sums);
+  } else {
+    adafactor_groups<<<blocks, kThreads, 0, on>>>(t, gr, part, sums);
+  }
+  if (const char* error = last_error()) return error;
+  const int64_t columns = ((t.first_row + t.rows - 1) / t.R - t.first_row / t.R + 1) * t.C;
+  const int64_t add_blocks = (columns + kAddThreads - 1) / kAddThreads + 1;  // + the sums' block
+  adafactor_add_groups<<<static_cast<unsigned>(add_blocks), kAddThreads, 0, on>>>(t, gr, part,
+                                                                                 sums);
+  return last_error();
+}
+
+int64_t adafactor_factored_update_scratch(const AdafactorFactored& t) {
+  return update_scratch(t).size;
+}
+
+const char* launch_adafactor_update_factored(int device, const AdafactorFactored& t,
+                                             const AdafactorStepInputs& in,
+                                             const AdafactorCoefficients& base, float* scratch,
+                                             void* stream) {
+  if (t.rows <= 0) return nullptr;
+  const auto on = static_cast<cudaStream_t>(stream);
+  adafactor_columns<<<static_cast<unsigned>(update_scratch(t).blocks), kThreads, 0, on>>>(t,
+                                                                                        scratch);
+  if (const char* error = last_error()) return error;
+  const bool by4 = t.C % 4 == 0 && aligned(t.p) && aligned(t.g) && (!t.m || aligned(t.m)) &&
+                   aligned(scratch);
+  const int64_t n = t.rows * t.C;
+  const bool small = n < (int64_t{1} << 32);
+  const unsigned grid = grid_for(device, by4 ? n / 4 : n);
+  if (by4 && small)
+    adafactor_update_rows<true, true><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
+  else if (by4)
+    adafactor_update_rows<true, false><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
+  else if (small)
+    adafactor_update_rows<false, true><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
+  else
+    adafactor_update_rows<false, false><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
+  return last_error();
+}
+
+int64_t adafactor_vector_scratch(const AdafactorVector&) { return 2 * kVectorBlocks; }
+
+const char* launch_adafactor_accumulate_vector(int device, const AdafactorVector& t,
+                                               double* scratch, void* stream) {
+  if (t.n <= 0) return nullptr;
+  const auto on = static_cast<cudaStream_t>(stream);
+  // The grid depends on n alone (not on the GPU), so the tree, and the bits, do too.
+  (void)device;
+  const int64_t wanted = (t.n + kThreads * 4 - 1) / (kThreads * 4);
+  const int blocks = static_cast<int>(wanted < kVectorBlocks ? wanted : kVectorBlocks);
+  adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(t, scratch);
+  if (const char* error = last_error()) return error;
+  adafactor_vector_total<<<1, kThreads, 0, on>>>(t, scratch, blocks);
+  return last_error();
+}
+
+const char* launch_adafactor_update_vector(int device, const AdafactorVector& t,
+                                           const AdafactorStepInputs& in,
+                                           const AdafactorCoefficients& base, void* stream) {
+  if (t.n <= 0) return nullptr;
+  adafactor_vector_update<<<grid_for(device, t.n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      t, in, base);
+  return last_error();
+}
+
+}  // namespace loom::optim
