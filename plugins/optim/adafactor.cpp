@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <vector>
 
 #include "adafactor_element.h"
@@ -237,9 +238,12 @@ class Adafactor final : public UpdateRule {
   //            the new row factors (M*R) | sum p²].
   // Vectors: [sum g²/v (v the new second moment) | sum p²].
   int reduction_rounds() const override { return 1; }
+  static int64_t accumulator_size(const Geometry& geo) {
+    return geo.factored ? 2 * geo.M * geo.C + geo.M + geo.M * geo.R + 1 : 2;
+  }
   at::Tensor make_accumulator(const Segment& s, int) const override {
     const Geometry geo(s);
-    const int64_t size = geo.factored ? 2 * geo.M * geo.C + geo.M + geo.M * geo.R + 1 : 2;
+    const int64_t size = accumulator_size(geo);
     // The tensor-op path folds into it on the parameter's device, without a host sync.
     return at::zeros({size}, at::TensorOptions().dtype(at::kDouble).device(
                                  use_loops(s) ? c10::Device(c10::kCPU) : s.param.device()));
@@ -395,9 +399,20 @@ class Adafactor final : public UpdateRule {
 
   // Note [Whole tensors shared among threads] (loom/update_rule.h): the CPU loops' bits do not
   // depend on the threads that run a tensor (Note [Adafactor's column sums in row groups]).
+  // On a GPU, every tensor the CUDA kernels take, in a few launches for all of them (Note
+  // [Adafactor's CUDA kernels in batches] in cuda/adafactor.cu), one batch per GPU.
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    update_sharing_threads(*this, segments, ctx, [this](const Segment& s) { return use_loops(s); });
+    std::vector<Segment*> rest;
+    std::map<int, std::vector<Segment*>> on_gpu;
+    for (Segment* s : segments) {
+      if (cuda_kernels(*s))
+        on_gpu[s->param.device().index()].push_back(s);
+      else
+        rest.push_back(s);
+    }
+    for (auto& [index, batch] : on_gpu) cuda_update_many(batch, ctx);
+    update_sharing_threads(*this, rest, ctx, [this](const Segment& s) { return use_loops(s); });
   }
 
   void update(Segment& segment, const UpdateContext& ctx) const override {
@@ -503,34 +518,13 @@ class Adafactor final : public UpdateRule {
                            b2t,
                            scale_parameter_};
   }
-  static void check_launch(const char* error, const Segment& s, const char* what) {
-    if (error)
-      throw Error(std::string("adafactor's CUDA kernels (") + what + ") did not launch on " +
-                  s.param.device().str() + " for " + s.name + ": " + error);
-  }
 #endif
 
+  // One segment's round 0 (update_tensor's protocol: a ZeRO driver sums the accumulators).
   void cuda_accumulate(const Segment& s, const UpdateContext& ctx, at::Tensor& acc) const {
 #if defined(LOOM_OPTIM_CUDA_KERNELS)
-    const Geometry geo(s);
     const c10::DeviceGuard guard(s.param.device());
-    void* stream = current_cuda_stream(s.param.device());
-    const auto f64 = acc.options();
-    if (geo.factored) {
-      const AdafactorFactored t = factored_view(s, geo, acc, beta2t(ctx.step));
-      // Freed at the end of this scope, reused by the allocator only after the kernels (the
-      // caching allocator orders reuse on this stream).
-      at::Tensor scratch = at::empty({adafactor_factored_scratch(t)}, f64);
-      check_launch(launch_adafactor_accumulate_factored(s.param.device().index(), t,
-                                                        scratch.data_ptr<double>(), stream),
-                   s, "accumulate");
-    } else {
-      const AdafactorVector t = vector_view(s, geo, acc, beta2t(ctx.step));
-      at::Tensor scratch = at::empty({adafactor_vector_scratch(t)}, f64);
-      check_launch(launch_adafactor_accumulate_vector(s.param.device().index(), t,
-                                                      scratch.data_ptr<double>(), stream),
-                   s, "accumulate");
-    }
+    launch_accumulate({&s}, {acc}, ctx);
 #else
     (void)s, (void)ctx, (void)acc;
 #endif
@@ -538,32 +532,115 @@ class Adafactor final : public UpdateRule {
 
   void cuda_update(Segment& s, const UpdateContext& ctx) const {
 #if defined(LOOM_OPTIM_CUDA_KERNELS)
-    const Geometry geo(s);
-    const c10::DeviceGuard guard(s.param.device());
-    void* stream = current_cuda_stream(s.param.device());
     const at::Tensor& t0 = ctx.totals[0];
     LOOM_INTERNAL_ASSERT(t0.device() == s.param.device() && t0.scalar_type() == at::kDouble &&
                              t0.is_contiguous(),
                          "adafactor's totals for ", s.name, " are not on its GPU");
-    const AdafactorStepInputs in = step_inputs(ctx);
-    if (geo.factored) {
-      const AdafactorFactored t = factored_view(s, geo, t0, beta2t(ctx.step));
-      at::Tensor scratch =
-          at::empty({adafactor_factored_update_scratch(t)}, s.param.options());
-      check_launch(launch_adafactor_update_factored(s.param.device().index(), t, in,
-                                                    base_coefficients(),
-                                                    scratch.data_ptr<float>(), stream),
-                   s, "update");
-    } else {
-      const AdafactorVector t = vector_view(s, geo, t0, beta2t(ctx.step));
-      check_launch(launch_adafactor_update_vector(s.param.device().index(), t, in,
-                                                  base_coefficients(), stream),
-                   s, "update");
-    }
+    const c10::DeviceGuard guard(s.param.device());
+    launch_update({&s}, {t0}, ctx);
 #else
     (void)s, (void)ctx;
 #endif
   }
+
+  // Whole tensors on one GPU: their accumulators in one zeroed buffer, round 0 and the update
+  // for all of them.
+  void cuda_update_many(const std::vector<Segment*>& segments, const UpdateContext& ctx) const {
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+    const c10::DeviceGuard guard(segments.front()->param.device());
+    std::vector<int64_t> sizes;
+    int64_t total = 0;
+    for (const Segment* s : segments) {
+      sizes.push_back(accumulator_size(Geometry(*s)));
+      total += sizes.back();
+    }
+    const at::Tensor all = at::zeros(
+        {total}, at::TensorOptions().dtype(at::kDouble).device(segments.front()->param.device()));
+    std::vector<at::Tensor> accs;
+    std::vector<const Segment*> views;
+    for (size_t i = 0, at = 0; i < segments.size(); at += sizes[i], ++i) {
+      accs.push_back(all.narrow(0, static_cast<int64_t>(at), sizes[i]));
+      views.push_back(segments[i]);
+    }
+    launch_accumulate(views, accs, ctx);
+    launch_update(views, accs, ctx);
+#else
+    (void)segments, (void)ctx;
+#endif
+  }
+
+#if defined(LOOM_OPTIM_CUDA_KERNELS)
+  // The kernels' views of the segments (all on the current GPU) with their accumulators, split
+  // into factored tensors and vectors.
+  struct CudaViews {
+    std::vector<AdafactorFactored> factored;
+    std::vector<AdafactorVector> vectors;
+    std::vector<const Segment*> factored_of, vector_of;  // for the errors
+  };
+  CudaViews cuda_views(const std::vector<const Segment*>& segments,
+                       const std::vector<at::Tensor>& accs, const UpdateContext& ctx) const {
+    CudaViews v;
+    const Beta2 b2t = beta2t(ctx.step);
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const Geometry geo(*segments[i]);
+      if (geo.factored) {
+        v.factored.push_back(factored_view(*segments[i], geo, accs[i], b2t));
+        v.factored_of.push_back(segments[i]);
+      } else {
+        v.vectors.push_back(vector_view(*segments[i], geo, accs[i], b2t));
+        v.vector_of.push_back(segments[i]);
+      }
+    }
+    return v;
+  }
+  static void check_launch(const char* error, const std::vector<const Segment*>& of,
+                           const char* what) {
+    if (!error || of.empty()) return;
+    std::string names = of.front()->name;
+    if (of.size() > 1) names += " and " + std::to_string(of.size() - 1) + " more tensors";
+    throw Error(std::string("adafactor's CUDA kernels (") + what + ") did not launch on " +
+                of.front()->param.device().str() + " for " + names + ": " + error);
+  }
+  void launch_accumulate(const std::vector<const Segment*>& segments,
+                         const std::vector<at::Tensor>& accs, const UpdateContext& ctx) const {
+    const CudaViews v = cuda_views(segments, accs, ctx);
+    void* stream = current_cuda_stream(segments.front()->param.device());
+    int64_t doubles = 0;
+    for (const auto& t : v.factored) doubles += adafactor_factored_scratch(t);
+    for (const auto& t : v.vectors) doubles += adafactor_vector_scratch(t);
+    // Freed when this returns, and reused by the caching allocator only after the kernels
+    // queued on this stream.
+    at::Tensor scratch = at::empty({doubles}, accs.front().options());
+    double* at = scratch.data_ptr<double>();
+    check_launch(launch_adafactor_accumulate_factored(v.factored.data(),
+                                                      static_cast<int64_t>(v.factored.size()),
+                                                      at, stream),
+                 v.factored_of, "accumulate");
+    for (const auto& t : v.factored) at += adafactor_factored_scratch(t);
+    check_launch(launch_adafactor_accumulate_vector(v.vectors.data(),
+                                                    static_cast<int64_t>(v.vectors.size()), at,
+                                                    stream),
+                 v.vector_of, "accumulate");
+  }
+  void launch_update(const std::vector<const Segment*>& segments,
+                     const std::vector<at::Tensor>& accs, const UpdateContext& ctx) const {
+    const CudaViews v = cuda_views(segments, accs, ctx);
+    void* stream = current_cuda_stream(segments.front()->param.device());
+    int64_t floats = 0;
+    for (const auto& t : v.factored) floats += adafactor_factored_update_scratch(t);
+    at::Tensor scratch = at::empty({floats}, segments.front()->param.options());
+    const AdafactorStepInputs in = step_inputs(ctx);
+    check_launch(launch_adafactor_update_factored(v.factored.data(),
+                                                  static_cast<int64_t>(v.factored.size()), in,
+                                                  base_coefficients(), scratch.data_ptr<float>(),
+                                                  stream),
+                 v.factored_of, "update");
+    check_launch(launch_adafactor_update_vector(v.vectors.data(),
+                                                static_cast<int64_t>(v.vectors.size()), in,
+                                                base_coefficients(), stream),
+                 v.vector_of, "update");
+  }
+#endif
 
   // ---- CPU loops ----
   // The segment's tensors as CPU fp32 pointers; with kernel = "cpu_loops" on another device,

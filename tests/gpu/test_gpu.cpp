@@ -291,6 +291,65 @@ TEST(Gpu, AdafactorKernelsFollowTheCpuLoops) {
   }
 }
 
+// update_many on a GPU runs every tensor of the step through adafactor's kernels in a few
+// launches (Note [Adafactor's CUDA kernels in batches]): 75 matrices and vectors of several
+// shapes, more than one batch (64 tensors) of each kernel, held to the CPU loops as above.
+TEST(Gpu, AdafactorKernelsBatchEveryTensorOfAStep) {
+  LOOM_REQUIRE_GPU();
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto rule = test::make_rule("adafactor", {{"beta1", 0.9}});
+  std::vector<std::vector<int64_t>> shapes;
+  for (int i = 0; i < 25; ++i) {
+    shapes.push_back({20 + i, 32 + 4 * (i % 3)});
+    shapes.push_back({50 + 7 * i});
+    shapes.push_back({2, 9 + i, 17});
+  }
+  at::manual_seed(9);
+  std::vector<at::Tensor> starts;
+  std::vector<std::vector<at::Tensor>> grads;
+  for (const auto& shape : shapes) {
+    starts.push_back(at::randn(shape).view(-1));
+    grads.emplace_back();
+    for (int step = 0; step < 2; ++step) grads.back().push_back(at::randn(shape).view(-1) * 0.1);
+  }
+  std::array<std::vector<Segment>, 2> runs;
+  for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
+    const c10::Device device = on_gpu ? cuda : c10::Device(c10::kCPU);
+    std::vector<Segment>& segments = runs[on_gpu];
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      Segment s;
+      s.name = "w" + std::to_string(i);
+      s.shape = shapes[i];
+      s.param = starts[i].to(device).clone();
+      s.state = rule->init_state(s);
+      segments.push_back(std::move(s));
+    }
+    for (int step = 0; step < 2; ++step) {
+      std::vector<Segment*> pointers;
+      for (size_t i = 0; i < segments.size(); ++i) {
+        segments[i].grad = grads[i][step].to(device);
+        pointers.push_back(&segments[i]);
+      }
+      UpdateContext context;
+      context.step = step + 1;
+      context.lr = 1e-2;
+      context.weight_decay = 0.1;
+      rule->update_many(pointers, context);
+    }
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const Segment &cpu = runs[0][i], &gpu = runs[1][i];
+    EXPECT_GT(max_abs_diff(cpu.param, starts[i]), 1e-4) << cpu.name << " was not updated";
+    EXPECT_LT(max_abs_diff(cpu.param, gpu.param.cpu()), 1e-7) << cpu.name;
+    for (const auto& [key, tensor] : cpu.state) {
+      if (key == "exp_avg")
+        EXPECT_LT(max_abs_diff(tensor, gpu.state_at(key).cpu()), 1e-7) << cpu.name << " " << key;
+      else
+        EXPECT_TRUE(at::equal(tensor, gpu.state_at(key).cpu())) << cpu.name << " " << key;
+    }
+  }
+}
+
 TEST(Gpu, Fp16LossScalerSkipsExactlyTheOverflowedUpdate) {
   LOOM_REQUIRE_GPU();
   TempDir dir;

@@ -25,7 +25,7 @@
 // --fmad=false, so each element's rounding is the CPU's.
 #include <cuda_runtime.h>
 
-#include <atomic>
+#include <vector>
 
 #include "adafactor_launch.h"
 
@@ -88,14 +88,57 @@ __device__ double block_sum(double x, double* scratch) {
   return sum;
 }
 
-// Part [group][2C]: the group's column sums, then its w; sums [group][2]: its row factors' sum
-// and its rows' sum of p² (tree order).
-__global__ void __launch_bounds__(kThreads) adafactor_groups(AdafactorFactored t, Groups gr,
-                                                             double* part, double* sums) {
+// ---- Note [Adafactor's CUDA kernels in batches] ----
+// update_many hands the rule every tensor of a step at once; each phase below is then one
+// launch for all of them (up to kBatch tensors a launch), as torch's multi-tensor kernels do.
+// Per tensor, the phases that are not passes over its elements (the accumulator's zeroing, the
+// groups' adds, the column factors) are a few microseconds of latency on a few multiprocessors;
+// one launch a tensor and phase made them most of the step (docs/BENCHMARKS.md). A batch is a
+// kernel parameter (__grid_constant__: read in place, not copied per thread), its thread
+// blocks numbered through its tensors, each block finding its tensor by bisection.
+constexpr int kBatch = 64;
+struct Shared {  // what every tensor of a batch shares (update_many's one context)
+  AdafactorStepInputs in;
+  AdafactorCoefficients base;
+};
+template <typename Item>
+struct Batch {
+  int count;
+  Shared shared;
+  int64_t start[kBatch + 1];  // item i's thread blocks: start[i] .. start[i + 1]
+  Item item[kBatch];
+};
+__device__ inline int item_of(const int64_t* start, int count, int64_t block) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start[mid] <= block)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// A factored tensor's accumulate: part [group][2C] holds each group's column sums, then its w;
+// sums [group][2] its row factors' sum and its rows' sum of p² (tree order). by4: C % 4 == 0,
+// g and p 16-byte aligned.
+struct GroupItem {
+  AdafactorFactored t;
+  Groups gr;
+  double* part;
+  double* sums;
+  bool by4;
+};
+
+__device__ void groups_direct(const GroupItem& it, int64_t block) {
+  const AdafactorFactored& t = it.t;
+  double* const part = it.part;
+  double* const sums = it.sums;
   __shared__ float inv_row[1024];  // S <= 1024 (launch checks C >= 16)
   __shared__ double scratch[kThreads / 32];
   int64_t k0, k1;
-  group_rows(t, gr, gr.first + blockIdx.x, k0, k1);
+  group_rows(t, it.gr, it.gr.first + block, k0, k1);
   const int64_t C = t.C, C8 = C & ~int64_t{7}, carried = carried_at(t);
   const int lane = threadIdx.x & 7, slot = threadIdx.x >> 3;
   const int64_t rows = k1 - k0;
@@ -135,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) adafactor_groups(AdafactorFactored t
     }
   }
   __syncthreads();
-  double* col = part + static_cast<int64_t>(blockIdx.x) * 2 * C;
+  double* col = part + block * 2 * C;
   double* w = col + C;
   for (int64_t j = threadIdx.x; j < C; j += kThreads) {
     const float* gj = t.g + k0 * C + j;
@@ -153,8 +196,8 @@ __global__ void __launch_bounds__(kThreads) adafactor_groups(AdafactorFactored t
   row_total = block_sum(lane == 0 ? row_total : 0.0, scratch);
   p2_total = block_sum(lane == 0 ? p2_total : 0.0, scratch);
   if (threadIdx.x == 0) {
-    sums[2 * blockIdx.x] = row_total;
-    sums[2 * blockIdx.x + 1] = p2_total;
+    sums[2 * block] = row_total;
+    sums[2 * block + 1] = p2_total;
   }
 }
 
@@ -175,26 +218,24 @@ __host__ __device__ inline int64_t staged_rows(int64_t C) {
 }
 __host__ __device__ inline int64_t staged_stride(int64_t C) { return C + 8; }
 
-template <bool By4>
-__global__ void __launch_bounds__(kThreads) adafactor_groups_staged(AdafactorFactored t, Groups gr,
-                                                                    double* part, double* sums) {
-  extern __shared__ float stage[];
+__device__ void groups_staged(const GroupItem& it, int64_t block, float* stage) {
+  const AdafactorFactored& t = it.t;
   __shared__ float inv_row[1024];  // S <= 1024 (launch checks C >= 16)
   __shared__ double scratch[kThreads / 32];
   int64_t k0, k1;
-  group_rows(t, gr, gr.first + blockIdx.x, k0, k1);
+  group_rows(t, it.gr, it.gr.first + block, k0, k1);
   const int64_t C = t.C, C8 = C & ~int64_t{7}, carried = carried_at(t);
   const int64_t stride = staged_stride(C), chunk = staged_rows(C);
   const int lane = threadIdx.x & 7, slot = threadIdx.x >> 3;
   const int64_t rows = k1 - k0;
-  double* col = part + static_cast<int64_t>(blockIdx.x) * 2 * C;
+  double* col = it.part + block * 2 * C;
   double* w = col + C;
   double row_total = 0, p2 = 0;
   for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
     const int64_t cr = rows - c0 < chunk ? rows - c0 : chunk;
     const float* g = t.g + (k0 + c0) * C;
     const float* p = t.p + (k0 + c0) * C;
-    if (By4) {  // C % 4 == 0 and g, p 16-byte aligned: every row starts aligned
+    if (it.by4) {  // C % 4 == 0 and g, p 16-byte aligned: every row starts aligned
       const int64_t per_row = C / 4;
       for (int64_t i = threadIdx.x; i < cr * per_row; i += kThreads) {
         const int64_t r = i / per_row, j4 = i - r * per_row;
@@ -267,28 +308,44 @@ __global__ void __launch_bounds__(kThreads) adafactor_groups_staged(AdafactorFac
   row_total = block_sum(lane == 0 ? row_total : 0.0, scratch);
   p2 = block_sum(p2, scratch);
   if (threadIdx.x == 0) {
-    sums[2 * blockIdx.x] = row_total;
-    sums[2 * blockIdx.x + 1] = p2;
+    it.sums[2 * block] = row_total;
+    it.sums[2 * block + 1] = p2;
   }
 }
 
+__global__ void __launch_bounds__(kThreads) adafactor_groups(const __grid_constant__ Batch<GroupItem> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  groups_direct(b.item[i], blockIdx.x - b.start[i]);
+}
+__global__ void __launch_bounds__(kThreads) adafactor_groups_staged(const __grid_constant__ Batch<GroupItem> b) {
+  extern __shared__ float stage[];
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  groups_staged(b.item[i], blockIdx.x - b.start[i], stage);
+}
+
 // One thread per column of each matrix the segment meets: the groups' partials into the
-// accumulator in group order. The last thread block adds the row factors' sums per matrix and
-// the sum of p² (a tree over the groups). A column's adds are a chain (the CPU's order), so its
-// time is its loads' latency: one warp a thread block spreads the columns over 32
+// accumulator in group order. The item's last thread block adds the row factors' sums per matrix
+// and the sum of p² (a tree over the groups). A column's adds are a chain (the CPU's order), so
+// its time is its loads' latency: one warp a thread block spreads the columns over 32
 // multiprocessors at 1024 columns, where 256 threads a block left them to 4 (44 us a tensor of
 // 4 M parameters on an H200: more than the two passes over its elements together).
 constexpr int kAddThreads = 32;
-__global__ void __launch_bounds__(kAddThreads) adafactor_add_groups(AdafactorFactored t,
-                                                                    Groups gr,
-                                                                    const double* part,
-                                                                    const double* sums) {
+__host__ __device__ inline int64_t add_blocks(const AdafactorFactored& t) {
+  const int64_t columns = ((t.first_row + t.rows - 1) / t.R - t.first_row / t.R + 1) * t.C;
+  return (columns + kAddThreads - 1) / kAddThreads + 1;  // + the sums' block
+}
+
+__device__ void add_groups(const GroupItem& it, int64_t block) {
+  const AdafactorFactored& t = it.t;
+  const Groups& gr = it.gr;
+  const double* part = it.part;
+  const double* sums = it.sums;
   const int64_t C = t.C, MC = t.M * t.C;
   const int64_t m_first = t.first_row / t.R;
   const int64_t m_last = (t.first_row + t.rows - 1) / t.R;
   const int64_t g_last = gr.first + gr.count - 1;
-  if (blockIdx.x + 1 < gridDim.x) {
-    const int64_t index = static_cast<int64_t>(blockIdx.x) * kAddThreads + threadIdx.x;
+  if (block + 1 < add_blocks(t)) {
+    const int64_t index = block * kAddThreads + threadIdx.x;
     if (index >= (m_last - m_first + 1) * C) return;
     const int64_t m = m_first + index / C, j = index % C;
     const int64_t g0 = m * gr.per_matrix > gr.first ? m * gr.per_matrix : gr.first;
@@ -335,9 +392,15 @@ __global__ void __launch_bounds__(kAddThreads) adafactor_add_groups(AdafactorFac
     if (threadIdx.x == 0) t.acc[p2_at(t)] += x;
   }
 }
+__global__ void __launch_bounds__(kAddThreads) adafactor_add_groups(
+    const __grid_constant__ Batch<GroupItem> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  add_groups(b.item[i], blockIdx.x - b.start[i]);
+}
 
-// The update's scratch, in floats: [each column block's share of the update's sum of squares
-// (doubles, an even count) | 1/sqrt of the new column factors (M·C) | each matrix's row mean].
+// The update's scratch for one tensor, in floats: [each column block's share of the update's
+// sum of squares (doubles, an even count) | 1/sqrt of the new column factors (M·C) | each
+// matrix's row mean], rounded up to 16 bytes.
 struct UpdateScratch {
   int64_t blocks, rsqrt_col_at, row_mean_at, size;
 };
@@ -346,18 +409,28 @@ __host__ __device__ inline UpdateScratch update_scratch(const AdafactorFactored&
   u.blocks = (t.M * t.C + kThreads - 1) / kThreads;
   u.rsqrt_col_at = 2 * (u.blocks + u.blocks % 2);  // 16-byte aligned for the float4 loads
   u.row_mean_at = u.rsqrt_col_at + t.M * t.C;
-  u.size = u.row_mean_at + t.M;
+  u.size = (u.row_mean_at + t.M + 3) / 4 * 4;
   return u;
 }
+
+// A factored tensor's update: its scratch (UpdateScratch); by4: four elements a thread (C a
+// multiple of 4, p, g, m 16-byte aligned); small: under 2^32 elements (32-bit division).
+struct UpdateItem {
+  AdafactorFactored t;
+  float* scratch;
+  bool by4, small;
+};
 
 // One thread a column of the whole tensor (M·C): its new factor (into the state) and its 1/sqrt,
 // and its term of the update's sum of squares, summed per thread block (a fixed tree); block 0
 // also the row mean of each matrix. Was one thread block for all of it, with each row's factor:
 // 8.2 us a tensor of 4 M parameters on an H200.
-__global__ void __launch_bounds__(kThreads) adafactor_columns(AdafactorFactored t, float* scratch) {
+__device__ void columns(const UpdateItem& it, int64_t block) {
+  const AdafactorFactored& t = it.t;
+  float* const scratch = it.scratch;
   __shared__ double partial[kThreads / 32];
   const UpdateScratch layout = update_scratch(t);
-  const int64_t MC = t.M * t.C, i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t MC = t.M * t.C, i = block * kThreads + threadIdx.x;
   const double R = static_cast<double>(t.R);
   double u2 = 0;
   if (i < MC) {
@@ -367,11 +440,16 @@ __global__ void __launch_bounds__(kThreads) adafactor_columns(AdafactorFactored 
     const float row_mean = static_cast<float>(t.acc[2 * MC + i / t.C] / R);
     u2 = static_cast<double>(row_mean) / col * t.acc[MC + i];
   }
-  if (blockIdx.x == 0)
+  if (block == 0)
     for (int64_t m = threadIdx.x; m < t.M; m += kThreads)
       scratch[layout.row_mean_at + m] = static_cast<float>(t.acc[2 * MC + m] / R);
   u2 = block_sum(u2, partial);
-  if (threadIdx.x == 0) reinterpret_cast<double*>(scratch)[blockIdx.x] = u2;
+  if (threadIdx.x == 0) reinterpret_cast<double*>(scratch)[block] = u2;
+}
+__global__ void __launch_bounds__(kThreads) adafactor_columns(
+    const __grid_constant__ Batch<UpdateItem> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  columns(b.item[i], blockIdx.x - b.start[i]);
 }
 
 __device__ __forceinline__ float apply(float u, float p, float* m, const AdafactorCoefficients& c) {
@@ -386,21 +464,19 @@ __device__ __forceinline__ float apply(float u, float p, float* m, const Adafact
 // Element e = k·C + j of the segment: u = rf_k · rsqrt_col_(matrix, j) · g, with rf_k from the
 // row's carried factor and its matrix's row mean (the thread at j = 0 also stores the factor).
 // Each thread block first adds the column blocks' shares of the update's sum of squares (in
-// block order: every block gets the same bits) into the step's scalars. By4: four elements a
-// thread (C a multiple of 4, the tensors 16-byte aligned). Small: under 2^32 elements.
-template <bool By4, bool Small>
-__global__ void __launch_bounds__(kThreads) adafactor_update_rows(AdafactorFactored t,
-                                                                  AdafactorStepInputs in,
-                                                                  AdafactorCoefficients c,
-                                                                  const float* scratch) {
+// block order: every block gets the same bits) into the step's scalars.
+__device__ void update_rows(const UpdateItem& it, const Shared& shared, int64_t block) {
+  const AdafactorFactored& t = it.t;
+  const float* scratch = it.scratch;
   __shared__ float scalars[2];
   const UpdateScratch layout = update_scratch(t);
+  AdafactorCoefficients c = shared.base;
   if (threadIdx.x == 0) {
     const double* shares = reinterpret_cast<const double*>(scratch);
     double u2 = shares[0];
     for (int64_t b = 1; b < layout.blocks; ++b) u2 += shares[b];
     const double n = static_cast<double>(t.M * t.R * t.C);
-    adafactor_step_scalars(t.with_p2 ? t.acc[p2_at(t)] : 0.0, u2, n, in, c);
+    adafactor_step_scalars(t.with_p2 ? t.acc[p2_at(t)] : 0.0, u2, n, shared.in, c);
     scalars[0] = c.step;
     scalars[1] = c.wd;
   }
@@ -410,55 +486,66 @@ __global__ void __launch_bounds__(kThreads) adafactor_update_rows(AdafactorFacto
   const float* rsqrt_col = scratch + layout.rsqrt_col_at;
   const float* row_mean = scratch + layout.row_mean_at;
   const double* carried = t.acc + carried_at(t);
-  const int64_t n = t.rows * t.C, width = By4 ? 4 : 1;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * width;
-  for (int64_t e = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * width; e < n;
-       e += stride) {
-    // A 32-bit division where the segment allows (a 64-bit one is a long software sequence).
-    const int64_t k = Small ? static_cast<int64_t>(static_cast<uint32_t>(e) /
-                                                   static_cast<uint32_t>(t.C))
-                            : e / t.C;
-    const int64_t j = e - k * t.C;
-    const int64_t matrix = (t.first_row + k) / t.R;
-    const int64_t col_at = matrix * t.C + j;
-    const float factor = static_cast<float>(carried[k]);
-    const float r = 1.0f / optim_sqrt(factor / row_mean[matrix]);
-    if (j == 0) t.row[k] = factor;
-    if constexpr (By4) {
-      const float4 g = __ldg(reinterpret_cast<const float4*>(t.g + e));
-      const float4 s = __ldg(reinterpret_cast<const float4*>(rsqrt_col + col_at));
-      float4 p = *reinterpret_cast<const float4*>(t.p + e);
-      if (t.m) {
-        float4 m = *reinterpret_cast<const float4*>(t.m + e);
-        p.x = apply(r * s.x * g.x, p.x, &m.x, c);
-        p.y = apply(r * s.y * g.y, p.y, &m.y, c);
-        p.z = apply(r * s.z * g.z, p.z, &m.z, c);
-        p.w = apply(r * s.w * g.w, p.w, &m.w, c);
-        *reinterpret_cast<float4*>(t.m + e) = m;
-      } else {
-        p.x = apply(r * s.x * g.x, p.x, nullptr, c);
-        p.y = apply(r * s.y * g.y, p.y, nullptr, c);
-        p.z = apply(r * s.z * g.z, p.z, nullptr, c);
-        p.w = apply(r * s.w * g.w, p.w, nullptr, c);
-      }
-      *reinterpret_cast<float4*>(t.p + e) = p;
+  const int64_t width = it.by4 ? 4 : 1;
+  const int64_t e = (block * kThreads + threadIdx.x) * width;
+  if (e >= t.rows * t.C) return;
+  // A 32-bit division where the segment allows (a 64-bit one is a long software sequence).
+  const int64_t k = it.small ? static_cast<int64_t>(static_cast<uint32_t>(e) /
+                                                    static_cast<uint32_t>(t.C))
+                             : e / t.C;
+  const int64_t j = e - k * t.C;
+  const int64_t matrix = (t.first_row + k) / t.R;
+  const int64_t col_at = matrix * t.C + j;
+  const float factor = static_cast<float>(carried[k]);
+  const float r = 1.0f / optim_sqrt(factor / row_mean[matrix]);
+  if (j == 0) t.row[k] = factor;
+  if (it.by4) {
+    const float4 g = __ldg(reinterpret_cast<const float4*>(t.g + e));
+    const float4 s = __ldg(reinterpret_cast<const float4*>(rsqrt_col + col_at));
+    float4 p = *reinterpret_cast<const float4*>(t.p + e);
+    if (t.m) {
+      float4 m = *reinterpret_cast<const float4*>(t.m + e);
+      p.x = apply(r * s.x * g.x, p.x, &m.x, c);
+      p.y = apply(r * s.y * g.y, p.y, &m.y, c);
+      p.z = apply(r * s.z * g.z, p.z, &m.z, c);
+      p.w = apply(r * s.w * g.w, p.w, &m.w, c);
+      *reinterpret_cast<float4*>(t.m + e) = m;
     } else {
-      t.p[e] = apply(r * rsqrt_col[col_at] * t.g[e], t.p[e], t.m ? t.m + e : nullptr, c);
+      p.x = apply(r * s.x * g.x, p.x, nullptr, c);
+      p.y = apply(r * s.y * g.y, p.y, nullptr, c);
+      p.z = apply(r * s.z * g.z, p.z, nullptr, c);
+      p.w = apply(r * s.w * g.w, p.w, nullptr, c);
     }
+    *reinterpret_cast<float4*>(t.p + e) = p;
+  } else {
+    t.p[e] = apply(r * rsqrt_col[col_at] * t.g[e], t.p[e], t.m ? t.m + e : nullptr, c);
   }
 }
+__global__ void __launch_bounds__(kThreads) adafactor_update_rows(
+    const __grid_constant__ Batch<UpdateItem> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  update_rows(b.item[i], b.shared, blockIdx.x - b.start[i]);
+}
 
-// ---- vectors ----
-constexpr int kVectorBlocks = 1024;
+// ---- vectors: sums in a tree (thread blocks, then one block a vector), then the update ----
+constexpr int64_t kVectorBlocks = 1024;
+// A vector's thread blocks for its sums: a function of n alone (not of the GPU), so the tree,
+// and the bits, are too.
+__host__ __device__ inline int64_t vector_sum_blocks(const AdafactorVector& t) {
+  const int64_t wanted = (t.n + kThreads * 4 - 1) / (kThreads * 4);
+  return wanted < kVectorBlocks ? (wanted > 0 ? wanted : 1) : kVectorBlocks;
+}
+struct VectorItem {
+  AdafactorVector t;
+  double* sums;  // [block][2]: sum g²/v, sum p²
+};
 
-// Per thread block: [sum g²/v, sum p²] of its elements, a fixed tree.
-__global__ void __launch_bounds__(kThreads) adafactor_vector_sums(AdafactorVector t,
-                                                                  double* sums) {
+__device__ void vector_sums(const VectorItem& it, int64_t block) {
+  const AdafactorVector& t = it.t;
   __shared__ double scratch[kThreads / 32];
   double u2 = 0, p2 = 0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < t.n;
-       i += stride) {
+  const int64_t stride = vector_sum_blocks(t) * kThreads;
+  for (int64_t i = block * kThreads + threadIdx.x; i < t.n; i += stride) {
     const float g = t.g[i];
     u2 += adafactor_g2_over_v_term(g, adafactor_new_v(t.v[i], g, t.eps1, t.b2t));
     if (t.with_p2) p2 += adafactor_p2_term(t.p[i]);
@@ -466,59 +553,56 @@ __global__ void __launch_bounds__(kThreads) adafactor_vector_sums(AdafactorVecto
   u2 = block_sum(u2, scratch);
   p2 = block_sum(p2, scratch);
   if (threadIdx.x == 0) {
-    sums[2 * blockIdx.x] = u2;
-    sums[2 * blockIdx.x + 1] = p2;
+    it.sums[2 * block] = u2;
+    it.sums[2 * block + 1] = p2;
   }
 }
+__global__ void __launch_bounds__(kThreads) adafactor_vector_sums(
+    const __grid_constant__ Batch<VectorItem> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  vector_sums(b.item[i], blockIdx.x - b.start[i]);
+}
 
-__global__ void __launch_bounds__(kThreads) adafactor_vector_total(AdafactorVector t,
-                                                                   const double* sums, int count) {
+// One thread block a vector: its blocks' sums into the accumulator.
+__global__ void __launch_bounds__(kThreads) adafactor_vector_total(
+    const __grid_constant__ Batch<VectorItem> b) {
+  const VectorItem& it = b.item[blockIdx.x];
   __shared__ double scratch[kThreads / 32];
   double u2 = 0, p2 = 0;
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    u2 += sums[2 * i];
-    p2 += sums[2 * i + 1];
+  for (int64_t i = threadIdx.x; i < vector_sum_blocks(it.t); i += kThreads) {
+    u2 += it.sums[2 * i];
+    p2 += it.sums[2 * i + 1];
   }
   u2 = block_sum(u2, scratch);
   p2 = block_sum(p2, scratch);
   if (threadIdx.x == 0) {
-    t.acc[0] += u2;
-    t.acc[1] += p2;
+    it.t.acc[0] += u2;
+    it.t.acc[1] += p2;
   }
 }
 
-__global__ void __launch_bounds__(kThreads) adafactor_vector_update(AdafactorVector t,
-                                                                    AdafactorStepInputs in,
-                                                                    AdafactorCoefficients c) {
-  adafactor_step_scalars(t.acc[1], t.acc[0], static_cast<double>(t.numel), in, c);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < t.n;
-       i += stride) {
-    const float g = t.g[i];
-    const float v = adafactor_new_v(t.v[i], g, t.eps1, t.b2t);
-    t.v[i] = v;
-    t.p[i] = apply((1.0f / optim_sqrt(v)) * g, t.p[i], t.m ? t.m + i : nullptr, c);
+__device__ void vector_update(const AdafactorVector& t, const Shared& shared, int64_t block) {
+  __shared__ float scalars[2];
+  AdafactorCoefficients c = shared.base;
+  if (threadIdx.x == 0) {
+    adafactor_step_scalars(t.acc[1], t.acc[0], static_cast<double>(t.numel), shared.in, c);
+    scalars[0] = c.step;
+    scalars[1] = c.wd;
   }
+  __syncthreads();
+  c.step = scalars[0];
+  c.wd = scalars[1];
+  const int64_t i = block * kThreads + threadIdx.x;
+  if (i >= t.n) return;
+  const float g = t.g[i];
+  const float v = adafactor_new_v(t.v[i], g, t.eps1, t.b2t);
+  t.v[i] = v;
+  t.p[i] = apply((1.0f / optim_sqrt(v)) * g, t.p[i], t.m ? t.m + i : nullptr, c);
 }
-
-int multiprocessors(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};
-  if (device < 0 || device >= kDevices) return 132;
-  int count = known[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        count <= 0)
-      count = 132;
-    known[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
-}
-
-unsigned grid_for(int device, int64_t work) {
-  const int64_t wanted = (work + kThreads - 1) / kThreads;
-  const int64_t most = 16LL * multiprocessors(device);
-  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < most ? wanted : most));
+__global__ void __launch_bounds__(kThreads) adafactor_vector_update(
+    const __grid_constant__ Batch<AdafactorVector> b) {
+  const int i = item_of(b.start, b.count, blockIdx.x);
+  vector_update(b.item[i], b.shared, blockIdx.x - b.start[i]);
 }
 
 bool aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -528,95 +612,145 @@ const char* last_error() {
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }
 
+// Launches `launch(batch, blocks)` for the items in batches of kBatch, blocks_of(item) thread
+// blocks each (an item with none is left out).
+template <typename Item, typename BlocksOf, typename Launch>
+const char* in_batches(const std::vector<Item>& items, const Shared& shared, BlocksOf blocks_of,
+                       Launch launch) {
+  for (size_t first = 0; first < items.size();) {
+    Batch<Item> b{};
+    b.shared = shared;
+    int64_t total = 0;
+    for (; first < items.size() && b.count < kBatch; ++first) {
+      const int64_t blocks = blocks_of(items[first]);
+      if (blocks <= 0) continue;
+      b.item[b.count] = items[first];
+      b.start[b.count++] = total;
+      total += blocks;
+    }
+    b.start[b.count] = total;
+    if (total == 0) continue;
+    if (total > 0x7fffffffLL) return "more than 2^31 - 1 thread blocks in one launch";
+    launch(b, static_cast<unsigned>(total));
+    if (const char* error = last_error()) return error;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 int64_t adafactor_factored_scratch(const AdafactorFactored& t) {
-  const Groups gr = groups_of(t);
-  return gr.count * (2 * t.C + 2);
+  if (t.rows <= 0) return 0;
+  return groups_of(t).count * (2 * t.C + 2);
 }
 
-const char* launch_adafactor_accumulate_factored(int /*device*/, const AdafactorFactored& t,
+const char* launch_adafactor_accumulate_factored(const AdafactorFactored* tensors, int64_t count,
                                                  double* scratch, void* stream) {
-  if (t.rows <= 0) return nullptr;
-  if (t.C < 16) return "adafactor's CUDA kernels need rows of at least 16 columns";
-  const Groups gr = groups_of(t);
-  if (gr.count > 0x7fffffffLL) return "more than 2^31 - 1 row groups in one tensor";
   const auto on = static_cast<cudaStream_t>(stream);
-  double* part = scratch;
-  double* sums = scratch + gr.count * 2 * t.C;
-  const auto blocks = static_cast<unsigned>(gr.count);
-  if (t.C <= kStagedElements) {
-    const bool by4 = t.C % 4 == 0 && aligned(t.g) && aligned(t.p);
-    const auto kernel = by4 ? adafactor_groups_staged<true> : adafactor_groups_staged<false>;
-    const int64_t rows = staged_rows(t.C) < gr.S ? staged_rows(t.C) : gr.S;
-    const int bytes = static_cast<int>(rows * staged_stride(t.C) * sizeof(float));
-    cudaError_t error =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (error != cudaSuccess) return cudaGetErrorString(error);
-    kernel<<<blocks, kThreads, bytes, on>>>(t, gr, part, sums);
-  } else {
-    adafactor_groups<<<blocks, kThreads, 0, on>>>(t, gr, part, sums);
+  std::vector<GroupItem> staged, direct, all;
+  int bytes = 0;  // the staged kernel's shared memory: the largest chunk of the batch
+  for (int64_t i = 0; i < count; ++i) {
+    const AdafactorFactored& t = tensors[i];
+    if (t.rows <= 0) continue;
+    if (t.C < 16) return "adafactor's CUDA kernels need rows of at least 16 columns";
+    const Groups gr = groups_of(t);
+    if (gr.count > 0x7fffffffLL) return "more than 2^31 - 1 row groups in one tensor";
+    GroupItem it{t, gr, scratch, scratch + gr.count * 2 * t.C,
+                 t.C % 4 == 0 && aligned(t.g) && aligned(t.p)};
+    scratch += adafactor_factored_scratch(t);
+    if (t.C <= kStagedElements) {
+      const int64_t rows = staged_rows(t.C) < gr.S ? staged_rows(t.C) : gr.S;
+      const int64_t need = rows * staged_stride(t.C) * static_cast<int64_t>(sizeof(float));
+      bytes = need > bytes ? static_cast<int>(need) : bytes;
+      staged.push_back(it);
+    } else {
+      direct.push_back(it);
+    }
+    all.push_back(it);
   }
-  if (const char* error = last_error()) return error;
-  const int64_t columns = ((t.first_row + t.rows - 1) / t.R - t.first_row / t.R + 1) * t.C;
-  const int64_t add_blocks = (columns + kAddThreads - 1) / kAddThreads + 1;  // + the sums' block
-  adafactor_add_groups<<<static_cast<unsigned>(add_blocks), kAddThreads, 0, on>>>(t, gr, part,
-                                                                                 sums);
-  return last_error();
+  const auto groups = [](const GroupItem& it) { return it.gr.count; };
+  const Shared none{};
+  if (!staged.empty()) {
+    const cudaError_t error = cudaFuncSetAttribute(
+        adafactor_groups_staged, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return cudaGetErrorString(error);
+  }
+  if (const char* error = in_batches(staged, none, groups, [&](const auto& b, unsigned blocks) {
+        adafactor_groups_staged<<<blocks, kThreads, bytes, on>>>(b);
+      }))
+    return error;
+  if (const char* error = in_batches(direct, none, groups, [&](const auto& b, unsigned blocks) {
+        adafactor_groups<<<blocks, kThreads, 0, on>>>(b);
+      }))
+    return error;
+  return in_batches(all, none, [](const GroupItem& it) { return add_blocks(it.t); },
+                    [&](const auto& b, unsigned blocks) {
+                      adafactor_add_groups<<<blocks, kAddThreads, 0, on>>>(b);
+                    });
 }
 
 int64_t adafactor_factored_update_scratch(const AdafactorFactored& t) {
   return update_scratch(t).size;
 }
 
-const char* launch_adafactor_update_factored(int device, const AdafactorFactored& t,
+const char* launch_adafactor_update_factored(const AdafactorFactored* tensors, int64_t count,
                                              const AdafactorStepInputs& in,
                                              const AdafactorCoefficients& base, float* scratch,
                                              void* stream) {
-  if (t.rows <= 0) return nullptr;
   const auto on = static_cast<cudaStream_t>(stream);
-  adafactor_columns<<<static_cast<unsigned>(update_scratch(t).blocks), kThreads, 0, on>>>(t,
-                                                                                        scratch);
-  if (const char* error = last_error()) return error;
-  const bool by4 = t.C % 4 == 0 && aligned(t.p) && aligned(t.g) && (!t.m || aligned(t.m)) &&
-                   aligned(scratch);
-  const int64_t n = t.rows * t.C;
-  const bool small = n < (int64_t{1} << 32);
-  const unsigned grid = grid_for(device, by4 ? n / 4 : n);
-  if (by4 && small)
-    adafactor_update_rows<true, true><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
-  else if (by4)
-    adafactor_update_rows<true, false><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
-  else if (small)
-    adafactor_update_rows<false, true><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
-  else
-    adafactor_update_rows<false, false><<<grid, kThreads, 0, on>>>(t, in, base, scratch);
-  return last_error();
+  std::vector<UpdateItem> items;
+  for (int64_t i = 0; i < count; ++i) {
+    const AdafactorFactored& t = tensors[i];
+    const bool by4 = t.C % 4 == 0 && aligned(t.p) && aligned(t.g) && (!t.m || aligned(t.m)) &&
+                     aligned(scratch);
+    if (t.rows > 0) items.push_back({t, scratch, by4, t.rows * t.C < (int64_t{1} << 32)});
+    scratch += update_scratch(t).size;
+  }
+  const Shared shared{in, base};
+  if (const char* error = in_batches(
+          items, shared, [](const UpdateItem& it) { return update_scratch(it.t).blocks; },
+          [&](const auto& b, unsigned blocks) { adafactor_columns<<<blocks, kThreads, 0, on>>>(b); }))
+    return error;
+  return in_batches(
+      items, shared,
+      [](const UpdateItem& it) {
+        const int64_t per_block = kThreads * (it.by4 ? 4 : 1);
+        return (it.t.rows * it.t.C + per_block - 1) / per_block;
+      },
+      [&](const auto& b, unsigned blocks) { adafactor_update_rows<<<blocks, kThreads, 0, on>>>(b); });
 }
 
-int64_t adafactor_vector_scratch(const AdafactorVector&) { return 2 * kVectorBlocks; }
+int64_t adafactor_vector_scratch(const AdafactorVector& t) { return 2 * vector_sum_blocks(t); }
 
-const char* launch_adafactor_accumulate_vector(int device, const AdafactorVector& t,
+const char* launch_adafactor_accumulate_vector(const AdafactorVector* tensors, int64_t count,
                                                double* scratch, void* stream) {
-  if (t.n <= 0) return nullptr;
   const auto on = static_cast<cudaStream_t>(stream);
-  // The grid depends on n alone (not on the GPU), so the tree, and the bits, do too.
-  (void)device;
-  const int64_t wanted = (t.n + kThreads * 4 - 1) / (kThreads * 4);
-  const int blocks = static_cast<int>(wanted < kVectorBlocks ? wanted : kVectorBlocks);
-  adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(t, scratch);
-  if (const char* error = last_error()) return error;
-  adafactor_vector_total<<<1, kThreads, 0, on>>>(t, scratch, blocks);
-  return last_error();
+  std::vector<VectorItem> items;
+  for (int64_t i = 0; i < count; ++i) {
+    if (tensors[i].n > 0) items.push_back({tensors[i], scratch});
+    scratch += adafactor_vector_scratch(tensors[i]);
+  }
+  const Shared none{};
+  if (const char* error = in_batches(
+          items, none, [](const VectorItem& it) { return vector_sum_blocks(it.t); },
+          [&](const auto& b, unsigned blocks) { adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(b); }))
+    return error;
+  return in_batches(items, none, [](const VectorItem&) { return int64_t{1}; },
+                    [&](const auto& b, unsigned) {
+                      adafactor_vector_total<<<b.count, kThreads, 0, on>>>(b);
+                    });
 }
 
-const char* launch_adafactor_update_vector(int device, const AdafactorVector& t,
+const char* launch_adafactor_update_vector(const AdafactorVector* tensors, int64_t count,
                                            const AdafactorStepInputs& in,
                                            const AdafactorCoefficients& base, void* stream) {
-  if (t.n <= 0) return nullptr;
-  adafactor_vector_update<<<grid_for(device, t.n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      t, in, base);
-  return last_error();
+  const auto on = static_cast<cudaStream_t>(stream);
+  const std::vector<AdafactorVector> items(tensors, tensors + count);
+  return in_batches(items, Shared{in, base},
+                    [](const AdafactorVector& t) { return (t.n + kThreads - 1) / kThreads; },
+                    [&](const auto& b, unsigned blocks) {
+                      adafactor_vector_update<<<blocks, kThreads, 0, on>>>(b);
+                    });
 }
 
 }  // namespace loom::optim

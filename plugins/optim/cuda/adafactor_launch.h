@@ -1,7 +1,10 @@
 // adafactor_launch.h — adafactor's CUDA kernels' launchers (adafactor.cu), declared without
 // CUDA's headers so adafactor.cpp (compiled by the C++ compiler, LibTorch's CPU half only) can
-// call them. Each queues its work on `stream` (a cudaStream_t of the current GPU) and returns
-// null, or the CUDA runtime's words for why a launch failed.
+// call them. Each takes `count` tensors (update_many's whole step, or one segment) and queues
+// their work on `stream` (a cudaStream_t of the current GPU), a few launches for all of them
+// (Note [Adafactor's CUDA kernels in batches]); it returns null, or the CUDA runtime's words
+// for why a launch failed. Scratch is on the GPU: each tensor's share (the *_scratch sizes)
+// one after another, in the tensors' order.
 #pragma once
 
 #include <cstdint>
@@ -27,18 +30,18 @@ struct AdafactorFactored {
   bool with_p2;          // scale_parameter: the parameter's RMS is needed
 };
 
-// Doubles of scratch (on the GPU) accumulate needs: each row group's column sums and w.
+// Doubles of scratch accumulate needs for t: each row group's column sums and w.
 int64_t adafactor_factored_scratch(const AdafactorFactored& t);
-// Round 0 of a factored segment (adafactor.cpp's accumulate, the same sums to the bit but for
+// Round 0 of factored segments (adafactor.cpp's accumulate, the same sums to the bit but for
 // the row-factor sums and sum p², which are added in a tree, not in row order).
-const char* launch_adafactor_accumulate_factored(int device, const AdafactorFactored& t,
+const char* launch_adafactor_accumulate_factored(const AdafactorFactored* t, int64_t count,
                                                  double* scratch, void* stream);
-// Floats of scratch update needs: the update's sum of squares in shares, the new column
-// factors' 1/sqrt, each matrix's row mean.
+// Floats of scratch update needs for t (a multiple of four): the update's sum of squares in
+// shares, the new column factors' 1/sqrt, each matrix's row mean.
 int64_t adafactor_factored_update_scratch(const AdafactorFactored& t);
-// The update from the reduced accumulator (t.acc): new factors into t.row and t.col, p and m.
+// The update from the reduced accumulators (t.acc): new factors into t.row and t.col, p and m.
 // `base` carries momentum's weights (step and wd are computed on the GPU from the totals).
-const char* launch_adafactor_update_factored(int device, const AdafactorFactored& t,
+const char* launch_adafactor_update_factored(const AdafactorFactored* t, int64_t count,
                                              const AdafactorStepInputs& in,
                                              const AdafactorCoefficients& base, float* scratch,
                                              void* stream);
@@ -56,10 +59,11 @@ struct AdafactorVector {
   AdafactorBeta2 b2t;
   bool with_p2;
 };
+// Doubles of scratch accumulate needs for t: its thread blocks' two sums.
 int64_t adafactor_vector_scratch(const AdafactorVector& t);
-const char* launch_adafactor_accumulate_vector(int device, const AdafactorVector& t,
+const char* launch_adafactor_accumulate_vector(const AdafactorVector* t, int64_t count,
                                                double* scratch, void* stream);
-const char* launch_adafactor_update_vector(int device, const AdafactorVector& t,
+const char* launch_adafactor_update_vector(const AdafactorVector* t, int64_t count,
                                            const AdafactorStepInputs& in,
                                            const AdafactorCoefficients& base, void* stream);
 
