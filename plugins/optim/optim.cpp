@@ -171,7 +171,8 @@ class OptimPlugin final : public Plugin {
         .key_bool("warmup_init", false, "relative step 1e-6 t during warm-up")
         .key_float("weight_decay", 0.0, "decay p *= 1 - lr wd (not biases/norms)")
         .key_string("kernel", "auto",
-                    "auto (CPU loops on CPU tensors, tensor ops on GPUs) | cpu_loops | tensor_ops");
+                    "auto (CPU loops on CPU tensors, CUDA kernels on GPU fp32 tensors, tensor "
+                    "ops otherwise) | cpu_loops | tensor_ops");
     Schema adam8bit("optimizer", "adam8bit");
     adam8bit.key_float("beta1", 0.9, "first-moment decay")
         .key_float("beta2", 0.999, "second-moment decay")
@@ -180,8 +181,8 @@ class OptimPlugin final : public Plugin {
         .key_int("block_size", 256, "elements per quantization block (one absmax each)")
         .key_int("min_8bit_size", 4096, "tensors with fewer elements keep fp32 state")
         .key_string("kernel", "auto",
-                    "auto (the fused kernel on CPU fp32 tensors, tensor ops on GPUs) | "
-                    "tensor_ops");
+                    "auto (the fused kernel on CPU fp32 tensors, a CUDA kernel on GPU fp32 "
+                    "tensors, tensor ops otherwise) | tensor_ops");
     Schema sgd("optimizer", "sgd");
     sgd.key_float("momentum", 0.0, "heavy-ball momentum in [0, 1)")
         .key_float("dampening", 0.0, "momentum dampening")
