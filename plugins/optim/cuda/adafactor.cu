@@ -1,16 +1,17 @@
-// adafactor on a GPU: the CPU loops' arithmetic (adafactor_element.h) in four kernels a
-// factored tensor, three a vector. The tensor ops they replace made a dozen passes and
-// temporaries per slice of 2 M elements (Note [Adafactor's tensor ops in slices]): 30x torch's
-// fused AdamW on an H200 (docs/BENCHMARKS.md "Again on an H200, 2026-11-28").
+// adafactor on a GPU: the CPU loops' arithmetic (adafactor_element.h) in four phases for the
+// factored tensors and three for the vectors, each one launch for a whole step's tensors. The
+// tensor ops they replace made a dozen passes and temporaries per slice of 2 M elements (Note
+// [Adafactor's tensor ops in slices]): 30x torch's fused AdamW on an H200, now 0.90x of its
+// time (docs/BENCHMARKS.md "A third H200 session").
 //
 // Note [Adafactor's CUDA kernels]: round 0 (accumulate) and the update, as the CPU loops do them
 // (Note [Adafactor in two passes] in adafactor.cpp):
-// - adafactor_groups, one thread block per row group (Note [Adafactor's column sums in row
-//   groups]: the same groups, cut by global row): first each row's sum of g² + eps1 in the CPU's
-//   eight fp64 lanes (eight threads a row, lane l holding columns l, l + 8, ..., the tail past the
-//   last eight in lane 0, folded pairwise), so each row's new factor has the CPU's bits; then one
-//   thread a column adds the group's rows in row order into the group's column sums and w, as
-//   the CPU's partials. The group's rows are read twice, the second time from cache.
+// - adafactor_groups_staged (adafactor_groups past 2^14 columns), one thread block per row group
+//   (Note [Adafactor's column sums in row groups]: the same groups, cut by global row): first
+//   each row's sum of g² + eps1 in the CPU's eight fp64 lanes (eight threads a row, lane l
+//   holding columns l, l + 8, ..., the tail past the last eight in lane 0, folded pairwise), so
+//   each row's new factor has the CPU's bits; then one thread a column adds the group's rows in
+//   row order into the group's column sums and w, as the CPU's partials.
 // - adafactor_add_groups adds each group's partials into the accumulator in group order (the
 //   CPU's order: the column sums and w have its bits), and, in one more thread block, the row
 //   factors per matrix and the sum of p² — those two in a fixed tree, where the CPU adds row by
@@ -201,7 +202,7 @@ __device__ void groups_direct(const GroupItem& it, int64_t block) {
   }
 }
 
-// Note [Adafactor's groups staged in shared memory]: adafactor_groups above reads each group
+// Note [Adafactor's groups staged in shared memory]: groups_direct above reads each group
 // twice from global memory, the row chains 4 loads deep (each a memory latency apart) with 128
 // of 256 threads busy at 1024 columns: 7.9 ms for 400 M parameters on an H200, 0.42x torch's
 // fused AdamW (docs/BENCHMARKS.md). Here the whole thread block first copies a chunk of the
@@ -210,7 +211,7 @@ __device__ void groups_direct(const GroupItem& it, int64_t block) {
 // read shared memory. Rows sit C + 8 floats apart there, so the four rows a warp's chains read
 // fall in different banks. Past one chunk a group (C > 1024) keeps its column partials in
 // `part` between chunks (L2). The parameter's sum of squares, a tree in any order, is read in
-// the same copy loop. Rows over 2^14 columns take adafactor_groups.
+// the same copy loop. Rows over 2^14 columns take groups_direct.
 constexpr int64_t kStagedElements = int64_t{1} << 14;
 __host__ __device__ inline int64_t staged_rows(int64_t C) {
   const int64_t rows = kStagedElements / C;
@@ -273,8 +274,7 @@ __device__ void groups_staged(const GroupItem& it, int64_t block, float* stage) 
       for (int i = 0; i < 8; ++i) a[i] = __shfl_sync(kFull, s, i, 8);
       if (here && lane == 0) {
         const int64_t k = k0 + c0 + r;
-        const float factor =
-            adafactor_new_row_factor(adafactor_fold_lanes(a), C, t.row[k], t.b2t);
+        const float factor = adafactor_new_row_factor(adafactor_fold_lanes(a), C, t.row[k], t.b2t);
         t.acc[carried + k] = factor;  // Note [Adafactor in two passes]: carried to the update
         inv_row[c0 + r] = 1.0f / factor;
         row_total += factor;
@@ -313,11 +313,13 @@ __device__ void groups_staged(const GroupItem& it, int64_t block, float* stage) 
   }
 }
 
-__global__ void __launch_bounds__(kThreads) adafactor_groups(const __grid_constant__ Batch<GroupItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_groups(const __grid_constant__ Batch<GroupItem> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   groups_direct(b.item[i], blockIdx.x - b.start[i]);
 }
-__global__ void __launch_bounds__(kThreads) adafactor_groups_staged(const __grid_constant__ Batch<GroupItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_groups_staged(const __grid_constant__ Batch<GroupItem> b) {
   extern __shared__ float stage[];
   const int i = item_of(b.start, b.count, blockIdx.x);
   groups_staged(b.item[i], blockIdx.x - b.start[i], stage);
@@ -392,8 +394,8 @@ __device__ void add_groups(const GroupItem& it, int64_t block) {
     if (threadIdx.x == 0) t.acc[p2_at(t)] += x;
   }
 }
-__global__ void __launch_bounds__(kAddThreads) adafactor_add_groups(
-    const __grid_constant__ Batch<GroupItem> b) {
+__global__ void __launch_bounds__(kAddThreads)
+    adafactor_add_groups(const __grid_constant__ Batch<GroupItem> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   add_groups(b.item[i], blockIdx.x - b.start[i]);
 }
@@ -446,8 +448,8 @@ __device__ void columns(const UpdateItem& it, int64_t block) {
   u2 = block_sum(u2, partial);
   if (threadIdx.x == 0) reinterpret_cast<double*>(scratch)[block] = u2;
 }
-__global__ void __launch_bounds__(kThreads) adafactor_columns(
-    const __grid_constant__ Batch<UpdateItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_columns(const __grid_constant__ Batch<UpdateItem> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   columns(b.item[i], blockIdx.x - b.start[i]);
 }
@@ -490,9 +492,9 @@ __device__ void update_rows(const UpdateItem& it, const Shared& shared, int64_t 
   const int64_t e = (block * kThreads + threadIdx.x) * width;
   if (e >= t.rows * t.C) return;
   // A 32-bit division where the segment allows (a 64-bit one is a long software sequence).
-  const int64_t k = it.small ? static_cast<int64_t>(static_cast<uint32_t>(e) /
-                                                    static_cast<uint32_t>(t.C))
-                             : e / t.C;
+  const int64_t k =
+      it.small ? static_cast<int64_t>(static_cast<uint32_t>(e) / static_cast<uint32_t>(t.C))
+               : e / t.C;
   const int64_t j = e - k * t.C;
   const int64_t matrix = (t.first_row + k) / t.R;
   const int64_t col_at = matrix * t.C + j;
@@ -521,8 +523,8 @@ __device__ void update_rows(const UpdateItem& it, const Shared& shared, int64_t 
     t.p[e] = apply(r * rsqrt_col[col_at] * t.g[e], t.p[e], t.m ? t.m + e : nullptr, c);
   }
 }
-__global__ void __launch_bounds__(kThreads) adafactor_update_rows(
-    const __grid_constant__ Batch<UpdateItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_update_rows(const __grid_constant__ Batch<UpdateItem> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   update_rows(b.item[i], b.shared, blockIdx.x - b.start[i]);
 }
@@ -557,15 +559,15 @@ __device__ void vector_sums(const VectorItem& it, int64_t block) {
     it.sums[2 * block + 1] = p2;
   }
 }
-__global__ void __launch_bounds__(kThreads) adafactor_vector_sums(
-    const __grid_constant__ Batch<VectorItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_vector_sums(const __grid_constant__ Batch<VectorItem> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   vector_sums(b.item[i], blockIdx.x - b.start[i]);
 }
 
 // One thread block a vector: its blocks' sums into the accumulator.
-__global__ void __launch_bounds__(kThreads) adafactor_vector_total(
-    const __grid_constant__ Batch<VectorItem> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_vector_total(const __grid_constant__ Batch<VectorItem> b) {
   const VectorItem& it = b.item[blockIdx.x];
   __shared__ double scratch[kThreads / 32];
   double u2 = 0, p2 = 0;
@@ -599,8 +601,8 @@ __device__ void vector_update(const AdafactorVector& t, const Shared& shared, in
   t.v[i] = v;
   t.p[i] = apply((1.0f / optim_sqrt(v)) * g, t.p[i], t.m ? t.m + i : nullptr, c);
 }
-__global__ void __launch_bounds__(kThreads) adafactor_vector_update(
-    const __grid_constant__ Batch<AdafactorVector> b) {
+__global__ void __launch_bounds__(kThreads)
+    adafactor_vector_update(const __grid_constant__ Batch<AdafactorVector> b) {
   const int i = item_of(b.start, b.count, blockIdx.x);
   vector_update(b.item[i], b.shared, blockIdx.x - b.start[i]);
 }
@@ -683,10 +685,11 @@ const char* launch_adafactor_accumulate_factored(const AdafactorFactored* tensor
         adafactor_groups<<<blocks, kThreads, 0, on>>>(b);
       }))
     return error;
-  return in_batches(all, none, [](const GroupItem& it) { return add_blocks(it.t); },
-                    [&](const auto& b, unsigned blocks) {
-                      adafactor_add_groups<<<blocks, kAddThreads, 0, on>>>(b);
-                    });
+  return in_batches(
+      all, none, [](const GroupItem& it) { return add_blocks(it.t); },
+      [&](const auto& b, unsigned blocks) {
+        adafactor_add_groups<<<blocks, kAddThreads, 0, on>>>(b);
+      });
 }
 
 int64_t adafactor_factored_update_scratch(const AdafactorFactored& t) {
@@ -701,15 +704,17 @@ const char* launch_adafactor_update_factored(const AdafactorFactored* tensors, i
   std::vector<UpdateItem> items;
   for (int64_t i = 0; i < count; ++i) {
     const AdafactorFactored& t = tensors[i];
-    const bool by4 = t.C % 4 == 0 && aligned(t.p) && aligned(t.g) && (!t.m || aligned(t.m)) &&
-                     aligned(scratch);
+    const bool by4 =
+        t.C % 4 == 0 && aligned(t.p) && aligned(t.g) && (!t.m || aligned(t.m)) && aligned(scratch);
     if (t.rows > 0) items.push_back({t, scratch, by4, t.rows * t.C < (int64_t{1} << 32)});
     scratch += update_scratch(t).size;
   }
   const Shared shared{in, base};
   if (const char* error = in_batches(
           items, shared, [](const UpdateItem& it) { return update_scratch(it.t).blocks; },
-          [&](const auto& b, unsigned blocks) { adafactor_columns<<<blocks, kThreads, 0, on>>>(b); }))
+          [&](const auto& b, unsigned blocks) {
+            adafactor_columns<<<blocks, kThreads, 0, on>>>(b);
+          }))
     return error;
   return in_batches(
       items, shared,
@@ -717,7 +722,9 @@ const char* launch_adafactor_update_factored(const AdafactorFactored* tensors, i
         const int64_t per_block = kThreads * (it.by4 ? 4 : 1);
         return (it.t.rows * it.t.C + per_block - 1) / per_block;
       },
-      [&](const auto& b, unsigned blocks) { adafactor_update_rows<<<blocks, kThreads, 0, on>>>(b); });
+      [&](const auto& b, unsigned blocks) {
+        adafactor_update_rows<<<blocks, kThreads, 0, on>>>(b);
+      });
 }
 
 int64_t adafactor_vector_scratch(const AdafactorVector& t) { return 2 * vector_sum_blocks(t); }
@@ -733,12 +740,13 @@ const char* launch_adafactor_accumulate_vector(const AdafactorVector* tensors, i
   const Shared none{};
   if (const char* error = in_batches(
           items, none, [](const VectorItem& it) { return vector_sum_blocks(it.t); },
-          [&](const auto& b, unsigned blocks) { adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(b); }))
+          [&](const auto& b, unsigned blocks) {
+            adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(b);
+          }))
     return error;
-  return in_batches(items, none, [](const VectorItem&) { return int64_t{1}; },
-                    [&](const auto& b, unsigned) {
-                      adafactor_vector_total<<<b.count, kThreads, 0, on>>>(b);
-                    });
+  return in_batches(
+      items, none, [](const VectorItem&) { return int64_t{1}; },
+      [&](const auto& b, unsigned) { adafactor_vector_total<<<b.count, kThreads, 0, on>>>(b); });
 }
 
 const char* launch_adafactor_update_vector(const AdafactorVector* tensors, int64_t count,
@@ -746,11 +754,12 @@ const char* launch_adafactor_update_vector(const AdafactorVector* tensors, int64
                                            const AdafactorCoefficients& base, void* stream) {
   const auto on = static_cast<cudaStream_t>(stream);
   const std::vector<AdafactorVector> items(tensors, tensors + count);
-  return in_batches(items, Shared{in, base},
-                    [](const AdafactorVector& t) { return (t.n + kThreads - 1) / kThreads; },
-                    [&](const auto& b, unsigned blocks) {
-                      adafactor_vector_update<<<blocks, kThreads, 0, on>>>(b);
-                    });
+  return in_batches(
+      items, Shared{in, base},
+      [](const AdafactorVector& t) { return (t.n + kThreads - 1) / kThreads; },
+      [&](const auto& b, unsigned blocks) {
+        adafactor_vector_update<<<blocks, kThreads, 0, on>>>(b);
+      });
 }
 
 }  // namespace loom::optim

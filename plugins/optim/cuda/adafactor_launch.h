@@ -20,14 +20,14 @@ namespace loom::optim {
 struct AdafactorFactored {
   float* p;
   const float* g;
-  float* m;              // exp_avg, or null without momentum
-  float* row;            // exp_avg_sq_row: the segment's rows
-  float* col;            // exp_avg_sq_col: the whole tensor's M·C
+  float* m;    // exp_avg, or null without momentum
+  float* row;  // exp_avg_sq_row: the segment's rows
+  float* col;  // exp_avg_sq_col: the whole tensor's M·C
   double* acc;
   int64_t rows, C, R, M, first_row;
   float eps1;
   AdafactorBeta2 b2t;
-  bool with_p2;          // scale_parameter: the parameter's RMS is needed
+  bool with_p2;  // scale_parameter: the parameter's RMS is needed
 };
 
 // Doubles of scratch accumulate needs for t: each row group's column sums and w.
