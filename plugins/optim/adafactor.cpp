@@ -83,16 +83,13 @@ struct RowGroup {
 // was 4 groups, cut 256 rows to 134 between two threads; at 2^14 it is 25, cut 192 to 198
 // (accumulate() cuts the threads' shares by rows).
 std::vector<RowGroup> row_groups(const Geometry& geo) {
-  const int64_t size = adafactor_group_rows(geo.C);
+  const AdafactorGroups gr = adafactor_groups(geo.rows, geo.C, geo.R, geo.first_row);
   std::vector<RowGroup> groups;
-  for (int64_t k = 0; k < geo.rows;) {
-    const int64_t global = geo.first_row + k;
-    const int64_t matrix_start = global / geo.R * geo.R;
-    const int64_t matrix_end = matrix_start + geo.R;
-    const int64_t group_end = matrix_start + ((global - matrix_start) / size + 1) * size;
-    const int64_t end = std::min(geo.rows, std::min(matrix_end, group_end) - geo.first_row);
-    groups.push_back({k, end, geo.matrix(k)});
-    k = end;
+  for (int64_t i = 0; i < gr.count; ++i) {
+    RowGroup g{};
+    adafactor_group_rows_of(gr, geo.rows, geo.R, geo.first_row, gr.first + i, g.begin, g.end,
+                            g.matrix);
+    groups.push_back(g);
   }
   return groups;
 }

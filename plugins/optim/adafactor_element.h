@@ -33,6 +33,39 @@ LOOM_OPTIM_HOST_DEVICE int64_t adafactor_group_rows(int64_t C) {
   return rows > 16 ? rows : 16;
 }
 
+// A segment's row groups, by arithmetic (the CPU loops and the CUDA kernels both cut by it):
+// group q of matrix m holds global rows m·R + q·S .. min(m·R + (q+1)·S, (m+1)·R); a segment of
+// `rows` rows from global row `first_row` meets groups `first` .. `first + count`, numbered
+// m·per_matrix + q, and holds the part of each that it meets.
+struct AdafactorGroups {
+  int64_t S, per_matrix, first, count;
+};
+LOOM_OPTIM_HOST_DEVICE int64_t adafactor_group_of(const AdafactorGroups& gr, int64_t R,
+                                                  int64_t global_row) {
+  return global_row / R * gr.per_matrix + global_row % R / gr.S;
+}
+LOOM_OPTIM_HOST_DEVICE AdafactorGroups adafactor_groups(int64_t rows, int64_t C, int64_t R,
+                                                        int64_t first_row) {
+  AdafactorGroups gr{};
+  gr.S = adafactor_group_rows(C);
+  gr.per_matrix = (R + gr.S - 1) / gr.S;
+  gr.first = adafactor_group_of(gr, R, first_row);
+  gr.count = rows > 0 ? adafactor_group_of(gr, R, first_row + rows - 1) - gr.first + 1 : 0;
+  return gr;
+}
+// Group `index`'s rows in the segment: local rows [k0, k1), all of matrix `matrix`.
+LOOM_OPTIM_HOST_DEVICE void adafactor_group_rows_of(const AdafactorGroups& gr, int64_t rows,
+                                                    int64_t R, int64_t first_row, int64_t index,
+                                                    int64_t& k0, int64_t& k1, int64_t& matrix) {
+  matrix = index / gr.per_matrix;
+  const int64_t q = index % gr.per_matrix;
+  const int64_t begin = matrix * R + q * gr.S;
+  const int64_t end = begin + gr.S < (matrix + 1) * R ? begin + gr.S : (matrix + 1) * R;
+  const int64_t seg_end = first_row + rows;
+  k0 = (begin > first_row ? begin : first_row) - first_row;
+  k1 = (end < seg_end ? end : seg_end) - first_row;
+}
+
 // The second moment's term of one gradient element: g² + eps1 in fp32 (as torch squares),
 // widened once.
 LOOM_OPTIM_HOST_DEVICE double adafactor_square_term(float g, float eps) {

@@ -36,33 +36,16 @@ namespace {
 constexpr int kThreads = 256;
 constexpr unsigned kFull = 0xffffffffu;
 
-// The row groups of a segment (Note [Adafactor's column sums in row groups]): group q of
-// matrix m holds global rows m·R + q·S .. min(m·R + (q+1)·S, (m+1)·R); the segment's groups are
-// those its rows meet, `first` .. `first + count`, numbered m·per_matrix + q.
-struct Groups {
-  int64_t S, per_matrix, first, count;
-};
-__host__ __device__ inline int64_t group_of(const AdafactorFactored& t, const Groups& gr,
-                                            int64_t global_row) {
-  return global_row / t.R * gr.per_matrix + global_row % t.R / gr.S;
-}
+// The row groups of a segment: adafactor_element.h's arithmetic, which the CPU loops cut by.
+using Groups = AdafactorGroups;
 __host__ inline Groups groups_of(const AdafactorFactored& t) {
-  Groups gr{};
-  gr.S = adafactor_group_rows(t.C);
-  gr.per_matrix = (t.R + gr.S - 1) / gr.S;
-  gr.first = group_of(t, gr, t.first_row);
-  gr.count = group_of(t, gr, t.first_row + t.rows - 1) - gr.first + 1;
-  return gr;
+  return adafactor_groups(t.rows, t.C, t.R, t.first_row);
 }
 // Group `index`'s local rows [k0, k1) in the segment.
 __device__ inline void group_rows(const AdafactorFactored& t, const Groups& gr, int64_t index,
                                   int64_t& k0, int64_t& k1) {
-  const int64_t m = index / gr.per_matrix, q = index % gr.per_matrix;
-  const int64_t begin = m * t.R + q * gr.S;
-  const int64_t end = begin + gr.S < (m + 1) * t.R ? begin + gr.S : (m + 1) * t.R;
-  const int64_t seg_end = t.first_row + t.rows;
-  k0 = (begin > t.first_row ? begin : t.first_row) - t.first_row;
-  k1 = (end < seg_end ? end : seg_end) - t.first_row;
+  int64_t matrix;
+  adafactor_group_rows_of(gr, t.rows, t.R, t.first_row, index, k0, k1, matrix);
 }
 
 __host__ __device__ inline int64_t carried_at(const AdafactorFactored& t) {
