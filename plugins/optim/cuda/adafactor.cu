@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "adafactor_launch.h"
+#include "batches.h"
 
 namespace loom::optim {
 namespace {
@@ -74,35 +75,17 @@ __device__ double block_sum(double x, double* scratch) {
 
 // ---- Note [Adafactor's CUDA kernels in batches] ----
 // update_many hands the rule every tensor of a step at once; each phase below is then one
-// launch for all of them (up to kBatch tensors a launch), as torch's multi-tensor kernels do.
+// launch for all of them (up to kKernelBatch tensors a launch), as torch's multi-tensor kernels do.
 // Per tensor, the phases that are not passes over its elements (the accumulator's zeroing, the
 // groups' adds, the column factors) are a few microseconds of latency on a few multiprocessors;
 // one launch a tensor and phase made them most of the step (docs/BENCHMARKS.md). A batch is a
-// kernel parameter (__grid_constant__: read in place, not copied per thread), its thread
-// blocks numbered through its tensors, each block finding its tensor by bisection.
-constexpr int kBatch = 64;
+// kernel parameter, its thread blocks numbered through its tensors (batches.h).
 struct Shared {  // what every tensor of a batch shares (update_many's one context)
   AdafactorStepInputs in;
   AdafactorCoefficients base;
 };
 template <typename Item>
-struct Batch {
-  int count;
-  Shared shared;
-  int64_t start[kBatch + 1];  // item i's thread blocks: start[i] .. start[i + 1]
-  Item item[kBatch];
-};
-__device__ inline int item_of(const int64_t* start, int count, int64_t block) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (start[mid] <= block)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
+using Batch = KernelBatch<Item, Shared>;
 
 // A factored tensor's accumulate: part [group][2C] holds each group's column sums, then its w;
 // sums [group][2] its row factors' sum and its rows' sum of p² (tree order). by4: C % 4 == 0,
@@ -298,13 +281,13 @@ __device__ void groups_staged(const GroupItem& it, int64_t block, float* stage) 
 
 __global__ void __launch_bounds__(kThreads)
     adafactor_groups(const __grid_constant__ Batch<GroupItem> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   groups_direct(b.item[i], blockIdx.x - b.start[i]);
 }
 __global__ void __launch_bounds__(kThreads)
     adafactor_groups_staged(const __grid_constant__ Batch<GroupItem> b) {
   extern __shared__ float stage[];
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   groups_staged(b.item[i], blockIdx.x - b.start[i], stage);
 }
 
@@ -379,7 +362,7 @@ __device__ void add_groups(const GroupItem& it, int64_t block) {
 }
 __global__ void __launch_bounds__(kAddThreads)
     adafactor_add_groups(const __grid_constant__ Batch<GroupItem> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   add_groups(b.item[i], blockIdx.x - b.start[i]);
 }
 
@@ -433,7 +416,7 @@ __device__ void columns(const UpdateItem& it, int64_t block) {
 }
 __global__ void __launch_bounds__(kThreads)
     adafactor_columns(const __grid_constant__ Batch<UpdateItem> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   columns(b.item[i], blockIdx.x - b.start[i]);
 }
 
@@ -508,7 +491,7 @@ __device__ void update_rows(const UpdateItem& it, const Shared& shared, int64_t 
 }
 __global__ void __launch_bounds__(kThreads)
     adafactor_update_rows(const __grid_constant__ Batch<UpdateItem> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   update_rows(b.item[i], b.shared, blockIdx.x - b.start[i]);
 }
 
@@ -544,7 +527,7 @@ __device__ void vector_sums(const VectorItem& it, int64_t block) {
 }
 __global__ void __launch_bounds__(kThreads)
     adafactor_vector_sums(const __grid_constant__ Batch<VectorItem> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   vector_sums(b.item[i], blockIdx.x - b.start[i]);
 }
 
@@ -586,7 +569,7 @@ __device__ void vector_update(const AdafactorVector& t, const Shared& shared, in
 }
 __global__ void __launch_bounds__(kThreads)
     adafactor_vector_update(const __grid_constant__ Batch<AdafactorVector> b) {
-  const int i = item_of(b.start, b.count, blockIdx.x);
+  const int i = batch_item_of(b.start, b.count, blockIdx.x);
   vector_update(b.item[i], b.shared, blockIdx.x - b.start[i]);
 }
 
@@ -595,31 +578,6 @@ bool aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) 
 const char* last_error() {
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
-}
-
-// Launches `launch(batch, blocks)` for the items in batches of kBatch, blocks_of(item) thread
-// blocks each (an item with none is left out).
-template <typename Item, typename BlocksOf, typename Launch>
-const char* in_batches(const std::vector<Item>& items, const Shared& shared, BlocksOf blocks_of,
-                       Launch launch) {
-  for (size_t first = 0; first < items.size();) {
-    Batch<Item> b{};
-    b.shared = shared;
-    int64_t total = 0;
-    for (; first < items.size() && b.count < kBatch; ++first) {
-      const int64_t blocks = blocks_of(items[first]);
-      if (blocks <= 0) continue;
-      b.item[b.count] = items[first];
-      b.start[b.count++] = total;
-      total += blocks;
-    }
-    b.start[b.count] = total;
-    if (total == 0) continue;
-    if (total > 0x7fffffffLL) return "more than 2^31 - 1 thread blocks in one launch";
-    launch(b, static_cast<unsigned>(total));
-    if (const char* error = last_error()) return error;
-  }
-  return nullptr;
 }
 
 }  // namespace
@@ -660,18 +618,21 @@ const char* launch_adafactor_accumulate_factored(const AdafactorFactored* tensor
         adafactor_groups_staged, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (error != cudaSuccess) return cudaGetErrorString(error);
   }
-  if (const char* error = in_batches(staged, none, groups, [&](const auto& b, unsigned blocks) {
+  if (const char* error = for_each_batch(staged, none, groups, [&](const auto& b, unsigned blocks) {
         adafactor_groups_staged<<<blocks, kThreads, bytes, on>>>(b);
+        return last_error();
       }))
     return error;
-  if (const char* error = in_batches(direct, none, groups, [&](const auto& b, unsigned blocks) {
+  if (const char* error = for_each_batch(direct, none, groups, [&](const auto& b, unsigned blocks) {
         adafactor_groups<<<blocks, kThreads, 0, on>>>(b);
+        return last_error();
       }))
     return error;
-  return in_batches(
+  return for_each_batch(
       all, none, [](const GroupItem& it) { return add_blocks(it.t); },
       [&](const auto& b, unsigned blocks) {
         adafactor_add_groups<<<blocks, kAddThreads, 0, on>>>(b);
+        return last_error();
       });
 }
 
@@ -693,13 +654,14 @@ const char* launch_adafactor_update_factored(const AdafactorFactored* tensors, i
     scratch += update_scratch(t).size;
   }
   const Shared shared{in, base};
-  if (const char* error = in_batches(
+  if (const char* error = for_each_batch(
           items, shared, [](const UpdateItem& it) { return update_scratch(it.t).blocks; },
           [&](const auto& b, unsigned blocks) {
             adafactor_columns<<<blocks, kThreads, 0, on>>>(b);
+            return last_error();
           }))
     return error;
-  return in_batches(
+  return for_each_batch(
       items, shared,
       [](const UpdateItem& it) {
         const int64_t per_block = kThreads * (it.by4 ? 4 : 1);
@@ -707,6 +669,7 @@ const char* launch_adafactor_update_factored(const AdafactorFactored* tensors, i
       },
       [&](const auto& b, unsigned blocks) {
         adafactor_update_rows<<<blocks, kThreads, 0, on>>>(b);
+        return last_error();
       });
 }
 
@@ -721,15 +684,19 @@ const char* launch_adafactor_accumulate_vector(const AdafactorVector* tensors, i
     scratch += adafactor_vector_scratch(tensors[i]);
   }
   const Shared none{};
-  if (const char* error = in_batches(
+  if (const char* error = for_each_batch(
           items, none, [](const VectorItem& it) { return vector_sum_blocks(it.t); },
           [&](const auto& b, unsigned blocks) {
             adafactor_vector_sums<<<blocks, kThreads, 0, on>>>(b);
+            return last_error();
           }))
     return error;
-  return in_batches(
+  return for_each_batch(
       items, none, [](const VectorItem&) { return int64_t{1}; },
-      [&](const auto& b, unsigned) { adafactor_vector_total<<<b.count, kThreads, 0, on>>>(b); });
+      [&](const auto& b, unsigned) {
+        adafactor_vector_total<<<b.count, kThreads, 0, on>>>(b);
+        return last_error();
+      });
 }
 
 const char* launch_adafactor_update_vector(const AdafactorVector* tensors, int64_t count,
@@ -737,11 +704,12 @@ const char* launch_adafactor_update_vector(const AdafactorVector* tensors, int64
                                            const AdafactorCoefficients& base, void* stream) {
   const auto on = static_cast<cudaStream_t>(stream);
   const std::vector<AdafactorVector> items(tensors, tensors + count);
-  return in_batches(
+  return for_each_batch(
       items, Shared{in, base},
       [](const AdafactorVector& t) { return (t.n + kThreads - 1) / kThreads; },
       [&](const auto& b, unsigned blocks) {
         adafactor_vector_update<<<blocks, kThreads, 0, on>>>(b);
+        return last_error();
       });
 }
 
