@@ -1,5 +1,5 @@
 // loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--chunk-mib N]
-//                 [--rounds N]
+//                 [--checksum-threads N] [--rounds N]
 // loom_nvme_bench --checksum [--mib N] [--rounds N]
 // loom_nvme_bench --raw FOLDER [--gib N] [--block-size BYTES] [--queue-depth N] [--rounds N]
 // The swap file's sustained sequential throughput: N GiB written, then read back (checksums
@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
   try {
     if (argc < 2) {
       std::cerr << "usage: loom_nvme_bench FOLDER [--gib N] [--block-size BYTES] "
-                   "[--queue-depth N] [--chunk-mib N] [--rounds N]\n"
+                   "[--queue-depth N] [--chunk-mib N] [--checksum-threads N] [--rounds N]\n"
                    "       loom_nvme_bench --checksum [--mib N] [--rounds N]\n"
                    "       loom_nvme_bench --raw FOLDER [--gib N] [--block-size BYTES] "
                    "[--queue-depth N] [--rounds N]\n";
@@ -205,6 +205,7 @@ int main(int argc, char** argv) {
       if (key == "--gib") gib = std::atof(value);
       else if (key == "--block-size") options.block_size = std::atoll(value);
       else if (key == "--queue-depth") options.queue_depth = std::atoi(value);
+      else if (key == "--checksum-threads") options.checksum_threads = std::atoi(value);
       else if (key == "--chunk-mib") chunk_mib = std::atoll(value);
       else if (key == "--rounds") rounds = std::atoi(value);
       else throw loom::ConfigError("unknown option " + key);
@@ -221,11 +222,12 @@ int main(int argc, char** argv) {
       auto* words = static_cast<uint64_t*>(b.data());
       for (int64_t i = 0; i < chunk / 8; ++i) words[i] = i * 0x9E3779B97F4A7C15ull;
     }
-    std::printf("file %s (%s), %.2f GiB in %lld chunks of %lld MiB, block %lld B, queue depth %d\n",
+    std::printf("file %s (%s), %.2f GiB in %lld chunks of %lld MiB, block %lld B, queue depth %d, "
+                "%d checksum thread(s)\n",
                 file.file().c_str(), file.direct() ? "O_DIRECT" : "buffered",
                 chunks * chunk / double(1 << 30), static_cast<long long>(chunks),
                 static_cast<long long>(chunk_mib), static_cast<long long>(options.block_size),
-                options.queue_depth);
+                options.queue_depth, options.checksum_threads);
     for (int round = 0; round < rounds; ++round) {
       for (const bool writing : {true, false}) {
         const auto start = Clock::now();

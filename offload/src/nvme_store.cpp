@@ -76,6 +76,7 @@ struct SwapFile::Impl {
   struct Landed {  // a piece reaped (whole, short or failed), its checksum not yet done
     Request* request;
     int64_t index;
+    bool check;  // it landed whole in a request without an error: its bytes are summed
   };
 
   NvmeOptions options;
@@ -86,9 +87,12 @@ struct SwapFile::Impl {
   std::deque<Region> regions;  // a deque: the I/O thread holds pointers to them
 
   io_uring ring{};
-  std::thread thread;
+  std::thread thread;                // the ring's (Note [I/O thread])
+  std::vector<std::thread> helpers;  // checksum_threads - 1 (Note [Checksums beside the ring])
   std::mutex mutex;
-  std::condition_variable work, finished;
+  std::condition_variable work, finished, to_check;
+  std::deque<Landed> landed;  // reaped, not yet checked
+  bool helpers_stopping = false;
   std::deque<Piece> queued;  // not yet submitted
   std::unordered_map<Ticket, Request> requests;
   Ticket next_ticket = 1;
@@ -131,71 +135,103 @@ struct SwapFile::Impl {
   void run() {
     std::unique_lock<std::mutex> lock(mutex);
     for (;;) {
-      work.wait(lock, [&] { return stopping || !queued.empty() || in_flight > 0; });
-      if (stopping && queued.empty() && in_flight == 0) return;
+      work.wait(lock, [&] {
+        return stopping || !queued.empty() || in_flight > 0 || !landed.empty();
+      });
+      if (stopping && queued.empty() && in_flight == 0 && landed.empty()) return;
       const int added = fill_ring();
+      const bool checks_waiting = !landed.empty();
       lock.unlock();
       if (added > 0) io_uring_submit(&ring);
       io_uring_cqe* cqe = nullptr;
-      // A short wait, so pieces queued meanwhile are submitted promptly.
+      // With pieces to check, only a look at what landed meanwhile; otherwise a short wait, so
+      // pieces queued meanwhile are submitted promptly.
       __kernel_timespec timeout{0, 200 * 1000};
-      const int got = io_uring_wait_cqe_timeout(&ring, &cqe, &timeout);
+      const int got = checks_waiting ? io_uring_peek_cqe(&ring, &cqe)
+                                     : io_uring_wait_cqe_timeout(&ring, &cqe, &timeout);
       lock.lock();
-      if (got != 0) continue;
-      unsigned head;
-      unsigned seen = 0;
-      io_uring_for_each_cqe(&ring, head, cqe) {
-        ++seen;
-        const uint64_t data = io_uring_cqe_get_data64(cqe);
-        const Ticket ticket = static_cast<Ticket>(data >> 32);
-        const int64_t index = static_cast<int64_t>(data & 0xFFFFFFFFull);
-        --in_flight;
-        auto it = requests.find(ticket);
-        if (it == requests.end()) continue;
-        Request& request = it->second;
-        const int64_t length = piece_length(*request.place, index);
-        if (cqe->res < 0) {
-          if (!request.error) request.error = -cqe->res;
-        } else if (cqe->res != length) {
-          if (!request.error) request.error = EIO;
-        } else {
-          moved += length;
-        }
-        landed.push_back({&request, index});
-      }
-      io_uring_cq_advance(&ring, seen);
-      if (landed.empty()) continue;
-      // Note [Checksums off the caller]: each piece's CRC-32C is this thread's work, done as the
-      // piece lands, after the ring is refilled (so the disk works while it runs) and outside
-      // the lock (the caller may queue more meanwhile; a request is only erased after it is
-      // done, so the pointers stay valid): a write records the sum of what it wrote, a read
-      // checks what it got against that. The caller's thread, which runs the update rule,
-      // never hashes the gigabytes a step moves. One thread suffices: with SSE4.2 the checksum
-      // runs at about four times a PCIe 4 disk's 7 GB/s in cache and, from memory, at what one
-      // core reads (8-9 GB/s on the VM of docs/BENCHMARKS.md, issue 39; Note [CRC-32C paths]
-      // in core/app/loom/crc32c.h), so it is done with a piece before the ring's others land. A sum per piece rather than per region: no pass over the whole region after its
-      // last piece, and 32 check bits per block_size bytes.
-      if (fill_ring() > 0) io_uring_submit(&ring);
-      lock.unlock();
-      for (const Landed& piece : landed) {
-        Request& request = *piece.request;
-        if (request.error) continue;
-        Region& r = *request.place;
-        const int64_t at = piece_start(piece.index);
-        const int64_t bytes = std::max<int64_t>(0, std::min(options.block_size, r.bytes - at));
-        const uint32_t sum = crc32c(request.buffer + at, static_cast<size_t>(bytes));
-        if (request.write) r.sums[static_cast<size_t>(piece.index)] = sum;
-        else if (sum != r.sums[static_cast<size_t>(piece.index)]) request.mismatch = true;
-      }
-      lock.lock();
-      bool any_done = false;
-      for (const Landed& piece : landed)
-        if (--piece.request->pending == 0) any_done = piece.request->done = true;
-      landed.clear();
-      if (any_done) finished.notify_all();
+      if (got == 0) reap();
+      if (!landed.empty()) check_one(lock);  // one piece, then back to refill the ring
     }
   }
-  std::vector<Landed> landed;  // the I/O thread's: pieces reaped, not yet checked
+
+  // Takes every completion the ring holds: a piece's errors are its request's, and the piece
+  // joins `landed` for its checksum. The caller holds the lock.
+  void reap() {
+    io_uring_cqe* cqe = nullptr;
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring, head, cqe) {
+      ++seen;
+      const uint64_t data = io_uring_cqe_get_data64(cqe);
+      const Ticket ticket = static_cast<Ticket>(data >> 32);
+      const int64_t index = static_cast<int64_t>(data & 0xFFFFFFFFull);
+      --in_flight;
+      auto it = requests.find(ticket);
+      if (it == requests.end()) continue;
+      Request& request = it->second;
+      const int64_t length = piece_length(*request.place, index);
+      if (cqe->res < 0) {
+        if (!request.error) request.error = -cqe->res;
+      } else if (cqe->res != length) {
+        if (!request.error) request.error = EIO;
+      } else {
+        moved += length;
+      }
+      landed.push_back({&request, index, request.error == 0});
+    }
+    io_uring_cq_advance(&ring, seen);
+    if (seen > 0 && !helpers.empty()) to_check.notify_all();
+  }
+
+  // Note [Checksums beside the ring]: each piece's CRC-32C (a write records the sum of what it
+  // wrote, a read checks what it got against that; a sum per block_size piece, so there is no
+  // pass over a region after its last piece) is computed as it lands, never on the caller's
+  // thread (which runs the update rule). The ring's thread checks one piece at a time and goes
+  // back to the ring between pieces: it reaps what landed meanwhile and refills the ring, so
+  // the disk never waits on the checks. Before, it checked every piece a reap found before
+  // reaping again, and on a disk of 3-4 GB/s the ring was found drained up to 9x as often as
+  // without checksums (docs/BENCHMARKS.md, issue 39). One piece of 1 MiB takes ~125 us at the
+  // 8-9 GB/s one core sums from memory on the development VM (Note [CRC-32C paths] in
+  // core/app/loom/crc32c.h), against the ~1 ms of work a queue of 8 such pieces holds on a
+  // PCIe 4 disk's 7 GB/s. A faster disk, or a slower core, takes checksum_threads = 2 or more:
+  // the ring's thread and helpers taking pieces from the same queue. Helpers are threads of
+  // their own only when asked for: on a machine with few cores, waking a second thread for
+  // every piece cost more than it gave (measured on the 2-core VM). Outside the lock while
+  // summing: a request is erased only after it is done, and a region's sums are written by the
+  // write's pieces and read by a later read, ordered through wait(). The caller holds the lock.
+  void check_one(std::unique_lock<std::mutex>& lock) {
+    const Landed piece = landed.front();
+    landed.pop_front();
+    lock.unlock();
+    Request& request = *piece.request;
+    bool mismatch = false;
+    if (piece.check) {
+      Region& r = *request.place;
+      const int64_t at = piece_start(piece.index);
+      const int64_t bytes = std::max<int64_t>(0, std::min(options.block_size, r.bytes - at));
+      const uint32_t sum = crc32c(request.buffer + at, static_cast<size_t>(bytes));
+      uint32_t& recorded = r.sums[static_cast<size_t>(piece.index)];
+      if (request.write) recorded = sum;
+      else mismatch = sum != recorded;
+    }
+    lock.lock();
+    if (mismatch) request.mismatch = true;
+    if (--request.pending == 0) {
+      request.done = true;
+      finished.notify_all();
+    }
+  }
+
+  // A helper's loop (checksum_threads > 1).
+  void help() {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      to_check.wait(lock, [&] { return helpers_stopping || !landed.empty(); });
+      if (landed.empty()) return;  // stopping, and every reaped piece taken
+      check_one(lock);
+    }
+  }
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(detail::cat(options.what, " swap file ", file, ": ", what));
@@ -225,6 +261,8 @@ SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::ma
                 " bytes, at most 1 GiB");
   LOOM_CHECK_AS(ConfigError, options.queue_depth >= 1 && options.queue_depth <= 4096,
                 "queue_depth ", options.queue_depth, " must be between 1 and 4096");
+  LOOM_CHECK_AS(ConfigError, options.checksum_threads >= 1 && options.checksum_threads <= 64,
+                "checksum_threads ", options.checksum_threads, " must be between 1 and 64");
   s.capacity = align_up(std::max<int64_t>(capacity, kAlignment));
   s.file = (fs::path(options.path) /
             detail::cat("loom-swap-", ::getpid(), "-", reinterpret_cast<uintptr_t>(this) % 100000,
@@ -285,6 +323,8 @@ SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::ma
                             "disabled by the container's seccomp policy)"));
   }
   s.thread = std::thread([&s] { s.run(); });
+  for (int i = 1; i < options.checksum_threads; ++i)
+    s.helpers.emplace_back([&s] { s.help(); });
 }
 
 SwapFile::~SwapFile() {
@@ -295,6 +335,13 @@ SwapFile::~SwapFile() {
   }
   s.work.notify_all();
   if (s.thread.joinable()) s.thread.join();
+  // The ring's thread left with every piece reaped and taken; helpers may still be checking.
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.helpers_stopping = true;
+  }
+  s.to_check.notify_all();
+  for (auto& helper : s.helpers) helper.join();
   io_uring_queue_exit(&s.ring);
   if (s.fd >= 0) ::close(s.fd);
   ::unlink(s.file.c_str());

@@ -868,7 +868,7 @@ class Zero final : public loom::Plugin {
   }
 
   // [zero] offload_optimizer and offload_param = { device, nvme_path, buffer_count, pin_memory,
-  // block_size, queue_depth }: every key checked here, before anything runs.
+  // block_size, queue_depth, checksum_threads }: every key checked here, before anything runs.
   void parse_offload(const loom::ConfigSection& t) {
     where_offload_ = t.where("offload_optimizer");
     where_offload_param_ = t.where("offload_param");
@@ -926,10 +926,12 @@ class Zero final : public loom::Plugin {
         into.nvme.block_size = integer();
       } else if (key == "queue_depth") {
         into.nvme.queue_depth = static_cast<int>(integer());
+      } else if (key == "checksum_threads") {  // Note [Checksums beside the ring]
+        into.nvme.checksum_threads = static_cast<int>(integer());
       } else {
         throw loom::ConfigError(loom::detail::cat(
             value.where, ": [zero] ", name, " has no key '", key, "'; it takes device, "
-            "nvme_path, buffer_count, pin_memory, block_size, queue_depth",
+            "nvme_path, buffer_count, pin_memory, block_size, queue_depth, checksum_threads",
             name == "offload_optimizer" ? ", delayed_update, overlap_update" : ""));
       }
     }

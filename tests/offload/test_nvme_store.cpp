@@ -46,12 +46,13 @@ void fill(AlignedBuffer& buffer, int64_t bytes, uint32_t seed) {
   for (int64_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(random());
 }
 
-TEST(NvmeStore, RegionsOfEverySizeComeBackByteForByte) {
+void regions_come_back(int checksum_threads) {
   TempDir dir;
   NvmeOptions options;
   options.path = dir.str();
   options.block_size = 64 << 10;  // many blocks per region, more than the queue holds
   options.queue_depth = 3;
+  options.checksum_threads = checksum_threads;
   const std::vector<int64_t> sizes = {1, 4095, 4096, 4097, (3 << 20) + 5, 200000};
   int64_t total = 0;
   for (int64_t b : sizes) total += align_up(b);
@@ -86,6 +87,15 @@ TEST(NvmeStore, RegionsOfEverySizeComeBackByteForByte) {
   const std::string name = file.file();
   { SwapFile gone(options, 4096); }
   EXPECT_TRUE(fs::exists(name));  // another store's file is its own
+}
+
+// With one checksum thread, and with three taking the pieces of one region out of order (Note
+// [Checksums beside the ring]).
+TEST(NvmeStore, RegionsOfEverySizeComeBackByteForByte) {
+  for (const int checksum_threads : {1, 3}) {
+    SCOPED_TRACE(checksum_threads);
+    regions_come_back(checksum_threads);
+  }
 }
 
 TEST(NvmeStore, AFileChangedOrTruncatedUnderTheRunIsAnErrorNamingIt) {
@@ -129,6 +139,11 @@ TEST(NvmeStore, BadFoldersAreErrorsAtTheStartLeavingNothingBehind) {
   options.block_size = 4096;
   options.queue_depth = 0;
   EXPECT_THROW_WITH(SwapFile(options, 4096), ConfigError, "queue_depth 0");
+  options.queue_depth = 8;
+  options.checksum_threads = 0;
+  EXPECT_THROW_WITH(SwapFile(options, 4096), ConfigError, "checksum_threads 0",
+                    "between 1 and 64");
+  EXPECT_TRUE(fs::is_empty(dir.path()));
 
   SmallDisk small(1 << 20);
   if (!small.mounted()) GTEST_SKIP() << "mounting a small tmpfs needs root";
@@ -159,14 +174,15 @@ TEST(NvmeStore, BadFoldersAreErrorsAtTheStartLeavingNothingBehind) {
   EXPECT_THROW_WITH(SwapFile(options, 4096), ConfigError, read_only.path(), "not writable");
 }
 
-TEST(NvmeStore, EveryPieceOfARegionIsCheckedButNotItsPadding) {
-  // A region of three 4 KiB pieces and 100 bytes: a byte changed in any piece is a mismatch
-  // naming the region; put back, the region reads whole again; the padding after its last byte
-  // (written, never data) is not checked.
+// A region of three 4 KiB pieces and 100 bytes: a byte changed in any piece is a mismatch
+// naming the region; put back, the region reads whole again; the padding after its last byte
+// (written, never data) is not checked.
+void every_piece_is_checked(int checksum_threads) {
   TempDir dir;
   NvmeOptions options;
   options.path = dir.str();
   options.block_size = 4096;
+  options.checksum_threads = checksum_threads;
   const int64_t bytes = 3 * 4096 + 100;
   SwapFile file(options, 5 * 4096);
   file.allocate(10);  // region 1 starts at 4096 in the file
@@ -196,6 +212,13 @@ TEST(NvmeStore, EveryPieceOfARegionIsCheckedButNotItsPadding) {
   file.wait(file.read(region, back.data()));
   EXPECT_EQ(std::memcmp(back.data(), data.data(), bytes), 0);
   ::close(fd);
+}
+
+TEST(NvmeStore, EveryPieceOfARegionIsCheckedButNotItsPadding) {
+  for (const int checksum_threads : {1, 2}) {
+    SCOPED_TRACE(checksum_threads);
+    every_piece_is_checked(checksum_threads);
+  }
 }
 
 }  // namespace

@@ -216,6 +216,9 @@ TEST(Offload, BadOffloadKeysAreErrorsNamingThem) {
   EXPECT_THROW_WITH(setup("offload_optimizer = { device = \"nvme\", nvme_path = \"" + swap.str() +
                           "\", buffers = 4 }"),
                     ConfigError, "has no key 'buffers'");
+  EXPECT_THROW_WITH(setup("offload_optimizer = { device = \"nvme\", nvme_path = \"" + swap.str() +
+                          "\", checksum_threads = 0 }"),
+                    ConfigError, "checksum_threads 0", "between 1 and 64");
   EXPECT_THROW_WITH(setup("offload_optimizer = { device = \"nvme\", nvme_path = \"" +
                           (swap / "missing").string() + "\" }"),
                     ConfigError, "nvme_path", (swap / "missing").string(), "not an existing folder");

@@ -17,8 +17,10 @@
 // Note [I/O thread]: one thread per store drives the ring: it keeps up to queue_depth block
 // requests submitted and reaps their completions, so I/O proceeds while the caller computes
 // (read chunk i+1 and write chunk i-1 while updating chunk i). The kernel does the transfers;
-// the thread submits, reaps, and computes and checks the checksums of what landed (Note
-// [Checksums off the caller] in nvme_store.cpp). Tickets are waited for on the caller's thread.
+// the thread submits, reaps, and computes and checks the checksums of what landed one piece at
+// a time, going back to the ring between pieces; checksum_threads > 1 adds helpers for the
+// checks (Note [Checksums beside the ring] in nvme_store.cpp). Tickets are waited for on the
+// caller's thread.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,7 @@ struct NvmeOptions {
   std::string path;                // folder for the swap file (must exist, writable)
   int64_t block_size = 1 << 20;    // bytes per request (DeepSpeed aio block_size)
   int queue_depth = 8;             // requests in flight (DeepSpeed aio queue_depth)
+  int checksum_threads = 1;        // threads checking what lands, the ring's own counted
   bool require_direct = false;     // true: refuse a file system without O_DIRECT, or tmpfs
   std::string what = "offloaded state";  // for messages: what the file holds
 };
