@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
+
 #include "loom/engine.h"
 #include "loom/log.h"
 #include "loom/plugin.h"
@@ -14,6 +16,79 @@ namespace loom::optim {
 namespace {
 
 constexpr int64_t kGrain = 1 << 16;  // elements per parallel chunk: amortises the hand-off
+
+// Note [Multi-tensor passes]: on a GPU sgd and lion ran as tensor ops, tensor by tensor: four to
+// seven kernels a tensor (a step of 150 tensors ~1000 launches), each a pass over memory, lion's
+// 68 bytes a parameter where its update needs 20. update_many now hands every segment it can of
+// one device to one multi-tensor pass: for sgd torch's fused SGD (at::_fused_sgd_, the kernel of
+// torch.optim.SGD(fused=True): p, g and the buffer read and written once, a few launches for
+// any number of tensors); for lion, which torch has no kernel for, foreach ops (four or five
+// launches for the step, 44-52 bytes a parameter). kernel = "auto" takes them for GPU tensors
+// only (a CPU's fp32 tensors keep the vectorised loops, which read each element once);
+// kernel = "multi_tensor" on any device, which is how the CPU tests hold the GPU's arithmetic to
+// torch's and the paper's references (the same ATen ops on both devices); kernel = "tensor_ops"
+// keeps the per-tensor ops everywhere. A segment the pass cannot take (not fp32, not
+// contiguous, its state elsewhere) goes through update() as before.
+enum class RuleKernel { kAuto, kMultiTensor, kTensorOps };
+
+RuleKernel rule_kernel(const ConfigSection& c, const char* rule) {
+  const std::string kernel = c.get_string("kernel");
+  if (kernel == "auto") return RuleKernel::kAuto;
+  if (kernel == "multi_tensor") return RuleKernel::kMultiTensor;
+  if (kernel == "tensor_ops") return RuleKernel::kTensorOps;
+  throw ConfigError(detail::cat(c.where("kernel"), ": [optimizer] kernel '", kernel,
+                                "' is unknown for ", rule, "; use auto, multi_tensor or tensor_ops"));
+}
+
+const char* const kKernelDoc =
+    "auto (the vectorised loops on CPU fp32 tensors, one multi-tensor pass a device on a GPU: "
+    "Note [Multi-tensor passes]) | multi_tensor (that pass on any device) | tensor_ops";
+
+// update_many's segments split for Note [Multi-tensor passes]: those the pass takes (fp32
+// contiguous parameter, gradient and `state` tensor, if any, on the parameter's device), one
+// group per device in the order met, and the rest.
+struct MultiTensorSplit {
+  std::vector<std::vector<Segment*>> groups;
+  std::vector<Segment*> rest;
+};
+MultiTensorSplit split_for_multi_tensor(const std::vector<Segment*>& segments, RuleKernel kernel,
+                                        const char* state) {
+  MultiTensorSplit split;
+  std::vector<c10::Device> devices;
+  for (Segment* s : segments) {
+    const bool wanted = kernel == RuleKernel::kMultiTensor ||
+                        (kernel == RuleKernel::kAuto && s->param.is_cuda());
+    const bool fits = kernel_ready(*s, s->param, at::kFloat) &&
+                      kernel_ready(*s, s->grad, at::kFloat) &&
+                      (!state || kernel_ready(*s, s->state_at(state), at::kFloat));
+    if (!wanted || !fits) {
+      split.rest.push_back(s);
+      continue;
+    }
+    const auto index = static_cast<size_t>(
+        std::find(devices.begin(), devices.end(), s->param.device()) - devices.begin());
+    if (index == devices.size()) {
+      devices.push_back(s->param.device());
+      split.groups.emplace_back();
+    }
+    split.groups[index].push_back(s);
+  }
+  return split;
+}
+
+// One multi-tensor group's lists: parameters, gradients and the named state tensor (if any).
+struct TensorLists {
+  std::vector<at::Tensor> params, grads, states;
+};
+TensorLists lists_of(const std::vector<Segment*>& group, const char* state) {
+  TensorLists lists;
+  for (Segment* s : group) {
+    lists.params.push_back(s->param);
+    lists.grads.push_back(s->grad);
+    if (state) lists.states.push_back(s->state_at(state));
+  }
+  return lists;
+}
 
 // torch.optim.SGD: L2 weight decay added to the gradient (coupled, as torch does), heavy-ball
 // momentum whose buffer starts as the first gradient, optional Nesterov look-ahead.
@@ -39,7 +114,8 @@ class Sgd final : public UpdateRule {
   explicit Sgd(const ConfigSection& c)
       : momentum_(beta_in_range(c, "momentum")),
         dampening_(c.get_float("dampening")),
-        nesterov_(c.get_bool("nesterov")) {
+        nesterov_(c.get_bool("nesterov")),
+        kernel_(rule_kernel(c, "sgd")) {
     LOOM_CHECK_AS(ConfigError, dampening_ >= 0 && dampening_ <= 1, c.where("dampening"),
                   ": [optimizer] dampening must be in [0, 1], got ", dampening_);
     LOOM_CHECK_AS(ConfigError, !nesterov_ || (momentum_ > 0 && dampening_ == 0),
@@ -51,14 +127,17 @@ class Sgd final : public UpdateRule {
     if (momentum_ == 0) return {};
     return {{"momentum_buffer", at::zeros_like(s.param)}};
   }
-  // Note [Whole tensors shared among threads] (loom/update_rule.h).
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    update_sharing_threads(*this, segments, ctx, cpu_fp32);
+    MultiTensorSplit split =
+        split_for_multi_tensor(segments, kernel_, momentum_ != 0 ? "momentum_buffer" : nullptr);
+    for (const auto& group : split.groups) fused_update(group, ctx);
+    // Note [Whole tensors shared among threads] (loom/update_rule.h).
+    update_sharing_threads(*this, split.rest, ctx, [this](const Segment& s) { return loops(s); });
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     const bool first = ctx.step == 1;  // torch's buffer is None before the first update
-    if (cpu_fp32(s)) {
+    if (loops(s)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* buf = momentum_ == 0 ? nullptr : s.state_at("momentum_buffer").data_ptr<float>();
@@ -84,8 +163,18 @@ class Sgd final : public UpdateRule {
   }
 
  private:
+  bool loops(const Segment& s) const { return cpu_fp32(s) && kernel_ != RuleKernel::kTensorOps; }
+  // Note [Multi-tensor passes]: torch's fused SGD over one device's segments. Its first step
+  // copies the decayed gradient into the buffer, as torch's SGD and update() do.
+  void fused_update(const std::vector<Segment*>& group, const UpdateContext& ctx) const {
+    const TensorLists l = lists_of(group, momentum_ != 0 ? "momentum_buffer" : nullptr);
+    at::_fused_sgd_(l.params, l.grads, l.states, ctx.weight_decay, momentum_, ctx.lr, dampening_,
+                    nesterov_, /*maximize=*/false, /*is_first_step=*/ctx.step == 1);
+  }
+
   double momentum_, dampening_;
   bool nesterov_;
+  RuleKernel kernel_;
 };
 
 // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
@@ -103,19 +192,23 @@ void lion_kernel(float* __restrict p, const float* __restrict g, float* __restri
 class Lion final : public UpdateRule {
  public:
   explicit Lion(const ConfigSection& c)
-      : beta1_(beta_in_range(c, "beta1")), beta2_(beta_in_range(c, "beta2")) {}
+      : beta1_(beta_in_range(c, "beta1")),
+        beta2_(beta_in_range(c, "beta2")),
+        kernel_(rule_kernel(c, "lion")) {}
   std::string name() const override { return "lion"; }
   NamedTensors init_state(const Segment& s) const override {
     return {{"exp_avg", at::zeros_like(s.param)}};
   }
-  // Note [Whole tensors shared among threads] (loom/update_rule.h).
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    update_sharing_threads(*this, segments, ctx, cpu_fp32);
+    MultiTensorSplit split = split_for_multi_tensor(segments, kernel_, "exp_avg");
+    for (const auto& group : split.groups) foreach_update(group, ctx);
+    // Note [Whole tensors shared among threads] (loom/update_rule.h).
+    update_sharing_threads(*this, split.rest, ctx, [this](const Segment& s) { return loops(s); });
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     at::Tensor& m = s.state_at("exp_avg");
-    if (cpu_fp32(s)) {
+    if (loops(s)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* mp = m.data_ptr<float>();
@@ -134,7 +227,20 @@ class Lion final : public UpdateRule {
   }
 
  private:
+  bool loops(const Segment& s) const { return cpu_fp32(s) && kernel_ != RuleKernel::kTensorOps; }
+  // Note [Multi-tensor passes]: lion over one device's segments in foreach ops. b1 m + (1-b1) g
+  // is lerp(m, g, 1-b1) (one pass, no product list), and the same for the moment's update.
+  void foreach_update(const std::vector<Segment*>& group, const UpdateContext& ctx) const {
+    const TensorLists l = lists_of(group, "exp_avg");
+    std::vector<at::Tensor> direction = at::_foreach_lerp(l.states, l.grads, 1.0 - beta1_);
+    at::_foreach_sign_(direction);
+    if (ctx.weight_decay != 0) at::_foreach_mul_(l.params, 1.0 - ctx.lr * ctx.weight_decay);
+    at::_foreach_add_(l.params, direction, -ctx.lr);
+    at::_foreach_lerp_(l.states, l.grads, 1.0 - beta2_);
+  }
+
   double beta1_, beta2_;
+  RuleKernel kernel_;
 };
 
 // A key whose default is an array (the Schema's setters take scalars).
@@ -187,11 +293,13 @@ class OptimPlugin final : public Plugin {
     sgd.key_float("momentum", 0.0, "heavy-ball momentum in [0, 1)")
         .key_float("dampening", 0.0, "momentum dampening")
         .key_bool("nesterov", false, "Nesterov momentum")
-        .key_float("weight_decay", 0.0, "L2 penalty added to the gradient (not biases/norms)");
+        .key_float("weight_decay", 0.0, "L2 penalty added to the gradient (not biases/norms)")
+        .key_string("kernel", "auto", kKernelDoc);
     Schema lion("optimizer", "lion");
     lion.key_float("beta1", 0.9, "interpolation for the update's sign")
         .key_float("beta2", 0.99, "momentum decay")
-        .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)");
+        .key_float("weight_decay", 0.0, "decoupled weight decay (not biases/norms)")
+        .key_string("kernel", "auto", kKernelDoc);
     Schema muon("optimizer", "muon");
     muon.key_float("momentum", 0.95, "momentum of the matrices' buffer (buf = momentum buf + g)")
         .key_bool("nesterov", true, "Nesterov look-ahead: orthogonalise g + momentum buf")

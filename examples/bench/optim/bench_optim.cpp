@@ -10,8 +10,9 @@
 //        entry's own parameters and state, one step of each entry per round in turn (the
 //        first round warms up), prints one JSON line per entry with every round's seconds. An
 //        ENTRY is torch-fused (at::_fused_adamw_, the kernel of torch.optim.AdamW(fused=True)),
-//        or RULE[:ISA][@PLUGIN] (ISA sets LOOM_KERNEL_ISA for its steps; PLUGIN a loom_optim.so
-//        to load instead of the build's). On a machine others load, ratios between entries of one
+//        or RULE[/KERNEL][:ISA][@PLUGIN] (KERNEL the rule's [optimizer] kernel, e.g.
+//        lion/tensor_ops; ISA sets LOOM_KERNEL_ISA for its steps; PLUGIN a loom_optim.so to
+//        load instead of the build's). On a machine others load, ratios between entries of one
 //        process are what to compare: each round's entries run seconds apart.
 //        LOOM_BENCH_OPTIM_DEVICE=cuda (or cuda:N) puts every entry's parameters, gradients and
 //        state on that GPU: each rule takes its GPU path, torch-fused its CUDA kernel,
@@ -46,7 +47,8 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 3.0f * c[i];
 }
 
-std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plugin_path) {
+std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plugin_path,
+                                       const std::string& kernel = "") {
   loom::Schema schema("optimizer", name);
   loom::Plugin* plugin = nullptr;
   const bool adamw = name == "adamw" || name == "adamw_bf16";
@@ -66,6 +68,7 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plug
   if (name == "adamw_bf16")
     values.emplace_back("state_dtype", loom::ConfigValue{std::string("bf16"), "bench"});
   if (name == "sgd") values.emplace_back("momentum", loom::ConfigValue{0.9, "bench"});
+  if (!kernel.empty()) values.emplace_back("kernel", loom::ConfigValue{kernel, "bench"});
   if (name == "adafactor") {  // the Trainer's optim="adafactor"
     values.emplace_back("relative_step", loom::ConfigValue{false, "bench"});
     values.emplace_back("scale_parameter", loom::ConfigValue{false, "bench"});
@@ -136,7 +139,7 @@ void update_all(const loom::UpdateRule& rule, std::vector<loom::Segment>& segmen
 // The compare mode (usage above): entries interleaved in one process.
 int compare(int threads, int rounds, int64_t total, const std::vector<std::string>& names) {
   struct Entry {
-    std::string name, rule, isa, plugin, used_isa;
+    std::string name, rule, kernel, isa, plugin, used_isa;
     std::unique_ptr<loom::UpdateRule> update_rule;
     std::vector<loom::Segment> segments;
     std::vector<at::Tensor> m, v;  // torch-fused's state
@@ -157,11 +160,15 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
       e.isa = rest.substr(colon + 1);
       rest = rest.substr(0, colon);
     }
+    if (const auto slash = rest.find('/'); slash != std::string::npos) {
+      e.kernel = rest.substr(slash + 1);
+      rest = rest.substr(0, slash);
+    }
     e.rule = rest;
     if (!e.isa.empty() && e.isa != "avx512" && e.isa != "avx2" && e.isa != "scalar")
       throw std::runtime_error("entry '" + name + "': ISA '" + e.isa +
                                "' is not avx512, avx2 or scalar");
-    if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str());
+    if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str(), e.kernel);
     e.segments = make_segments(e.update_rule.get(), total, grads, device);
     if (!e.update_rule)
       for (const auto& s : e.segments) {

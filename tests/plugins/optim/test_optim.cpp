@@ -204,22 +204,75 @@ TEST(OptimParity, SgdMatchesTorch) {
                                          ", \"nesterov\": ", c.nesterov ? "true" : "false",
                                          ", \"weight_decay\": ", c.wd));
   const auto want = run_references(jobs, problem);
-  for (size_t k = 0; k < cases.size(); ++k) {
-    const Case& c = cases[k];
-    auto rule = make_rule(
-        "sgd", {{"momentum", c.momentum}, {"dampening", c.dampening}, {"nesterov", c.nesterov}});
-    EXPECT_LT(max_relative_error(run_rule(*rule, problem, 0.05, c.wd), want[k]), 1e-6)
-        << c.momentum << " " << c.nesterov;
-  }
+  // Each kernel (Note [Multi-tensor passes] in plugins/optim/optim.cpp): the loops, torch's
+  // fused SGD over update_many's tensors (a GPU's path), the per-tensor ops.
+  for (const std::string kernel : {"auto", "multi_tensor", "tensor_ops"})
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const Case& c = cases[k];
+      auto rule = make_rule("sgd", {{"momentum", c.momentum},
+                                    {"dampening", c.dampening},
+                                    {"nesterov", c.nesterov},
+                                    {"kernel", kernel}});
+      const bool batched = kernel != "auto";
+      EXPECT_LT(
+          max_relative_error(run_rule(*rule, problem, 0.05, c.wd, {}, false, batched), want[k]),
+          1e-6)
+          << kernel << " " << c.momentum << " " << c.nesterov;
+    }
 }
 
 TEST(OptimParity, LionMatchesThePaper) {
   const Problem problem = make_problem(kShapes, 50, 3);
-  auto rule = make_rule("lion", {{"beta1", 0.9}, {"beta2", 0.99}});
-  auto got = run_rule(*rule, problem, 1e-3, 0.5);
   auto want = run_reference(
       "lion", R"("lr": 0.001, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.5)", problem);
-  EXPECT_LT(max_relative_error(got, want), 1e-6);
+  for (const std::string kernel : {"auto", "multi_tensor", "tensor_ops"}) {
+    auto rule = make_rule("lion", {{"beta1", 0.9}, {"beta2", 0.99}, {"kernel", kernel}});
+    auto got = run_rule(*rule, problem, 1e-3, 0.5, {}, false, /*batched=*/kernel != "auto");
+    EXPECT_LT(max_relative_error(got, want), 1e-6) << kernel;
+  }
+}
+
+// Note [Multi-tensor passes]: update_many takes the fp32 contiguous tensors in one pass and the
+// others tensor by tensor, and both end where the loops do: a gradient that is a strided view
+// (not contiguous) beside contiguous ones.
+TEST(OptimParity, MultiTensorPassesLeaveOtherTensorsToTheirOwnPath) {
+  for (const std::string name : {"sgd", "lion"}) {
+    SCOPED_TRACE(name);
+    std::map<std::string, RuleValue> options;
+    if (name == "sgd") options = {{"momentum", 0.9}};
+    auto loops = make_rule(name, options);
+    options["kernel"] = std::string("multi_tensor");
+    auto multi = make_rule(name, options);
+    at::manual_seed(7);
+    const at::Tensor start = at::randn({3, 64}), wide = at::randn({64, 6}) * 0.1;
+    auto run = [&](const UpdateRule& rule) {
+      std::vector<at::Tensor> params = {start[0].clone(), start[1].clone(), start[2].clone()};
+      std::vector<Segment> segments(3);
+      for (int i = 0; i < 3; ++i) {
+        segments[i].name = "t" + std::to_string(i);
+        segments[i].param = params[i];
+        segments[i].shape = {64};
+        segments[i].state = rule.init_state(segments[i]);
+      }
+      for (int step = 1; step <= 3; ++step) {
+        segments[0].grad = wide.select(1, step);  // stride 6: not contiguous
+        segments[1].grad = wide.select(1, step - 1).contiguous();
+        segments[2].grad = wide.select(1, step + 2).contiguous() * 2;
+        std::vector<Segment*> all = {&segments[0], &segments[1], &segments[2]};
+        UpdateContext ctx;
+        ctx.step = step;
+        ctx.lr = 0.01;
+        ctx.weight_decay = 0.1;
+        rule.update_many(all, ctx);
+      }
+      return params;
+    };
+    const auto want = run(*loops), got = run(*multi);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::allclose(got[i], want[i], 1e-6, 1e-7)) << "tensor " << i;
+      EXPECT_FALSE(at::equal(got[i], start[i])) << "tensor " << i << " was not updated";
+    }
+  }
 }
 
 // Transformers' defaults (relative step, parameter scaling) and the Trainer's
@@ -1092,6 +1145,10 @@ TEST(OptimBadInput, ErrorsNameTheKey) {
   EXPECT_THROW_WITH(build({"optimizer.name=adam8bit", "optimizer.kernel=cpu_loops"}),
                     ConfigError, "[optimizer] kernel 'cpu_loops' is unknown for adam8bit",
                     "auto or tensor_ops");
+  for (const std::string rule : {"sgd", "lion"})
+    EXPECT_THROW_WITH(build({"optimizer.name=" + rule, "optimizer.kernel=fused"}), ConfigError,
+                      "[optimizer] kernel 'fused' is unknown for " + rule,
+                      "auto, multi_tensor or tensor_ops");
 }
 
 }  // namespace
