@@ -72,7 +72,7 @@ Trajectory run_rule(const UpdateRule& rule, const Problem& problem, double lr, d
     std::vector<Segment> list;
     for (size_t k = 0; k + 1 < bounds.size(); ++k) {
       Segment s;
-      s.name = "p" + std::to_string(i);
+      s.name = detail::cat("p", i);  // "p" + to_string(i) drew GCC 12's false overflow warning
       s.param = params[i].slice(0, bounds[k], bounds[k + 1]);
       s.shape = problem.params[i].sizes().vec();
       s.offset = bounds[k];
