@@ -933,7 +933,10 @@ class Mapper {
                            [&](const auto& kv) { return kv.first == aio_key; }))
             out.emplace_back(key, converted("aio." + key, value, Kind::Int));
         } else if (!aio_warned_) {
-          warn("aio." + key, "loom's io_uring reader takes block_size and queue_depth only");
+          warn("aio." + key,
+               "loom's io_uring reader takes block_size and queue_depth only (its threads "
+               "checking what lands are [zero] offload_optimizer / offload_param "
+               "checksum_threads)");
         }
       }
       aio_warned_ = true;

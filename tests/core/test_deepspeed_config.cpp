@@ -108,7 +108,8 @@ TEST(DeepSpeedConfig, Zero2WithNvmeOffloadIsTheLoomKeyedJob) {
        "zero_optimization.offload_optimizer -> [zero] offload_optimizer = { device = \"nvme\"",
        "optimizer.params.lr = \"auto\": the job's [train] learning_rate",
        "warning: ", "zero_optimization.contiguous_gradients changes nothing in loom",
-       "steps_per_print changes nothing in loom", "aio.thread_count changes nothing in loom"});
+       "steps_per_print changes nothing in loom", "aio.thread_count changes nothing in loom",
+       "offload_param checksum_threads"});
 }
 
 // transformers' documented ZeRO-3 example with CPU offload (which changes nothing on a CPU run)
