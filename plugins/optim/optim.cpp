@@ -44,6 +44,11 @@ const char* const kKernelDoc =
     "auto (the vectorised loops on CPU fp32 tensors, one multi-tensor pass a device on a GPU: "
     "Note [Multi-tensor passes]) | multi_tensor (that pass on any device) | tensor_ops";
 
+// The vectorised loops take a CPU fp32 segment unless kernel = "tensor_ops".
+bool takes_loops(const Segment& s, RuleKernel kernel) {
+  return cpu_fp32(s) && kernel != RuleKernel::kTensorOps;
+}
+
 // update_many's segments split for Note [Multi-tensor passes]: those the pass takes (fp32
 // contiguous parameter, gradient and `state` tensor, if any, on the parameter's device), one
 // group per device in the order met, and the rest.
@@ -129,15 +134,15 @@ class Sgd final : public UpdateRule {
   }
   void update_many(const std::vector<Segment*>& segments,
                    const UpdateContext& ctx) const override {
-    MultiTensorSplit split =
-        split_for_multi_tensor(segments, kernel_, momentum_ != 0 ? "momentum_buffer" : nullptr);
+    MultiTensorSplit split = split_for_multi_tensor(segments, kernel_, buffer_state());
     for (const auto& group : split.groups) fused_update(group, ctx);
     // Note [Whole tensors shared among threads] (loom/update_rule.h).
-    update_sharing_threads(*this, split.rest, ctx, [this](const Segment& s) { return loops(s); });
+    update_sharing_threads(*this, split.rest, ctx,
+                           [this](const Segment& s) { return takes_loops(s, kernel_); });
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     const bool first = ctx.step == 1;  // torch's buffer is None before the first update
-    if (loops(s)) {
+    if (takes_loops(s, kernel_)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* buf = momentum_ == 0 ? nullptr : s.state_at("momentum_buffer").data_ptr<float>();
@@ -163,11 +168,11 @@ class Sgd final : public UpdateRule {
   }
 
  private:
-  bool loops(const Segment& s) const { return cpu_fp32(s) && kernel_ != RuleKernel::kTensorOps; }
+  const char* buffer_state() const { return momentum_ != 0 ? "momentum_buffer" : nullptr; }
   // Note [Multi-tensor passes]: torch's fused SGD over one device's segments. Its first step
   // copies the decayed gradient into the buffer, as torch's SGD and update() do.
   void fused_update(const std::vector<Segment*>& group, const UpdateContext& ctx) const {
-    const TensorLists l = lists_of(group, momentum_ != 0 ? "momentum_buffer" : nullptr);
+    const TensorLists l = lists_of(group, buffer_state());
     at::_fused_sgd_(l.params, l.grads, l.states, ctx.weight_decay, momentum_, ctx.lr, dampening_,
                     nesterov_, /*maximize=*/false, /*is_first_step=*/ctx.step == 1);
   }
@@ -204,11 +209,12 @@ class Lion final : public UpdateRule {
     MultiTensorSplit split = split_for_multi_tensor(segments, kernel_, "exp_avg");
     for (const auto& group : split.groups) foreach_update(group, ctx);
     // Note [Whole tensors shared among threads] (loom/update_rule.h).
-    update_sharing_threads(*this, split.rest, ctx, [this](const Segment& s) { return loops(s); });
+    update_sharing_threads(*this, split.rest, ctx,
+                           [this](const Segment& s) { return takes_loops(s, kernel_); });
   }
   void update(Segment& s, const UpdateContext& ctx) const override {
     at::Tensor& m = s.state_at("exp_avg");
-    if (loops(s)) {
+    if (takes_loops(s, kernel_)) {
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
       float* mp = m.data_ptr<float>();
@@ -227,7 +233,6 @@ class Lion final : public UpdateRule {
   }
 
  private:
-  bool loops(const Segment& s) const { return cpu_fp32(s) && kernel_ != RuleKernel::kTensorOps; }
   // Note [Multi-tensor passes]: lion over one device's segments in foreach ops. b1 m + (1-b1) g
   // is lerp(m, g, 1-b1) (one pass, no product list), and the same for the moment's update.
   void foreach_update(const std::vector<Segment*>& group, const UpdateContext& ctx) const {
