@@ -244,6 +244,17 @@ bool writable_folder(const std::string& path) { return ::access(path.c_str(), W_
 
 }  // namespace
 
+void check_nvme_options(const NvmeOptions& options, const std::string& where) {
+  LOOM_CHECK_AS(ConfigError, options.block_size >= kAlignment && options.block_size % kAlignment == 0 &&
+                                 options.block_size <= (int64_t{1} << 30),
+                where, "block_size ", options.block_size, " must be a multiple of ", kAlignment,
+                " bytes, at most 1 GiB");
+  LOOM_CHECK_AS(ConfigError, options.queue_depth >= 1 && options.queue_depth <= 4096, where,
+                "queue_depth ", options.queue_depth, " must be between 1 and 4096");
+  LOOM_CHECK_AS(ConfigError, options.checksum_threads >= 1 && options.checksum_threads <= 64,
+                where, "checksum_threads ", options.checksum_threads, " must be between 1 and 64");
+}
+
 SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.options = options;
@@ -255,14 +266,7 @@ SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::ma
                 "' is not an existing folder: create it (on a fast local disk) or name another");
   LOOM_CHECK_AS(ConfigError, writable_folder(options.path), "nvme_path '", options.path,
                 "' is not writable by this process: fix its permissions or name another folder");
-  LOOM_CHECK_AS(ConfigError, options.block_size >= kAlignment && options.block_size % kAlignment == 0 &&
-                                 options.block_size <= (int64_t{1} << 30),
-                "block_size ", options.block_size, " must be a multiple of ", kAlignment,
-                " bytes, at most 1 GiB");
-  LOOM_CHECK_AS(ConfigError, options.queue_depth >= 1 && options.queue_depth <= 4096,
-                "queue_depth ", options.queue_depth, " must be between 1 and 4096");
-  LOOM_CHECK_AS(ConfigError, options.checksum_threads >= 1 && options.checksum_threads <= 64,
-                "checksum_threads ", options.checksum_threads, " must be between 1 and 64");
+  check_nvme_options(options);
   s.capacity = align_up(std::max<int64_t>(capacity, kAlignment));
   s.file = (fs::path(options.path) /
             detail::cat("loom-swap-", ::getpid(), "-", reinterpret_cast<uintptr_t>(this) % 100000,

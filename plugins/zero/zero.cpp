@@ -938,6 +938,8 @@ class Zero final : public loom::Plugin {
     LOOM_CHECK_AS(ConfigError, into.device != "nvme" || !into.nvme.path.empty(), t.where(name),
                   ": [zero] ", name, ".device = \"nvme\" needs nvme_path, a folder on a fast "
                   "local disk");
+    if (into.device == "nvme")
+      loom::offload::check_nvme_options(into.nvme, t.where(name) + ": [zero] " + name + ".");
   }
 
   loom::offload::OffloadOptions offload_, offload_param_;

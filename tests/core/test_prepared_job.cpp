@@ -116,6 +116,16 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
       {"adafactor clip threshold", "", "[optimizer]\nname = \"adafactor\"\nclip_threshold = 0\n",
        {"clip_threshold"}},
       {"zero stage 5", "", "[zero]\nstage = 5\n", {"stage must be 0, 1, 2 or 3"}},
+      {"swap file checksum threads", "",
+       "[zero]\noffload_optimizer = { device = \"nvme\", nvme_path = \"nvme\", "
+       "checksum_threads = 0 }\n",
+       {"[zero] offload_optimizer.checksum_threads 0 must be between 1 and 64"}},
+      {"swap file block size", "",
+       "[zero]\noffload_optimizer = { device = \"nvme\", nvme_path = \"nvme\", "
+       "block_size = 1000 }\n",
+       {"[zero] offload_optimizer.block_size 1000 must be a multiple of 4096"}},
+      {"sgd kernel", "", "[optimizer]\nname = \"sgd\"\nkernel = \"fused\"\n",
+       {"[optimizer] kernel 'fused' is unknown for sgd", "auto, multi_tensor or tensor_ops"}},
       {"offload_param below stage 3", "",
        "[precision]\nmode = \"full_bf16\"\n[zero]\nstage = 2\n"
        "offload_param = { device = \"nvme\", nvme_path = \"nvme\" }\n",

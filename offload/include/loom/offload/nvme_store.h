@@ -43,6 +43,11 @@ struct NvmeOptions {
   std::string what = "offloaded state";  // for messages: what the file holds
 };
 
+// The bounds of block_size, queue_depth and checksum_threads: a ConfigError naming the key,
+// `where` before it (a job's "file:line: [zero] offload_optimizer."). SwapFile checks them when
+// it is made; the job's parser checks them too, so `loom check` refuses what `loom run` would.
+void check_nvme_options(const NvmeOptions& options, const std::string& where = "");
+
 // Host memory aligned for O_DIRECT, zero-filled; its size rounded up to kAlignment.
 class AlignedBuffer {
  public:
