@@ -12,6 +12,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "resolve.h"
+#include "sum_of_squares.h"
 
 namespace loom {
 
@@ -86,26 +87,6 @@ void DefaultStepDriver::zero_grad() {
   for (auto& entry : entries_) at::Tensor(entry.param.tensor).mutable_grad() = at::Tensor();
 }
 
-namespace {
-
-// sum(g²) of one gradient: fp32 squares summed in fp64, over slices of 1 M elements. Summing a
-// whole tensor with at::sum(..., kDouble) made an fp64 copy of its squares first: three times
-// the largest gradient at once (94 MiB for BERT's 31 MiB embedding gradient), which set the
-// peak of checkpointed runs.
-at::Tensor sum_of_squares(const at::Tensor& grad) {
-  constexpr int64_t kSlice = int64_t{1} << 20;
-  const at::Tensor flat = grad.reshape(-1);
-  const int64_t n = flat.numel();
-  if (n <= kSlice) return at::sum(flat.to(at::kFloat).pow(2), at::kDouble);
-  at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
-  for (int64_t start = 0; start < n; start += kSlice)
-    total += at::sum(flat.narrow(0, start, std::min(kSlice, n - start)).to(at::kFloat).pow(2),
-                     at::kDouble);
-  return total;
-}
-
-}  // namespace
-
 at::Tensor squared_norm(const std::vector<at::Tensor>& grads) {
   // One fp32 sum of squares per tensor, then their fp64 total: all on the grads' device, so a
   // GPU run pays one host sync per step (when the caller reads it), not one per tensor.
@@ -114,8 +95,9 @@ at::Tensor squared_norm(const std::vector<at::Tensor>& grads) {
     // One multi-tensor norm kernel (what clip_grad_norm_ runs), squared in fp64.
     return at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum();
   }
-  // fp32 squares summed in fp64: the total hardly depends on where a sharded driver cuts a
-  // tensor, so the clipping factor (applied in fp32) comes out the same for every cut.
+  // fp32 squares summed in fp64 (Note [Sum of squares in one pass]): the total hardly depends on
+  // where a sharded driver cuts a tensor, so the clipping factor (applied in fp32) comes out the
+  // same for every cut.
   std::vector<at::Tensor> squares;
   for (const at::Tensor& grad : grads)
     squares.push_back(sum_of_squares(grad));
