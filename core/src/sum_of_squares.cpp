@@ -7,17 +7,18 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
+
+#include "adamw_bf16_element.h"
 
 namespace loom {
 namespace {
 
 // Note [Sum of squares in one pass]: the global gradient norm (for clipping and the logged
 // grad_norm) reads every gradient once more each step. As ATen ops, `sum(g.pow(2), kDouble)`,
-// it was a pass writing the squares to a temporary and a second reading them back: 120 ms a
-// step for GPT-2's 124 M fp32 gradients at 2 threads on an Intel Xeon (AVX-512), 3 % of the
-// fp32 step and 7 % of the bf16 one (docs/BENCHMARKS.md). Here it is one read.
+// it was a pass writing the squares to a temporary and a second reading them back: for GPT-2's
+// 124 M gradients at 2 threads on an Intel Xeon with AMX, 147 ms a step in fp32 and 135 ms in
+// bf16, 4 % and 7 % of those steps; this one read takes 33 and 44 ms (docs/BENCHMARKS.md).
 //
 // The value is fixed by the arithmetic, not by the machine: each square is rounded to fp32 (what
 // the old fp32 pow made), then added in fp64 into one of kLanes running sums, element i into
@@ -57,12 +58,7 @@ double chunk_fp32(const float* __restrict x, int64_t n) {
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 double chunk_bf16(const uint16_t* __restrict x, int64_t n) {
-  return fold_chunk(n, [x](int64_t i) {
-    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;  // bf16 widens to fp32 exactly
-    float v;
-    std::memcpy(&v, &bits, sizeof v);
-    return v;
-  });
+  return fold_chunk(n, [x](int64_t i) { return adamw_bf16::bf16_to_float(x[i]); });  // exact
 }
 
 template <typename T, typename Chunk>
