@@ -17,6 +17,7 @@
 #include "cuda_runtime.h"
 #include "loom/error.h"
 #include "loom/kernel_isa.h"
+#include "loom/prefetch.h"
 
 namespace loom {
 namespace {
@@ -26,18 +27,32 @@ namespace {
 // no errno so sqrt vectorises, no FMA contraction so the vector body and the scalar tail round
 // alike); cloned for AVX-512 and AVX2 and picked at load time. The arithmetic is
 // torch.optim.AdamW's: p *= 1 - lr wd; m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g²;
-// p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+// p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps). In runs of 16 elements (a cache line of each
+// array), each run first prefetching the lines it will read kPrefetchAhead elements on (Note
+// [Streams prefetched ahead] in loom/prefetch.h); the fixed-length inner loop vectorises whole.
+__attribute__((always_inline)) inline void adamw_element(float* __restrict p,
+                                                         const float* __restrict g,
+                                                         float* __restrict m, float* __restrict v,
+                                                         int64_t i, const AdamWCoefficients& c) {
+  const float gi = g[i];
+  const float mi = m[i] + c.w1 * (gi - m[i]);
+  const float vi = c.b2 * v[i] + c.w2 * gi * gi;
+  m[i] = mi;
+  v[i] = vi;
+  p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
+}
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restrict m,
                   float* __restrict v, int64_t n, AdamWCoefficients c) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    const float mi = m[i] + c.w1 * (gi - m[i]);
-    const float vi = c.b2 * v[i] + c.w2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) / c.bc2_sqrt + c.eps));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    cpu::prefetch_ahead(p + i);
+    cpu::prefetch_ahead(g + i);
+    cpu::prefetch_ahead(m + i);
+    cpu::prefetch_ahead(v + i);
+    for (int64_t k = i; k < i + 16; ++k) adamw_element(p, g, m, v, k, c);
   }
+  for (; i < n; ++i) adamw_element(p, g, m, v, i, c);
 }
 
 // Note [Stochastic rounding of the state]: with [optimizer] state_dtype = "bf16" AdamW keeps
@@ -100,12 +115,24 @@ void each_rounding_span(uint64_t tensor_key, int64_t step, int64_t offset, int64
 // elements first_index.. of the whole tensor, all with one rounding key. An always-inlined body
 // that each ISA's copy below vectorises for itself; no FMA contraction (-ffp-contract=off), so
 // every copy, and torch's separate ops in the tests' reference, round alike.
-// p, g: (n) fp32; m, v: (n) bf16 bits.
+// p, g: (n) fp32; m, v: (n) bf16 bits. In runs of 32 elements (a cache line of each bf16
+// array, two of each fp32 one), prefetched ahead as adamw_kernel's.
 __attribute__((always_inline)) inline void adamw_bf16_body(
     float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
     uint16_t* __restrict v, int64_t n, AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
     uint32_t key_hi) {
-  for (int64_t i = 0; i < n; ++i) adamw_bf16::update(p, g, m, v, i, c, first_index, key_lo, key_hi);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    cpu::prefetch_ahead(p + i);
+    cpu::prefetch_ahead(p + i + 16);
+    cpu::prefetch_ahead(g + i);
+    cpu::prefetch_ahead(g + i + 16);
+    cpu::prefetch_ahead(m + i);
+    cpu::prefetch_ahead(v + i);
+    for (int64_t k = i; k < i + 32; ++k)
+      adamw_bf16::update(p, g, m, v, k, c, first_index, key_lo, key_hi);
+  }
+  for (; i < n; ++i) adamw_bf16::update(p, g, m, v, i, c, first_index, key_lo, key_hi);
 }
 
 // Picked per update by loom::cpu::kernel_isa(), so LOOM_KERNEL_ISA runs the AVX2 and scalar

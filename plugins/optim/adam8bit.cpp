@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loom/kernel_isa.h"
+#include "loom/prefetch.h"
 #include "quantize.h"
 #include "rules.h"
 #if defined(LOOM_OPTIM_CUDA_KERNELS)
@@ -122,20 +123,16 @@ __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominat
   return _mm256_div_ps(m, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
 }
 
-// Note [adam8bit's streams prefetched]: both loops ask for their streams kPrefetchAhead
-// elements (a 256-element block's worth) before they read them: the first loop for g and the
-// two code arrays, the second for p, which it reads, scales and writes back. The hardware's
-// own prefetcher did not keep the streams ahead of these loops, which run at ~4 cycles an
-// element with the codec's arithmetic between loads (unlike torch's fused AdamW, which only
-// streams): measured on the Intel Xeon with AMX at 40 M parameters, one thread, AVX-512, the
-// step fell from 2.27 to 1.40 ns a parameter, about the loops' time on data already in cache
-// (1.44), so memory no longer adds to the arithmetic (docs/BENCHMARKS.md, session 25). A
-// prefetch never faults, so addresses past a tensor's end are harmless; on the last block
-// they are not used. An fp32 line holds 16 elements, a code line 64.
-constexpr int64_t kPrefetchAhead = 256;
-inline void prefetch(const void* address) {
-  _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0);
-}
+// Note [adam8bit's streams prefetched]: both loops ask for their streams kPrefetchAhead elements
+// before they read them (Note [Streams prefetched ahead] in loom/prefetch.h): the first loop g
+// and the two code arrays, the second p, which it reads, scales and writes back. These loops
+// spend ~4 cycles an element on the codec's arithmetic between their loads, and the hardware's
+// prefetcher alone did not keep their streams ahead: on the Intel Xeon with AMX, 40 M
+// parameters, one thread, AVX-512, the step fell from 2.28 to 1.36 ns a parameter
+// (docs/BENCHMARKS.md, "Streams prefetched ahead"; p prefetched by the first loop instead
+// did less). An fp32 line holds 16 elements, a code line 64; on the last block the lines past
+// the end go unused.
+using cpu::prefetch_ahead;
 
 // One block on AVX-512, in two loops (Note [adam8bit's divisions beside the quantizer]).
 __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Block& b,
@@ -154,10 +151,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Blo
     const QuantMap::Dequantizer16<true> code_m(signed_map());
     const QuantMap::Dequantizer16<false> code_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 16) {
-      prefetch(g + i + kPrefetchAhead);
+      prefetch_ahead(g + i);
       if ((i & 63) == 0) {
-        prefetch(qm + i + kPrefetchAhead);
-        prefetch(qv + i + kPrefetchAhead);
+        prefetch_ahead(qm + i);
+        prefetch_ahead(qv + i);
       }
       __m512 m = _mm512_mul_ps(
           code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm + i)))),
@@ -185,7 +182,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Blo
     const QuantMap::Quantizer16<true> quantize_m(signed_map());
     const QuantMap::Quantizer16<false> quantize_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 16) {
-      prefetch(p + i + kPrefetchAhead);
+      prefetch_ahead(p + i);
       const __m512 m = _mm512_loadu_ps(mbuf + i), v = _mm512_loadu_ps(vbuf + i);
       // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
       // Xeon of issue 39 against 32 at 512 bits (the same roundings).
@@ -257,10 +254,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
     const QuantMap::Dequantizer8<true> code_m(signed_map());
     const QuantMap::Dequantizer8<false> code_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 8) {
-      if ((i & 15) == 0) prefetch(g + i + kPrefetchAhead);
+      if ((i & 15) == 0) prefetch_ahead(g + i);
       if ((i & 63) == 0) {
-        prefetch(qm + i + kPrefetchAhead);
-        prefetch(qv + i + kPrefetchAhead);
+        prefetch_ahead(qm + i);
+        prefetch_ahead(qv + i);
       }
       const __m256i im =
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qm + i)));
@@ -288,7 +285,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
     const QuantMap::Quantizer8<true> quantize_m(signed_map());
     const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 8) {
-      if ((i & 15) == 0) prefetch(p + i + kPrefetchAhead);
+      if ((i & 15) == 0) prefetch_ahead(p + i);
       const __m256 m = _mm256_loadu_ps(mbuf + i), v = _mm256_loadu_ps(vbuf + i);
       _mm256_storeu_ps(p + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay),
                                             _mm256_mul_ps(step, divide_by_denominator(
