@@ -15,6 +15,7 @@
 
 #include "adafactor_element.h"
 #include "loom/kernel_isa.h"
+#include "loom/prefetch.h"
 #include "rules.h"
 #if defined(LOOM_OPTIM_CUDA_KERNELS)
 #include <c10/core/DeviceGuard.h>
