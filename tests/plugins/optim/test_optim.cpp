@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -576,6 +578,72 @@ TEST(OptimCheckpoint, EveryRuleResumesBitwise) {
       for (size_t i = 0; i < want.size(); ++i)
         EXPECT_TRUE(at::equal(want[i].second, got[i].second)) << c.name << " " << want[i].first;
     }
+  }
+}
+
+// Floats that end where an inaccessible page begins: any access past the last one faults.
+class GuardedFloats {
+ public:
+  explicit GuardedFloats(int64_t n) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t need = static_cast<size_t>(n) * sizeof(float);
+    const size_t pages = (need + page - 1) / page;
+    bytes_ = (pages + 1) * page;
+    base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base_ == MAP_FAILED) throw std::runtime_error("mmap failed");
+    char* guard = static_cast<char*>(base_) + pages * page;
+    if (mprotect(guard, page, PROT_NONE) != 0) throw std::runtime_error("mprotect failed");
+    tensor_ = at::from_blob(guard - need, {n}, at::kFloat);
+  }
+  ~GuardedFloats() { munmap(base_, bytes_); }
+  GuardedFloats(const GuardedFloats&) = delete;
+  GuardedFloats& operator=(const GuardedFloats&) = delete;
+  at::Tensor& tensor() { return tensor_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  at::Tensor tensor_;
+};
+
+// Note [Streams prefetched ahead] (loom/prefetch.h): the CPU loops ask for lines past their
+// arrays' ends, which must stay harmless: with the parameter and the gradient each ending at an
+// inaccessible page, every rule (both AdamW state types, adam8bit's blocks with a partial last
+// one, adafactor's rows with and without momentum, sgd, lion) runs three steps without a fault
+// and lands on the bits it lands on in ordinary memory.
+TEST(OptimKernels, NoKernelReadsPastItsTensors) {
+  const std::vector<int64_t> shape = {3, 347};  // 1041 elements: no multiple of 16 or 64
+  const int64_t n = 3 * 347;
+  at::manual_seed(17);
+  const at::Tensor start = at::randn({n}) * 0.5;
+  std::vector<at::Tensor> grads;
+  for (int step = 0; step < 3; ++step) grads.push_back(at::randn({n}) * 0.1);
+  for (const auto& c : all_rules()) {
+    SCOPED_TRACE(c.name);
+    auto rule = make_rule(c.name, c.values);
+    auto train = [&](at::Tensor param, at::Tensor grad) {
+      Segment s;
+      s.name = "w";
+      s.param = param;
+      s.param.copy_(start);
+      s.shape = shape;
+      s.state = rule->init_state(s);
+      for (int step = 0; step < 3; ++step) {
+        grad.copy_(grads[step]);
+        s.grad = grad;
+        UpdateContext ctx;
+        ctx.step = step + 1;
+        ctx.lr = c.lr != 0 ? c.lr : 1e-3;
+        ctx.weight_decay = 0.1;
+        update_tensor(*rule, {&s}, ctx);
+      }
+      return s.param.clone();
+    };
+    GuardedFloats param(n), grad(n);
+    const at::Tensor guarded = train(param.tensor(), grad.tensor());
+    const at::Tensor ordinary = train(at::empty({n}), at::empty({n}));
+    EXPECT_TRUE(at::equal(guarded, ordinary));
+    EXPECT_FALSE(at::equal(guarded, start)) << "the rule did not update";
   }
 }
 
