@@ -125,7 +125,8 @@ void sgd_kernel(float* __restrict p, const float* __restrict g, float* __restric
     cpu::prefetch_ahead(p + i);
     cpu::prefetch_ahead(g + i);
     if (buf) cpu::prefetch_ahead(buf + i);
-    for (int64_t k = i; k < i + 16; ++k) sgd_element(p, g, buf, k, wd, lr, mu, keep, first, nesterov);
+    for (int64_t k = i; k < i + 16; ++k)
+      sgd_element(p, g, buf, k, wd, lr, mu, keep, first, nesterov);
   }
   for (; i < n; ++i) sgd_element(p, g, buf, i, wd, lr, mu, keep, first, nesterov);
 }
