@@ -148,7 +148,19 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
   std::vector<at::Tensor> grads;
   std::vector<Entry> entries;
   const at::Device device = bench_device();
+  // make_segments' tensors: 100 of `per_tensor` elements (whole rows of 1024).
+  const int64_t per_tensor = total / 100 / 1024 * 1024;
+  if (per_tensor == 0)
+    throw std::runtime_error("PARAMS_MILLIONS " + std::to_string(total / 1e6) +
+                             " makes empty tensors: use at least 0.1024 (100 tensors of 1024)");
   for (const std::string& name : names) {
+    // adam8bit keeps fp32 state below min_8bit_size (4096 by default): such a run would time
+    // AdamW's loop, not the 8-bit kernel (session 25 nearly drew conclusions from one).
+    if (name.rfind("adam8bit", 0) == 0 && per_tensor < 4096)
+      std::fprintf(stderr,
+                   "%s: tensors of %lld elements are below adam8bit's min_8bit_size (4096): "
+                   "this times its fp32-state path; use PARAMS_MILLIONS >= 0.41\n",
+                   name.c_str(), static_cast<long long>(per_tensor));
     Entry e;
     e.name = name;
     std::string rest = name;
