@@ -47,8 +47,10 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 3.0f * c[i];
 }
 
+// `schema_out`, when given, receives the rule's schema (its keys' defaults).
 std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plugin_path,
-                                       const std::string& kernel = "") {
+                                       const std::string& kernel = "",
+                                       loom::Schema* schema_out = nullptr) {
   loom::Schema schema("optimizer", name);
   loom::Plugin* plugin = nullptr;
   const bool adamw = name == "adamw" || name == "adamw_bf16";
@@ -73,6 +75,7 @@ std::unique_ptr<loom::UpdateRule> make(const std::string& name, const char* plug
     values.emplace_back("relative_step", loom::ConfigValue{false, "bench"});
     values.emplace_back("scale_parameter", loom::ConfigValue{false, "bench"});
   }
+  if (schema_out) *schema_out = schema;
   loom::ConfigSection section("optimizer", values, schema, "bench");
   return adamw ? loom::make_adamw(section) : plugin->create_update_rule(name, section);
 }
@@ -154,13 +157,6 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
     throw std::runtime_error("PARAMS_MILLIONS " + std::to_string(total / 1e6) +
                              " makes empty tensors: use at least 0.1024 (100 tensors of 1024)");
   for (const std::string& name : names) {
-    // adam8bit keeps fp32 state below min_8bit_size (4096 by default): such a run would time
-    // AdamW's loop, not the 8-bit kernel (session 25 nearly drew conclusions from one).
-    if (name.rfind("adam8bit", 0) == 0 && per_tensor < 4096)
-      std::fprintf(stderr,
-                   "%s: tensors of %lld elements are below adam8bit's min_8bit_size (4096): "
-                   "this times its fp32-state path; use PARAMS_MILLIONS >= 0.41\n",
-                   name.c_str(), static_cast<long long>(per_tensor));
     Entry e;
     e.name = name;
     std::string rest = name;
@@ -180,7 +176,19 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
     if (!e.isa.empty() && e.isa != "avx512" && e.isa != "avx2" && e.isa != "scalar")
       throw std::runtime_error("entry '" + name + "': ISA '" + e.isa +
                                "' is not avx512, avx2 or scalar");
-    if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str(), e.kernel);
+    loom::Schema schema("optimizer", e.rule);
+    if (e.rule != "torch-fused") e.update_rule = make(e.rule, e.plugin.c_str(), e.kernel, &schema);
+    // A rule that keeps fp32 state below min_8bit_size (adam8bit) would time AdamW's loop, not
+    // its own kernel, on tensors this small (session 25 nearly drew conclusions from one).
+    if (const loom::KeySpec* key = schema.find("min_8bit_size"); key && key->default_value)
+      if (const auto* least = std::get_if<int64_t>(&key->default_value->value);
+          least && per_tensor < *least)
+        std::fprintf(stderr,
+                     "%s: tensors of %lld elements are below its min_8bit_size (%lld): this "
+                     "times its fp32-state path; use PARAMS_MILLIONS >= %.4g\n",
+                     name.c_str(), static_cast<long long>(per_tensor),
+                     static_cast<long long>(*least),
+                     static_cast<double>((*least + 1023) / 1024 * 1024) * 100 / 1e6);
     e.segments = make_segments(e.update_rule.get(), total, grads, device);
     if (!e.update_rule)
       for (const auto& s : e.segments) {
