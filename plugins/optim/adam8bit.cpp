@@ -78,7 +78,9 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 // - the absmax is kept as std::max keeps it (a NaN never enters; max is order-free otherwise);
 // - dequantizing is code[q] · absmax, the code from the byte's own arithmetic (Note [Dequantize
 //   by arithmetic] in quantize.h: one fma and a bit from a register table, no gather), in the
-//   loop that updates the moments, on both widths;
+//   loop that updates the moments, on both widths; on CPUs with AVX-512 VBMI the AVX-512
+//   path's first loop looks 64 codes up at once in the table's byte planes instead (Note
+//   [Dequantize by byte planes]: 22 operations, not ~35 x 4), runs of under 64 by arithmetic;
 // - requantizing follows Note [Quantize by arithmetic], the code from the float's exponent and
 //   one fused multiply-subtract, no gather; the rare vector with a lane too close to a
 //   threshold for that arithmetic to be sure (about 1 in 800 in training) takes Note [Quantize
@@ -103,7 +105,7 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 // 16 moments of each kind scaled by their block's inverse absmax and written as codes: by
 // arithmetic, or by the one-step table where a lane lies too close to a threshold (Note
 // [Quantize by arithmetic] in quantize.h).
-__attribute__((target("avx512f,avx512bw"), always_inline)) inline void requantize16(
+__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void requantize16(
     const QuantMap::Quantizer16<true>& quantize_m, const QuantMap::Quantizer16<false>& quantize_v,
     __m512 m, __m512 v, __m512 scale_m, __m512 scale_v, uint8_t* qm_out, uint8_t* qv_out) {
   const __m512 ym = _mm512_mul_ps(m, scale_m);
@@ -113,8 +115,16 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void requantiz
   __m512i qv = quantize_v(yv, unsure_v);
   if (__builtin_expect(unsure_m != 0, 0)) qm = signed_map().quantize16_step(ym);
   if (__builtin_expect(unsure_v != 0, 0)) qv = unsigned_map().quantize16_step(yv);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qm_out), _mm512_cvtepi32_epi8(qm));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qv_out), _mm512_cvtepi32_epi8(qv));
+  // Both vectors' int32 codes (each in [0, 255]) to bytes in three shuffles, where two
+  // down-conversions (vpmovdb) take two each, all on the one shuffle port of the Xeon of
+  // issue 39: per 128-bit lane l the packs leave m's codes 4l..4l+3 in dword 4l and v's in
+  // dword 4l + 1, and one permute gathers m's four dwords, then v's, into the low 256 bits.
+  const __m512i words = _mm512_packus_epi32(qm, qv);
+  const __m512i bytes = _mm512_packus_epi16(words, words);
+  const __m256i both = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qm_out), _mm256_castsi256_si128(both));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qv_out), _mm256_extracti128_si256(both, 1));
 }
 
 // m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
@@ -134,45 +144,77 @@ __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominat
 // the end go unused.
 using cpu::prefetch_ahead;
 
-// One block on AVX-512, in two loops (Note [adam8bit's divisions beside the quantizer]).
-__attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Block& b,
-                                                                       const Coefficients& c,
-                                                                       float* mbuf, float* vbuf) {
-  // Locals, not b's fields: a float store could alias `b`, which the loops would then reload.
-  float* const p = b.p;
+// The moments' running maxima in block_avx512's first loop: m's absmax as max(most, -least),
+// one operation a vector, not an absolute value and a max.
+struct Maxima16 {
+  __m512 most_m, least_m, most_v;
+};
+
+// The first loop's work on 16 elements once their codes are floats: scale by the block's
+// absmax, update the moments with the gradient, keep them in the block buffers, fold them into
+// the maxima. Shared by the arithmetic and the byte-plane loops.
+struct MomentUpdate16 {
+  __m512 w1, b2, w2, absmax_m, absmax_v;
+  __attribute__((target("avx512f"))) MomentUpdate16(const Block& b, const Coefficients& c)
+      : w1(_mm512_set1_ps(c.w1)),
+        b2(_mm512_set1_ps(c.b2)),
+        w2(_mm512_set1_ps(c.w2)),
+        absmax_m(_mm512_set1_ps(*b.am)),
+        absmax_v(_mm512_set1_ps(*b.av)) {}
+  __attribute__((target("avx512f"), always_inline)) void operator()(
+      __m512 code_m, __m512 code_v, const float* g, float* m_out, float* v_out,
+      Maxima16& most) const {
+    __m512 m = _mm512_mul_ps(code_m, absmax_m);
+    __m512 v = _mm512_mul_ps(code_v, absmax_v);
+    const __m512 grad = _mm512_loadu_ps(g);
+    m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(grad, m)));
+    v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, grad), grad));
+    _mm512_storeu_ps(m_out, m);
+    _mm512_storeu_ps(v_out, v);
+    // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
+    most.most_m = _mm512_max_ps(m, most.most_m);
+    most.least_m = _mm512_min_ps(m, most.least_m);
+    most.most_v = _mm512_max_ps(v, most.most_v);
+  }
+};
+
+// block_avx512's first loop over elements [from, to) (whole vectors): dequantize m and v by
+// arithmetic, update them, keep them in the block buffers and fold them into `most`.
+__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
+update_vectors16(const Block& b, const Coefficients& c, float* mbuf, float* vbuf, int64_t from,
+                 int64_t to, Maxima16& most) {
+  // Locals, not b's fields: a float store could alias `b`, which the loop would then reload.
   const float* const g = b.g;
+  const uint8_t* const qm = b.qm;
+  const uint8_t* const qv = b.qv;
+  const MomentUpdate16 update(b, c);
+  const QuantMap::Dequantizer16<true> code_m(signed_map());
+  const QuantMap::Dequantizer16<false> code_v(unsigned_map());
+  Maxima16 local = most;  // a local, so the loop keeps it in registers
+  for (int64_t i = from; i < to; i += 16) {
+    prefetch_ahead(g + i);
+    if ((i & 63) == 0) {
+      prefetch_ahead(qm + i);
+      prefetch_ahead(qv + i);
+    }
+    update(code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm + i)))),
+           code_v(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qv + i)))),
+           g + i, mbuf + i, vbuf + i, local);
+  }
+  most = local;
+}
+
+// What follows block_avx512's first loop: the tail, the new absmax, and the second loop (the
+// parameter's update beside the requantization) over the first `whole` elements.
+__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
+finish_block16(const Block& b, const Coefficients& c, float* mbuf, float* vbuf, int64_t whole,
+               const Maxima16& most) {
+  float* const p = b.p;
   uint8_t* const qm = b.qm;
   uint8_t* const qv = b.qv;
-  const int64_t whole = b.len / 16 * 16;
-  __m512 most_m = _mm512_setzero_ps(), most_v = _mm512_setzero_ps();
-  {
-    const __m512 w1 = _mm512_set1_ps(c.w1), b2 = _mm512_set1_ps(c.b2), w2 = _mm512_set1_ps(c.w2),
-                 absmax_m = _mm512_set1_ps(*b.am), absmax_v = _mm512_set1_ps(*b.av);
-    const QuantMap::Dequantizer16<true> code_m(signed_map());
-    const QuantMap::Dequantizer16<false> code_v(unsigned_map());
-    for (int64_t i = 0; i < whole; i += 16) {
-      prefetch_ahead(g + i);
-      if ((i & 63) == 0) {
-        prefetch_ahead(qm + i);
-        prefetch_ahead(qv + i);
-      }
-      __m512 m = _mm512_mul_ps(
-          code_m(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm + i)))),
-          absmax_m);
-      __m512 v = _mm512_mul_ps(
-          code_v(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qv + i)))),
-          absmax_v);
-      const __m512 grad = _mm512_loadu_ps(g + i);
-      m = _mm512_add_ps(m, _mm512_mul_ps(w1, _mm512_sub_ps(grad, m)));
-      v = _mm512_add_ps(_mm512_mul_ps(b2, v), _mm512_mul_ps(_mm512_mul_ps(w2, grad), grad));
-      _mm512_storeu_ps(mbuf + i, m);
-      _mm512_storeu_ps(vbuf + i, v);
-      // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
-      most_m = _mm512_max_ps(_mm512_abs_ps(m), most_m);
-      most_v = _mm512_max_ps(v, most_v);
-    }
-  }
-  float new_am = _mm512_reduce_max_ps(most_m), new_av = _mm512_reduce_max_ps(most_v);
+  // Both folds start from +0, which no ±0 displaces, so an all-zero block's absmax is +0.
+  float new_am = std::max(_mm512_reduce_max_ps(most.most_m), -_mm512_reduce_min_ps(most.least_m));
+  float new_av = _mm512_reduce_max_ps(most.most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
   {
@@ -185,11 +227,13 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Blo
       prefetch_ahead(p + i);
       const __m512 m = _mm512_loadu_ps(mbuf + i), v = _mm512_loadu_ps(vbuf + i);
       // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
-      // Xeon of issue 39 against 32 at 512 bits (the same roundings).
+      // Xeon of issue 39 against 32 at 512 bits (the same roundings). The high halves are
+      // loaded again rather than extracted: a load port is free, the shuffle port is not.
       const __m256 low = divide_by_denominator(_mm512_castps512_ps256(m),
                                                _mm512_castps512_ps256(v), bc2, eps);
-      const __m256 high = divide_by_denominator(_mm512_extractf32x8_ps(m, 1),
-                                                _mm512_extractf32x8_ps(v, 1), bc2, eps);
+      const __m256 high =
+          divide_by_denominator(_mm256_loadu_ps(mbuf + i + 8), _mm256_loadu_ps(vbuf + i + 8),
+                                bc2, eps);
       const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
       _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay),
                                             _mm512_mul_ps(step, ratio)));
@@ -199,6 +243,47 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Blo
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
   *b.av = new_av;
+}
+
+// One block on AVX-512, in two loops (Note [adam8bit's divisions beside the quantizer]).
+__attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Block& b,
+                                                                       const Coefficients& c,
+                                                                       float* mbuf, float* vbuf) {
+  const int64_t whole = b.len / 16 * 16;
+  Maxima16 most{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  update_vectors16(b, c, mbuf, vbuf, 0, whole, most);
+  finish_block16(b, c, mbuf, vbuf, whole, most);
+}
+
+// block_avx512 with its first loop dequantizing 64 codes at a time by byte planes (Note
+// [Dequantize by byte planes] in quantize.h), for CPUs with AVX-512 VBMI; the same floats and
+// bytes, as the dequantized codes are code[]'s either way.
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"))) void block_avx512_vbmi(
+    const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
+  const float* const g = b.g;
+  const uint8_t* const qm = b.qm;
+  const uint8_t* const qv = b.qv;
+  const int64_t whole64 = b.len / 64 * 64, whole = b.len / 16 * 16;
+  Maxima16 most{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  {
+    const MomentUpdate16 update(b, c);
+    const QuantMap::PlaneDequantizer64 code_m(signed_map());
+    const QuantMap::PlaneDequantizer64 code_v(unsigned_map());
+    for (int64_t i = 0; i < whole64; i += 64) {
+      prefetch_ahead(qm + i);
+      prefetch_ahead(qv + i);
+      __m512 ms[4], vs[4];
+      code_m(_mm512_loadu_si512(qm + i), ms);
+      code_v(_mm512_loadu_si512(qv + i), vs);
+      for (int t = 0; t < 4; ++t) {
+        const int64_t at = i + 16 * t;
+        prefetch_ahead(g + at);
+        update(ms[t], vs[t], g + at, mbuf + at, vbuf + at, most);
+      }
+    }
+  }
+  update_vectors16(b, c, mbuf, vbuf, whole64, whole, most);
+  finish_block16(b, c, mbuf, vbuf, whole, most);
 }
 
 // Eight int32 codes of each state (each in [0, 255]) to eight bytes each: three shuffles for
@@ -246,11 +331,11 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
   uint8_t* const qm = b.qm;
   uint8_t* const qv = b.qv;
   const int64_t whole = b.len / 8 * 8;
-  __m256 most_m = _mm256_setzero_ps(), most_v = _mm256_setzero_ps();
+  // m's absmax as max(most, -least), as block_avx512 keeps it.
+  __m256 most_m = _mm256_setzero_ps(), least_m = _mm256_setzero_ps(), most_v = most_m;
   {
     const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
-                 absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av),
-                 sign = _mm256_set1_ps(-0.0f);
+                 absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av);
     const QuantMap::Dequantizer8<true> code_m(signed_map());
     const QuantMap::Dequantizer8<false> code_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 8) {
@@ -271,11 +356,15 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
       _mm256_storeu_ps(mbuf + i, m);
       _mm256_storeu_ps(vbuf + i, v);
       // max_ps(x, most) returns `most` where x is NaN, as std::max(most, x) does.
-      most_m = _mm256_max_ps(_mm256_andnot_ps(sign, m), most_m);
+      most_m = _mm256_max_ps(m, most_m);
+      least_m = _mm256_min_ps(m, least_m);
       most_v = _mm256_max_ps(v, most_v);
     }
   }
-  float new_am = lanes_max(most_m), new_av = lanes_max(most_v);
+  // -least's largest lane is -(least's smallest); a +0 from the fold's start wins a tie with -0.
+  float new_am = std::max(lanes_max(most_m),
+                          lanes_max(_mm256_xor_ps(least_m, _mm256_set1_ps(-0.0f))));
+  float new_av = lanes_max(most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
   {
@@ -473,7 +562,8 @@ class Adam8bit final : public UpdateRule {
                      std::min(block, n - start)};
       };
 #if defined(__x86_64__)
-      const auto kernel = path == cpu::KernelIsa::avx512 ? block_avx512
+      static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+      const auto kernel = path == cpu::KernelIsa::avx512 ? (vbmi ? block_avx512_vbmi : block_avx512)
                           : path == cpu::KernelIsa::avx2 ? block_avx2
                                                          : block_scalar;
 #else

@@ -60,6 +60,9 @@ struct RegisterTable {
 // sign (127 codes a side + zero; the 256th code is a second zero); unsigned: 8 bits (255 + 0).
 struct QuantMap {
   std::array<float, 256> code{};       // sorted ascending; the byte is the index
+  // code[] as four planes of bytes: byte b of code[i] at 256 b + i (Note [Dequantize by byte
+  // planes]).
+  alignas(64) std::array<uint8_t, 1024> code_planes{};
   std::array<float, 256> threshold{};  // threshold[i] = midpoint of code[i], code[i+1]; [255] = inf
 
   explicit QuantMap(bool is_signed) {
@@ -98,6 +101,9 @@ struct QuantMap {
     build_step_cells();
     build_arithmetic(is_signed);
     build_dequantize(is_signed);
+    for (int i = 0; i < 256; ++i)
+      for (int b = 0; b < 4; ++b)
+        code_planes[256 * b + i] = static_cast<uint8_t>(to_bits(code[i]) >> (8 * b));
   }
 
   // The nearest code of y (|y| <= 1): a branch-free binary search over the midpoints.
@@ -202,20 +208,24 @@ struct QuantMap {
   // 10^-e, n_e codes, the first at byte base_e) holds the codes 10^-e (0.1 + 0.9 (k+1)/n_e), and
   // its thresholds, the midpoints, lie where x = (|y| 10^e - 0.1) n_e / 0.9 is k + 1/2: its lower
   // edge (the midpoint to the decade below) at x = 1/2, the one between codes k-1 and k at
-  // k + 1/2. So with x'' = |y| scale_e - offset_e = x - 1/2 + base_e, the byte is floor(x''),
-  // capped at the decade's top code. The decade itself comes from the exponent (a table of 32
-  // binades gives the decade of each binade's top; a binade holds at most one decade edge) and
-  // one comparison with that decade's lower edge, an exact threshold of the map. The thresholds
-  // are float roundings of double arithmetic, so x'' misses them by a little: a lane whose x''
-  // lies within kArithMargin of an integer is "unsure" and the caller quantizes that vector by
-  // the one-step table (quantize8 / quantize16_step). The constructor proves the rest exact
-  // (arithmetic_ready()): at every threshold of every decade x'' (the same fma) lies within
-  // kArithMargin / 2 of its integer, and x'' rises with |y|, so a sure lane is on the right
-  // side of every threshold. The negative half of the signed map mirrors the positive
-  // (threshold[254 - i] = -threshold[i], checked): byte 255 - q, and y <= 0 takes the lower of
-  // the two zeros. The unsigned map's negatives and NaN are 0 (max(y, 0) is 0 for both); the
-  // signed map's NaN is unsure. No gather: about 20 register operations per vector, against a
-  // gather of ~35 cycles on the Xeon of issue 39 (docs/BENCHMARKS.md).
+  // k + 1/2. So with x'' = |y| scale_e - offset_e = x - 1/2 + base_e + kArithMargin, the byte
+  // is floor(x''), capped at the decade's top code. The decade itself comes from the exponent (a
+  // table of 32 binades gives the decade of each binade's top; a binade holds at most one decade
+  // edge) and one comparison with that decade's lower edge, an exact threshold of the map. The
+  // thresholds are float roundings of double arithmetic, so x'' misses them by a little: a lane
+  // whose x'' lies at or less than 2 kArithMargin above an integer is "unsure" and the caller
+  // quantizes that vector by the one-step table (quantize8 / quantize16_step). The constructor
+  // proves the rest exact (arithmetic_ready()): at every threshold of every decade x'' (the same
+  // fma) lies within kArithMargin / 2 of its integer + kArithMargin, and x'' rises with |y|, so
+  // a sure lane is on the right side of every threshold. (The lift by kArithMargin, in offset_e,
+  // makes the test one comparison of x'' - floor(x''), one AVX-512 instruction, where a window
+  // either side of the integer took a subtraction and an absolute value more; the unsure lanes
+  // are the same, 2^32 floats counted: docs/BENCHMARKS.md.) The negative half of the signed
+  // map mirrors the positive (threshold[254 - i] = -threshold[i], checked): byte 255 - q, and
+  // y <= 0 takes the lower of the two zeros. The unsigned map's negatives and NaN are 0
+  // (max(y, 0) is 0 for both); the signed map's NaN is unsure. No gather: about 18 register
+  // operations per vector, against a gather of ~35 cycles on the Xeon of issue 39
+  // (docs/BENCHMARKS.md).
   static constexpr float kArithMargin = 1.0f / 4096;
   bool arithmetic_ready() const { return arith_fits; }
   // Both widths compare a lane's key with its decade's lower edge: |y| as an integer (integers
@@ -223,8 +233,8 @@ struct QuantMap {
   // rounds a tie, but on the signed map's negative half the tie rounds away from zero, so a
   // negative y counts as one ulp larger (its key is |y| + 1: an edge E is below y exactly when
   // |y| < E).
-  __attribute__((target("avx512f,avx512bw"))) __m512i quantize16_arith(__m512 y,
-                                                                       __mmask16& unsure) const {
+  __attribute__((target("avx512f,avx512bw,avx512dq"))) __m512i quantize16_arith(
+      __m512 y, __mmask16& unsure) const {
     return is_signed_map ? Quantizer16<true>(*this)(y, unsure)
                          : Quantizer16<false>(*this)(y, unsure);
   }
@@ -241,14 +251,16 @@ struct QuantMap {
           top(_mm512_loadu_ps(map.arith_top.data())),
           scale(_mm512_loadu_ps(map.arith_scale.data())),
           offset(_mm512_loadu_ps(map.arith_offset.data())) {}
-    __attribute__((target("avx512f,avx512bw"), always_inline)) __m512i operator()(
+    __attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) __m512i operator()(
         __m512 y, __mmask16& unsure) const {
       const __m512 zero = _mm512_setzero_ps();
       const __m512 a = kSigned ? _mm512_abs_ps(y) : _mm512_max_ps(y, zero);
       const __m512i magnitude = _mm512_castps_si512(a);
-      // The key: a negative y on the signed map counts one ulp larger.
+      // The key: a y <= 0 on the signed map counts one ulp larger (+0 too: its key, 1, lies
+      // below every edge as 0 does).
+      const __mmask16 not_positive = kSigned ? _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ) : 0;
       const __m512i key =
-          kSigned ? _mm512_sub_epi32(magnitude, _mm512_srai_epi32(_mm512_castps_si512(y), 31))
+          kSigned ? _mm512_mask_add_epi32(magnitude, not_positive, magnitude, _mm512_set1_epi32(1))
                   : magnitude;
       // The binade, 0 for anything below 2^-26, 31 from 2^5 up (inf and NaN included).
       const __m512i binade = _mm512_min_epu32(
@@ -264,12 +276,10 @@ struct QuantMap {
           _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, scale),
                           _mm512_permutexvar_ps(decade, offset)));
       __m512i q = _mm512_cvttps_epi32(x);  // NaN last in min: a NaN x stays NaN, so unsure
-      const __m512 from_half = _mm512_abs_ps(
-          _mm512_sub_ps(_mm512_sub_ps(x, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(0.5f)));
-      unsure = _mm512_cmp_ps_mask(from_half, _mm512_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
-      if (kSigned)
-        q = _mm512_mask_xor_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ), q,
-                                  _mm512_set1_epi32(0xff));
+      // x - floor(x), exact (x >= 0 here, below 2^23).
+      const __m512 fraction = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      unsure = _mm512_cmp_ps_mask(fraction, _mm512_set1_ps(2 * kArithMargin), _CMP_NGT_UQ);
+      if (kSigned) q = _mm512_mask_xor_epi32(q, not_positive, q, _mm512_set1_epi32(0xff));
       return q;
     }
   };
@@ -303,10 +313,11 @@ struct QuantMap {
       const __m256 a =
           kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y) : _mm256_max_ps(y, zero);
       const __m256i magnitude = _mm256_castps_si256(a);
-      // The key: a negative y on the signed map counts one ulp larger.
+      // The key: a y <= 0 on the signed map counts one ulp larger (a true mask is -1).
+      const __m256 not_positive =
+          kSigned ? _mm256_cmp_ps(y, zero, _CMP_LE_OQ) : _mm256_setzero_ps();
       const __m256i key =
-          kSigned ? _mm256_sub_epi32(magnitude, _mm256_srai_epi32(_mm256_castps_si256(y), 31))
-                  : magnitude;
+          kSigned ? _mm256_sub_epi32(magnitude, _mm256_castps_si256(not_positive)) : magnitude;
       const __m256i binade = _mm256_min_epu32(
           _mm256_subs_epu16(_mm256_srli_epi32(magnitude, 23),
                             _mm256_set1_epi32(kArithFirstExponent)),
@@ -323,12 +334,9 @@ struct QuantMap {
           _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, decade),
                           _mm256_permutevar8x32_ps(offset, decade)));
       __m256i q = _mm256_cvttps_epi32(x);
-      const __m256 from_half = _mm256_andnot_ps(
-          _mm256_set1_ps(-0.0f),
-          _mm256_sub_ps(_mm256_sub_ps(x, _mm256_cvtepi32_ps(q)), _mm256_set1_ps(0.5f)));
-      __m256 doubt = _mm256_cmp_ps(from_half, _mm256_set1_ps(0.5f - kArithMargin), _CMP_NLT_UQ);
+      const __m256 fraction = _mm256_sub_ps(x, _mm256_cvtepi32_ps(q));  // exact
+      __m256 doubt = _mm256_cmp_ps(fraction, _mm256_set1_ps(2 * kArithMargin), _CMP_NGT_UQ);
       if (kSigned) {
-        const __m256 not_positive = _mm256_cmp_ps(y, zero, _CMP_LE_OQ);
         q = _mm256_xor_si256(
             q, _mm256_and_si256(_mm256_castps_si256(not_positive), _mm256_set1_epi32(0xff)));
       } else {  // at or below the lowest edge (decade 8 and beyond): byte 0, sure
@@ -349,7 +357,9 @@ struct QuantMap {
   // fma of k with two floats S, O comes within one ulp below that code; no fma alone is exact
   // (fma(k+1, S, O) missed some code of every decade of 8 or more codes for every S, O within
   // 64 ulps of the obvious ones, tried offline), so a 256-bit table holds each code's missing
-  // last bit: code bits = fma bits + fix bit. The decade is the exponent of float(j) (its low 3
+  // last bit: code bits = fma bits + fix bit (bit j >> 3 of word j & 7 for AVX2's 8-entry
+  // permutes; bit j >> 4 of word j & 15 for AVX-512's 16-entry ones, which read j's low 4 bits
+  // with no mask). The decade is the exponent of float(j) (its low 3
   // bits index 8-entry permutes) and k is float(j) less its exponent's power of two, both
   // exact; j = 0 (the zeros) is masked. The constructor finds S, O per decade and checks all
   // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 16 register
@@ -412,11 +422,15 @@ struct QuantMap {
   struct Dequantizer16 {
     __m512 scale, offset;
     __m512i fix;
+    // The 8-entry tables twice over, so a 16-entry permute reads entry (index & 7) unmasked.
+    __attribute__((target("avx512f"))) static __m512 twice(const float* table) {
+      const __m512 low = _mm512_castps256_ps512(_mm256_loadu_ps(table));
+      return _mm512_shuffle_f32x4(low, low, 0x44);
+    }
     __attribute__((target("avx512f"))) explicit Dequantizer16(const QuantMap& map)
-        : scale(_mm512_castps256_ps512(_mm256_loadu_ps(map.dequant_scale.data()))),
-          offset(_mm512_castps256_ps512(_mm256_loadu_ps(map.dequant_offset.data()))),
-          fix(_mm512_castsi256_si512(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(map.dequant_fix.data())))) {}
+        : scale(twice(map.dequant_scale.data())),
+          offset(twice(map.dequant_offset.data())),
+          fix(_mm512_loadu_si512(map.dequant_fix16.data())) {}
     __attribute__((target("avx512f"), always_inline)) __m512 operator()(__m512i q) const {
       __m512i j = q, sign = _mm512_setzero_si512();
       if (kSigned) {
@@ -429,13 +443,13 @@ struct QuantMap {
       const __m512i jbits = _mm512_castps_si512(jf);
       const __m512 k = _mm512_sub_ps(
           jf, _mm512_castsi512_ps(_mm512_and_si512(jbits, _mm512_set1_epi32(0x7f800000))));
-      // 16-entry permutes; the index's bit 3 is cleared so the undefined upper half is never read.
-      const __m512i index =
-          _mm512_and_si512(_mm512_srli_epi32(jbits, 23), _mm512_set1_epi32(7));
+      // 16-entry permutes of the tables twice over: the exponent's bit 3 needs no mask.
+      const __m512i index = _mm512_srli_epi32(jbits, 23);
       const __m512 approx = _mm512_fmadd_ps(k, _mm512_permutexvar_ps(index, scale),
                                             _mm512_permutexvar_ps(index, offset));
-      const __m512i word = _mm512_permutexvar_epi32(_mm512_and_si512(j, _mm512_set1_epi32(7)), fix);
-      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_srli_epi32(j, 3)),
+      // The fix bit from the 16-word table: the permute reads j's low 4 bits itself.
+      const __m512i word = _mm512_permutexvar_epi32(j, fix);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_srli_epi32(j, 4)),
                                            _mm512_set1_epi32(1));
       __m512i bits = _mm512_add_epi32(_mm512_castps_si512(approx), bit);
       if (kSigned) bits = _mm512_or_si512(bits, sign);
@@ -443,6 +457,59 @@ struct QuantMap {
       return _mm512_castsi512_ps(bits);
     }
   };
+
+  // Note [Dequantize by byte planes]: with AVX-512 VBMI, code[q] for 64 bytes at once, looked up
+  // in the table itself, so every float is code[]'s by construction. The 256 floats are cut
+  // into four planes of 256 bytes (plane b holds byte b of every code), each in four registers;
+  // a byte permute over two registers (vpermt2b) looks up 128 entries by the byte's low 7 bits,
+  // two of them and a blend on bit 7 give a plane's byte for all 64 codes, and two rounds of
+  // unpacks put the planes' bytes together as floats. The unpacks work within 128-bit lanes, so
+  // one byte permute first orders the codes for them (order, below). 22 operations for 64
+  // values, against ~15 (unsigned) and ~20 (signed) for every 16 by arithmetic (Note
+  // [Dequantize by arithmetic]): what VBMI CPUs (Ice Lake and later Xeons, AMD Zen 4) run, and
+  // 5-6 % off adam8bit's step on the Intel Xeon of issue 39 (docs/BENCHMARKS.md, "adam8bit's
+  // codec in fewer operations"). The 32 table registers of two maps do not all fit beside the
+  // loop's own: the compiler keeps some in memory, one load each, which the load ports absorb.
+  struct PlaneDequantizer64 {
+    __m512i table[4][4];  // [plane][quarter]: quarter k holds entries 64 k .. 64 k + 63
+    __m512i order;
+    __attribute__((target("avx512f,avx512bw"))) explicit PlaneDequantizer64(const QuantMap& map) {
+      for (int plane = 0; plane < 4; ++plane)
+        for (int quarter = 0; quarter < 4; ++quarter)
+          table[plane][quarter] =
+              _mm512_loadu_si512(map.code_planes.data() + 256 * plane + 64 * quarter);
+      order = _mm512_loadu_si512(kPlaneOrder.data());
+    }
+    // Codes q[0..63] to out[t] = code[q[16 t .. 16 t + 15]].
+    __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void operator()(
+        __m512i q, __m512* out) const {
+      const __m512i ordered = _mm512_permutexvar_epi8(order, q);
+      const __mmask64 high = _mm512_movepi8_mask(ordered);  // bit 7: entries 128 and up
+      __m512i plane[4];
+      for (int b = 0; b < 4; ++b)
+        plane[b] = _mm512_mask_blend_epi8(
+            high, _mm512_permutex2var_epi8(table[b][0], ordered, table[b][1]),
+            _mm512_permutex2var_epi8(table[b][2], ordered, table[b][3]));
+      const __m512i low01 = _mm512_unpacklo_epi8(plane[0], plane[1]);
+      const __m512i high01 = _mm512_unpackhi_epi8(plane[0], plane[1]);
+      const __m512i low23 = _mm512_unpacklo_epi8(plane[2], plane[3]);
+      const __m512i high23 = _mm512_unpackhi_epi8(plane[2], plane[3]);
+      out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23));
+      out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23));
+      out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23));
+      out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23));
+    }
+  };
+  // out[t]'s 128-bit lane l, position p (0-3), comes from byte 16 l + 4 t + p of the permuted
+  // codes; it must be code 16 t + 4 l + p: a 4 x 4 transpose of 4-byte groups.
+  static constexpr std::array<uint8_t, 64> kPlaneOrder = [] {
+    std::array<uint8_t, 64> order{};
+    for (int l = 0; l < 4; ++l)
+      for (int t = 0; t < 4; ++t)
+        for (int p = 0; p < 4; ++p)
+          order[16 * l + 4 * t + p] = static_cast<uint8_t>(16 * t + 4 * l + p);
+    return order;
+  }();
 #endif
 
   // Cells: [0, 2^(kMinExponent-127)) is cell 0, then kCellsPerBinade per binade up to |y| < 2;
@@ -469,6 +536,7 @@ struct QuantMap {
   bool dequantize_fits = true;
   std::array<float, 8> dequant_scale{}, dequant_offset{};
   std::array<uint32_t, 8> dequant_fix{};
+  std::array<uint32_t, 16> dequant_fix16{};  // the same bits for 16-entry permutes: j & 15, j >> 4
   void build_dequantize(bool is_signed) {
     const int bits = is_signed ? 7 : 8, base = is_signed ? 128 : 0;
     for (int log_n = 0; log_n < bits; ++log_n) {
@@ -497,15 +565,19 @@ struct QuantMap {
             dequant_offset[index] = o;
             for (int k = 0; k < n; ++k) {
               const int j = n + k;
-              if (to_bits(code[base + j]) != to_bits(std::fma(static_cast<float>(k), s, o)))
+              if (to_bits(code[base + j]) != to_bits(std::fma(static_cast<float>(k), s, o))) {
                 dequant_fix[j & 7] |= 1u << (j >> 3);
+                dequant_fix16[j & 15] |= 1u << (j >> 4);
+              }
             }
           }
       if (!found) dequantize_fits = false;
     }
-    // The proof: every byte's arithmetic code is the table's, bit for bit.
+    // The proof: every byte's arithmetic code is the table's, bit for bit, and both layouts of
+    // the fix bits hold the same bits.
     for (int q = 0; q < 256; ++q)
-      if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]))
+      if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]) ||
+          ((dequant_fix[q & 7] >> (q >> 3)) & 1u) != ((dequant_fix16[q & 15] >> (q >> 4)) & 1u))
         dequantize_fits = false;
   }
   void build_arithmetic(bool is_signed) {
@@ -530,13 +602,13 @@ struct QuantMap {
         continue;
       }
       arith_scale[e] = static_cast<float>(std::pow(10.0, e) * n / 0.9);
-      arith_offset[e] = static_cast<float>(0.1 * n / 0.9 + 0.5 - base);
-      // The proof: x'' within half the margin of base + k at the decade's lower edge (k = 0)
-      // and at each threshold inside it (k = 1 .. n-1).
+      arith_offset[e] = static_cast<float>(0.1 * n / 0.9 + 0.5 - base - kArithMargin);
+      // The proof: x'' within half the margin of base + k + kArithMargin at the decade's lower
+      // edge (k = 0) and at each threshold inside it (k = 1 .. n-1).
       for (int k = 0; k < n; ++k) {
         const float t = threshold[base - 1 + k];
         const float x = std::fma(t, arith_scale[e], -arith_offset[e]);
-        if (!(std::fabs(x - static_cast<float>(base + k)) <= kArithMargin / 2))
+        if (!(std::fabs(x - (static_cast<float>(base + k) + kArithMargin)) <= kArithMargin / 2))
           arith_fits = false;
       }
     }

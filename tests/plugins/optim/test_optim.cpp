@@ -784,11 +784,48 @@ TEST(OptimQuantization, VectorQuantizeEqualsTheTableForEveryFloatTried) {
 #endif
 }
 
+// run_rule with the state, lr 1e-3 and weight decay 0.01, its steps' kernels capped at `isa`
+// (LOOM_KERNEL_ISA: Note [Kernel ISA cap]), the variable unset again whatever happens.
+Trajectory run_rule_capped(const UpdateRule& rule, const Problem& problem, const char* isa) {
+  setenv("LOOM_KERNEL_ISA", isa, 1);
+  Trajectory out;
+  try {
+    out = run_rule(rule, problem, 1e-3, 0.01, {}, /*with_state=*/true);
+  } catch (...) {
+    unsetenv("LOOM_KERNEL_ISA");
+    throw;
+  }
+  unsetenv("LOOM_KERNEL_ISA");
+  return out;
+}
+
+// The rule's AVX2 and AVX-512 paths, each this CPU has, give its scalar path's trajectory
+// (state included) bit for bit; a path the CPU lacks is skipped, and said so. `scalar` gets
+// the scalar trajectory.
+void expect_vector_paths_equal_scalar(const UpdateRule& rule, const Problem& problem,
+                                      Trajectory& scalar) {
+  scalar = run_rule_capped(rule, problem, "scalar");
+  for (const char* isa : {"avx2", "avx512"}) {
+    const cpu::KernelIsa wanted = std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
+                                                             : cpu::KernelIsa::avx512;
+    if (cpu::cpu_kernel_isa() < wanted) {
+      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
+      continue;
+    }
+    const Trajectory vector = run_rule_capped(rule, problem, isa);
+    ASSERT_EQ(vector.size(), scalar.size()) << isa;
+    for (size_t step = 0; step < vector.size(); ++step)
+      for (size_t i = 0; i < vector[step].size(); ++i)
+        ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i]))
+            << isa << ", step " << step << " tensor " << i;
+  }
+}
+
 #if defined(__x86_64__)
 // The arithmetic quantizers as the kernels call them: a vector with an unsure lane goes to the
 // one-step table. Returns how many of the calls had one.
-__attribute__((target("avx512f,avx512bw"))) int quantize16_arith(const optim::QuantMap& map,
-                                                                  const float* y, uint8_t* out) {
+__attribute__((target("avx512f,avx512bw,avx512dq"))) int quantize16_arith(
+    const optim::QuantMap& map, const float* y, uint8_t* out) {
   const __m512 v = _mm512_loadu_ps(y);
   __mmask16 unsure;
   __m512i q = map.quantize16_arith(v, unsure);
@@ -953,50 +990,67 @@ TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
 #endif
 }
 
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void dequantize64_planes(
+    const optim::QuantMap& map, const uint8_t* q, float* out) {
+  const optim::QuantMap::PlaneDequantizer64 code(map);
+  __m512 floats[4];
+  code(_mm512_loadu_si512(q), floats);
+  for (int t = 0; t < 4; ++t) _mm512_storeu_ps(out + 16 * t, floats[t]);
+}
+#endif
+
+// Note [Dequantize by byte planes]: with AVX-512 VBMI, every byte in every one of the 64 lanes
+// comes back as the map's float, bit for bit, in the order of the codes (the permute that
+// orders them for the unpacks is what a wrong constant would break first).
+TEST(OptimQuantization, BytePlaneDequantizeEqualsTheCodeMapForEveryByteAndLane) {
+#if defined(__x86_64__)
+  if (!(cpu::cpu_kernel_isa() == cpu::KernelIsa::avx512 && __builtin_cpu_supports("avx512vbmi")))
+    GTEST_SKIP() << "this CPU lacks AVX-512 VBMI (the arithmetic dequantizer runs instead)";
+  auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  for (bool is_signed : {true, false}) {
+    const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
+    std::vector<uint8_t> bytes(256 + 64);
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 % 256);
+    for (size_t at = 0; at + 64 <= bytes.size(); ++at) {  // every byte in every lane
+      float got[64];
+      dequantize64_planes(map, bytes.data() + at, got);
+      for (int lane = 0; lane < 64; ++lane)
+        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+            << (is_signed ? "signed" : "unsigned") << ", lane " << lane << ", byte "
+            << int(bytes[at + lane]) << ": " << got[lane] << " against "
+            << map.code[bytes[at + lane]];
+    }
+  }
+#else
+  GTEST_SKIP() << "not x86-64";
+#endif
+}
+
 // Note [adam8bit in vectors]: the AVX-512, AVX2 and scalar kernels (LOOM_KERNEL_ISA caps the
 // choice: Note [Kernel ISA cap]) give the same parameters, codes and absmax after every step
 // (each step reads back every state byte the last one wrote), bit for bit, over blocks with
-// tails of every kind. The paths this CPU lacks are skipped, and said so.
+// tails of every kind. The paths this CPU lacks are skipped, and said so. Blocks of 64 and 32:
+// on a CPU with AVX-512 VBMI the first loop dequantizes whole 64-element runs by byte planes
+// and the rest by arithmetic (Note [Dequantize by byte planes]), so blocks of 32 run the
+// arithmetic loop alone and both AVX-512 first loops are held to the scalar kernel here.
 TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
-  // 64-element blocks; 23, 9 and 7 leave tails shorter than either vector in the last block,
-  // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16; a last block as long as
-  // the others (64 x 48), shorter in whole vectors (the tails) or in its tail only (16 x 64 + 3),
-  // and a range of 256 blocks (each block's two loops: Note [adam8bit's divisions beside the
-  // quantizer]).
-  const Problem problem = make_problem(
-      {{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}, {2048 + 12}, {16 * 64 + 3}, {256, 64}}, 6, 11);
-  auto rule = make_rule("adam8bit", {{"block_size", int64_t{64}}, {"min_8bit_size", int64_t{8}}});
-  auto run = [&](const char* isa) {
-    setenv("LOOM_KERNEL_ISA", isa, 1);
-    Trajectory out;
-    try {
-      out = run_rule(*rule, problem, 1e-3, 0.01, {}, /*with_state=*/true);
-    } catch (...) {
-      unsetenv("LOOM_KERNEL_ISA");
-      throw;
-    }
-    unsetenv("LOOM_KERNEL_ISA");
-    return out;
-  };
-  const Trajectory scalar = run("scalar");
-  ASSERT_EQ(scalar.front().size(), 7u + 4u * 7u);  // parameters, then 4 state tensors each
-  std::vector<const char*> paths = {"avx2", "avx512"};
-  for (const char* isa : paths) {
-    const cpu::KernelIsa wanted = std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
-                                                             : cpu::KernelIsa::avx512;
-    if (cpu::cpu_kernel_isa() < wanted) {
-      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
-      continue;
-    }
-    const Trajectory vector = run(isa);
-    ASSERT_EQ(vector.size(), scalar.size());
-    for (size_t step = 0; step < vector.size(); ++step)
-      for (size_t i = 0; i < vector[step].size(); ++i)
-        ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i]))
-            << isa << ", step " << step << " tensor " << i;
+  for (int64_t block : {64, 32}) {
+    SCOPED_TRACE("block_size " + std::to_string(block));
+    // 64-element blocks; 23, 9 and 7 leave tails shorter than either vector in the last block,
+    // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16; a last block as long as
+    // the others (64 x 48), shorter in whole vectors (the tails) or in its tail only (16 x 64 + 3),
+    // and a range of 256 blocks (each block's two loops: Note [adam8bit's divisions beside the
+    // quantizer]).
+    const Problem problem = make_problem(
+        {{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}, {2048 + 12}, {16 * 64 + 3}, {256, 64}}, 6, 11);
+    auto rule = make_rule("adam8bit", {{"block_size", block}, {"min_8bit_size", int64_t{8}}});
+    Trajectory scalar;
+    ASSERT_NO_FATAL_FAILURE(expect_vector_paths_equal_scalar(*rule, problem, scalar));
+    ASSERT_EQ(scalar.front().size(), 7u + 4u * 7u);  // parameters, then 4 state tensors each
+    // The codes moved: a comparison of untouched state could not fail.
+    EXPECT_FALSE(at::equal(scalar.back()[7], scalar.front()[7]));
   }
-  // The codes moved: a comparison of untouched state could not fail.
-  EXPECT_FALSE(at::equal(scalar.back()[7], scalar.front()[7]));
 }
 
 // Note [adam8bit's tensor ops in slices]: the GPU path (kernel = "tensor_ops", here on CPU
@@ -1058,32 +1112,8 @@ TEST(OptimQuantization, Adam8bitTensorOpsTemporariesStayWithinASlice) {
 TEST(OptimConformance, AdafactorKernelsAgreeAcrossIsas) {
   const Problem problem = make_problem({{24, 40}, {3, 8, 13}, {77}, {9, 1031}, {2, 3, 1031}}, 5, 3);
   auto rule = make_rule("adafactor", {{"beta1", 0.9}});
-  auto run = [&](const char* isa) {
-    setenv("LOOM_KERNEL_ISA", isa, 1);
-    Trajectory out;
-    try {
-      out = run_rule(*rule, problem, 1e-3, 0.01, {}, /*with_state=*/true);
-    } catch (...) {
-      unsetenv("LOOM_KERNEL_ISA");
-      throw;
-    }
-    unsetenv("LOOM_KERNEL_ISA");
-    return out;
-  };
-  const Trajectory scalar = run("scalar");
-  for (const char* isa : {"avx2", "avx512"}) {
-    const cpu::KernelIsa wanted = std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
-                                                             : cpu::KernelIsa::avx512;
-    if (cpu::cpu_kernel_isa() < wanted) {
-      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
-      continue;
-    }
-    const Trajectory vector = run(isa);
-    for (size_t step = 0; step < vector.size(); ++step)
-      for (size_t i = 0; i < vector[step].size(); ++i)
-        ASSERT_TRUE(at::equal(vector[step][i], scalar[step][i]))
-            << isa << ", step " << step << " tensor " << i;
-  }
+  Trajectory scalar;
+  expect_vector_paths_equal_scalar(*rule, problem, scalar);
 }
 
 TEST(OptimQuantization, KernelIsaCapRejectsAnUnknownValue) {
