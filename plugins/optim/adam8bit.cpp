@@ -128,9 +128,18 @@ __attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void 
 }
 
 // m / (sqrt(v) / bc2 + eps), AdamW's arithmetic in the scalar kernel's order.
+//
+// Note [A bias correction of one]: bc2 = sqrt(1 - beta2^t) rounds to 1.0f once beta2^t < 2^-24:
+// after ~330 steps at beta2 = 0.95 (the usual LLM setting), ~1,700 at 0.99, ~16,600 at 0.999,
+// so for most of a run. Then sqrt(v) / bc2 is sqrt(v) exactly (x / 1 is x for every float, and
+// sqrt never returns a subnormal that a flush could change), and the kernels skip that division:
+// kUnitBc2, chosen per block from the step's constant. Half the divisions of the second loop,
+// where the divider is busiest (docs/BENCHMARKS.md, "adam8bit's codec in fewer operations").
+template <bool kUnitBc2>
 __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominator(
     __m256 m, __m256 v, __m256 bc2, __m256 eps) {
-  return _mm256_div_ps(m, _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps));
+  const __m256 root = _mm256_sqrt_ps(v);
+  return _mm256_div_ps(m, _mm256_add_ps(kUnitBc2 ? root : _mm256_div_ps(root, bc2), eps));
 }
 
 // Note [adam8bit's streams prefetched]: both loops ask for their streams kPrefetchAhead elements
@@ -204,41 +213,51 @@ update_vectors16(const Block& b, const Coefficients& c, float* mbuf, float* vbuf
   most = local;
 }
 
+// block_avx512's second loop over the first `whole` elements: the parameter's update beside
+// the requantization of the moments kept in the block buffers.
+template <bool kUnitBc2>
+__attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
+update_and_requantize16(const Block& b, const Coefficients& c, const float* mbuf,
+                        const float* vbuf, int64_t whole, float inv_m, float inv_v) {
+  float* const p = b.p;
+  uint8_t* const qm = b.qm;
+  uint8_t* const qv = b.qv;
+  const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size),
+               scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
+  const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
+  const QuantMap::Quantizer16<true> quantize_m(signed_map());
+  const QuantMap::Quantizer16<false> quantize_v(unsigned_map());
+  for (int64_t i = 0; i < whole; i += 16) {
+    prefetch_ahead(p + i);
+    const __m512 m = _mm512_loadu_ps(mbuf + i), v = _mm512_loadu_ps(vbuf + i);
+    // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
+    // Xeon of issue 39 against 32 at 512 bits (the same roundings). The high halves are
+    // loaded again rather than extracted: a load port is free, the shuffle port is not.
+    const __m256 low = divide_by_denominator<kUnitBc2>(_mm512_castps512_ps256(m),
+                                                       _mm512_castps512_ps256(v), bc2, eps);
+    const __m256 high = divide_by_denominator<kUnitBc2>(
+        _mm256_loadu_ps(mbuf + i + 8), _mm256_loadu_ps(vbuf + i + 8), bc2, eps);
+    const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+    _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay),
+                                          _mm512_mul_ps(step, ratio)));
+    requantize16(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
+  }
+}
+
 // What follows block_avx512's first loop: the tail, the new absmax, and the second loop (the
 // parameter's update beside the requantization) over the first `whole` elements.
 __attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) inline void
 finish_block16(const Block& b, const Coefficients& c, float* mbuf, float* vbuf, int64_t whole,
                const Maxima16& most) {
-  float* const p = b.p;
-  uint8_t* const qm = b.qm;
-  uint8_t* const qv = b.qv;
   // Both folds start from +0, which no ±0 displaces, so an all-zero block's absmax is +0.
   float new_am = std::max(_mm512_reduce_max_ps(most.most_m), -_mm512_reduce_min_ps(most.least_m));
   float new_av = _mm512_reduce_max_ps(most.most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  {
-    const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size),
-                 scale_m = _mm512_set1_ps(inv_m), scale_v = _mm512_set1_ps(inv_v);
-    const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
-    const QuantMap::Quantizer16<true> quantize_m(signed_map());
-    const QuantMap::Quantizer16<false> quantize_v(unsigned_map());
-    for (int64_t i = 0; i < whole; i += 16) {
-      prefetch_ahead(p + i);
-      const __m512 m = _mm512_loadu_ps(mbuf + i), v = _mm512_loadu_ps(vbuf + i);
-      // In two halves: 256-bit divisions and square roots cost 26 cycles per 16 values on the
-      // Xeon of issue 39 against 32 at 512 bits (the same roundings). The high halves are
-      // loaded again rather than extracted: a load port is free, the shuffle port is not.
-      const __m256 low = divide_by_denominator(_mm512_castps512_ps256(m),
-                                               _mm512_castps512_ps256(v), bc2, eps);
-      const __m256 high =
-          divide_by_denominator(_mm256_loadu_ps(mbuf + i + 8), _mm256_loadu_ps(vbuf + i + 8),
-                                bc2, eps);
-      const __m512 ratio = _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
-      _mm512_storeu_ps(p + i, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay),
-                                            _mm512_mul_ps(step, ratio)));
-      requantize16(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
-    }
+  if (c.bc2_sqrt == 1.0f) {  // Note [A bias correction of one]
+    update_and_requantize16<true>(b, c, mbuf, vbuf, whole, inv_m, inv_v);
+  } else {
+    update_and_requantize16<false>(b, c, mbuf, vbuf, whole, inv_m, inv_v);
   }
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;
@@ -322,14 +341,36 @@ __attribute__((target("avx2"))) inline float lanes_max(__m256 most) {
   return out;
 }
 
+// block_avx2's second loop (update_and_requantize16's AVX2 twin).
+template <bool kUnitBc2>
+__attribute__((target("avx2,fma"), always_inline)) inline void update_and_requantize8(
+    const Block& b, const Coefficients& c, const float* mbuf, const float* vbuf, int64_t whole,
+    float inv_m, float inv_v) {
+  float* const p = b.p;
+  uint8_t* const qm = b.qm;
+  uint8_t* const qv = b.qv;
+  const __m256 decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+               eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
+               scale_m = _mm256_set1_ps(inv_m), scale_v = _mm256_set1_ps(inv_v);
+  const QuantMap::Quantizer8<true> quantize_m(signed_map());
+  const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
+  for (int64_t i = 0; i < whole; i += 8) {
+    if ((i & 15) == 0) prefetch_ahead(p + i);
+    const __m256 m = _mm256_loadu_ps(mbuf + i), v = _mm256_loadu_ps(vbuf + i);
+    _mm256_storeu_ps(p + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay),
+                                          _mm256_mul_ps(step, divide_by_denominator<kUnitBc2>(
+                                                                  m, v, bc2, eps))));
+    requantize8(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
+  }
+}
+
 // One block on AVX2, in two loops (Note [adam8bit's divisions beside the quantizer]).
 __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coefficients& c,
                                                     float* mbuf, float* vbuf) {
-  // Locals, not b's fields: a float store could alias `b`, which the loops would then reload.
-  float* const p = b.p;
+  // Locals, not b's fields: a float store could alias `b`, which the loop would then reload.
   const float* const g = b.g;
-  uint8_t* const qm = b.qm;
-  uint8_t* const qv = b.qv;
+  const uint8_t* const qm = b.qm;
+  const uint8_t* const qv = b.qv;
   const int64_t whole = b.len / 8 * 8;
   // m's absmax as max(most, -least), as block_avx512 keeps it.
   __m256 most_m = _mm256_setzero_ps(), least_m = _mm256_setzero_ps(), most_v = most_m;
@@ -367,20 +408,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
   float new_av = lanes_max(most_v);
   update_range(b, c, mbuf, vbuf, whole, b.len, new_am, new_av);  // the tail, p included
   const float inv_m = inverse(new_am), inv_v = inverse(new_av);
-  {
-    const __m256 decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
-                 eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size),
-                 scale_m = _mm256_set1_ps(inv_m), scale_v = _mm256_set1_ps(inv_v);
-    const QuantMap::Quantizer8<true> quantize_m(signed_map());
-    const QuantMap::Quantizer8<false> quantize_v(unsigned_map());
-    for (int64_t i = 0; i < whole; i += 8) {
-      if ((i & 15) == 0) prefetch_ahead(p + i);
-      const __m256 m = _mm256_loadu_ps(mbuf + i), v = _mm256_loadu_ps(vbuf + i);
-      _mm256_storeu_ps(p + i, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay),
-                                            _mm256_mul_ps(step, divide_by_denominator(
-                                                                    m, v, bc2, eps))));
-      requantize8(quantize_m, quantize_v, m, v, scale_m, scale_v, qm + i, qv + i);
-    }
+  if (c.bc2_sqrt == 1.0f) {  // Note [A bias correction of one]
+    update_and_requantize8<true>(b, c, mbuf, vbuf, whole, inv_m, inv_v);
+  } else {
+    update_and_requantize8<false>(b, c, mbuf, vbuf, whole, inv_m, inv_v);
   }
   requantize_range(b, mbuf, vbuf, whole, b.len, inv_m, inv_v);
   *b.am = new_am;

@@ -18,6 +18,9 @@
 //        state on that GPU: each rule takes its GPU path, torch-fused its CUDA kernel,
 //        and each timing ends when the last parameter's value has come back to the host (the
 //        stream's queued work done).
+//        LOOM_BENCH_OPTIM_FIRST_STEP=N numbers compare's first round step N, not 1 (the steps
+//        of a run's late phase: adam8bit skips a division once beta2's bias correction
+//        rounds to 1, Note [A bias correction of one]).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -26,6 +29,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -139,6 +143,18 @@ void update_all(const loom::UpdateRule& rule, std::vector<loom::Segment>& segmen
   rule.update_many(all, ctx);
 }
 
+// LOOM_BENCH_OPTIM_FIRST_STEP (usage above): a positive step number, 1 if unset.
+int first_step_from_environment() {
+  const char* text = std::getenv("LOOM_BENCH_OPTIM_FIRST_STEP");
+  if (!text || !*text) return 1;
+  char* end = nullptr;
+  const long step = std::strtol(text, &end, 10);
+  if (*end != '\0' || step < 1 || step > (1L << 30))
+    throw std::runtime_error(std::string("LOOM_BENCH_OPTIM_FIRST_STEP='") + text +
+                             "' is not a step number: use a whole number from 1");
+  return static_cast<int>(step);
+}
+
 // The compare mode (usage above): entries interleaved in one process.
 int compare(int threads, int rounds, int64_t total, const std::vector<std::string>& names) {
   struct Entry {
@@ -197,6 +213,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
       }
     entries.push_back(std::move(e));
   }
+  const int first_step = first_step_from_environment();
   const char* outer_isa = std::getenv("LOOM_KERNEL_ISA");
   const std::string restore = outer_isa ? outer_isa : "";
   for (int round = 0; round < rounds + 1; ++round)
@@ -207,13 +224,13 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
         for (const auto& s : e.segments) {
           params.push_back(s.param);
           grads_of.push_back(s.grad);
-          steps.push_back(at::full({}, static_cast<double>(round + 1),
+          steps.push_back(at::full({}, static_cast<double>(first_step + round),
                                    at::TensorOptions().dtype(at::kFloat).device(device)));
         }
       finish(e.segments.back().param);  // the untimed work above done first
       const auto t = Clock::now();
       if (e.update_rule) {
-        update_all(*e.update_rule, e.segments, round + 1);
+        update_all(*e.update_rule, e.segments, first_step + round);
       } else {
         at::_fused_adamw_(params, grads_of, e.m, e.v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8,
                           /*amsgrad=*/false, /*maximize=*/false);

@@ -1030,13 +1030,19 @@ TEST(OptimQuantization, BytePlaneDequantizeEqualsTheCodeMapForEveryByteAndLane) 
 // Note [adam8bit in vectors]: the AVX-512, AVX2 and scalar kernels (LOOM_KERNEL_ISA caps the
 // choice: Note [Kernel ISA cap]) give the same parameters, codes and absmax after every step
 // (each step reads back every state byte the last one wrote), bit for bit, over blocks with
-// tails of every kind. The paths this CPU lacks are skipped, and said so. Blocks of 64 and 32:
+// tails of every kind, with and without the bias correction's division. The paths this CPU
+// lacks are skipped, and said so. Blocks of 64 and 32:
 // on a CPU with AVX-512 VBMI the first loop dequantizes whole 64-element runs by byte planes
 // and the rest by arithmetic (Note [Dequantize by byte planes]), so blocks of 32 run the
 // arithmetic loop alone and both AVX-512 first loops are held to the scalar kernel here.
 TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
-  for (int64_t block : {64, 32}) {
-    SCOPED_TRACE("block_size " + std::to_string(block));
+  // beta2 = 0.01: from step 4 on, sqrt(1 - beta2^t) rounds to 1.0f, so steps 4-6 take the
+  // kernels' branch without that division (Note [A bias correction of one]).
+  ASSERT_NE(static_cast<float>(std::sqrt(1.0 - std::pow(0.01, 3.0))), 1.0f);
+  ASSERT_EQ(static_cast<float>(std::sqrt(1.0 - std::pow(0.01, 4.0))), 1.0f);
+  for (const auto& [block, beta2] : {std::pair<int64_t, double>{64, 0.999}, {32, 0.999},
+                                     {64, 0.01}}) {
+    SCOPED_TRACE("block_size " + std::to_string(block) + ", beta2 " + std::to_string(beta2));
     // 64-element blocks; 23, 9 and 7 leave tails shorter than either vector in the last block,
     // 2048 + 12 one longer than AVX2's 8 and shorter than AVX-512's 16; a last block as long as
     // the others (64 x 48), shorter in whole vectors (the tails) or in its tail only (16 x 64 + 3),
@@ -1044,7 +1050,9 @@ TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
     // quantizer]).
     const Problem problem = make_problem(
         {{5 * 64 + 23}, {64, 48}, {9}, {2048 + 7}, {2048 + 12}, {16 * 64 + 3}, {256, 64}}, 6, 11);
-    auto rule = make_rule("adam8bit", {{"block_size", block}, {"min_8bit_size", int64_t{8}}});
+    auto rule = make_rule("adam8bit", {{"block_size", block},
+                                       {"beta2", beta2},
+                                       {"min_8bit_size", int64_t{8}}});
     Trajectory scalar;
     ASSERT_NO_FATAL_FAILURE(expect_vector_paths_equal_scalar(*rule, problem, scalar));
     ASSERT_EQ(scalar.front().size(), 7u + 4u * 7u);  // parameters, then 4 state tensors each
