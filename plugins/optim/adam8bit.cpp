@@ -145,7 +145,7 @@ __attribute__((target("avx2"), always_inline)) inline __m256 divide_by_denominat
 // Note [adam8bit's streams prefetched]: both loops ask for their streams kPrefetchAhead elements
 // before they read them (Note [Streams prefetched ahead] in loom/prefetch.h): the first loop g
 // and the two code arrays, the second p, which it reads, scales and writes back. These loops
-// spend ~4 cycles an element on the codec's arithmetic between their loads, and the hardware's
+// spend 3-4 cycles an element on the codec's arithmetic between their loads, and the hardware's
 // prefetcher alone did not keep their streams ahead: on the Intel Xeon with AMX, 40 M
 // parameters, one thread, AVX-512, the step fell from 2.28 to 1.36 ns a parameter
 // (docs/BENCHMARKS.md, "Streams prefetched ahead"; p prefetched by the first loop instead
@@ -265,9 +265,10 @@ finish_block16(const Block& b, const Coefficients& c, float* mbuf, float* vbuf, 
 }
 
 // One block on AVX-512, in two loops (Note [adam8bit's divisions beside the quantizer]).
-__attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Block& b,
-                                                                       const Coefficients& c,
-                                                                       float* mbuf, float* vbuf) {
+// (avx512vl lets the 256-bit divisions use all 32 registers: without it each half moved to
+// one of the first 16 by an instruction of its own.)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) void block_avx512(
+    const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
   const int64_t whole = b.len / 16 * 16;
   Maxima16 most{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   update_vectors16(b, c, mbuf, vbuf, 0, whole, most);
@@ -277,7 +278,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) void block_avx512(const Blo
 // block_avx512 with its first loop dequantizing 64 codes at a time by byte planes (Note
 // [Dequantize by byte planes] in quantize.h), for CPUs with AVX-512 VBMI; the same floats and
 // bytes, as the dequantized codes are code[]'s either way.
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"))) void block_avx512_vbmi(
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi"))) void block_avx512_vbmi(
     const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
   const float* const g = b.g;
   const uint8_t* const qm = b.qm;

@@ -362,10 +362,11 @@ struct QuantMap {
   // with no mask). The decade is the exponent of float(j) (its low 3
   // bits index 8-entry permutes) and k is float(j) less its exponent's power of two, both
   // exact; j = 0 (the zeros) is masked. The constructor finds S, O per decade and checks all
-  // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 16 register
-  // operations per vector (21 signed), no memory lookup: AVX2 has no room for 256 floats in
+  // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 15 register
+  // operations per vector (20 signed), no memory lookup: AVX2 has no room for 256 floats in
   // registers (16 x 8), and its gathers cost ~35 cycles each on the Xeon of issue 39
-  // (docs/BENCHMARKS.md).
+  // (docs/BENCHMARKS.md). With AVX-512 VBMI the table itself is looked up instead (Note
+  // [Dequantize by byte planes], below).
   bool dequantize_ready() const { return dequantize_fits; }
   // The scalar statement of the vector code (the tests hold it to code[]).
   float dequantize_arith(uint8_t q) const {
