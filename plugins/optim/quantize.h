@@ -359,8 +359,8 @@ struct QuantMap {
   // 64 ulps of the obvious ones, tried offline), so a 256-bit table holds each code's missing
   // last bit: code bits = fma bits + fix bit (bit j >> 3 of word j & 7 for AVX2's 8-entry
   // permutes; bit j >> 4 of word j & 15 for AVX-512's 16-entry ones, which read j's low 4 bits
-  // with no mask). The decade is the exponent of float(j) (its low 3
-  // bits index 8-entry permutes) and k is float(j) less its exponent's power of two, both
+  // with no mask). The decade is the exponent of float(j) (its low 3 bits index 8-entry
+  // permutes) and k is float(j) less its exponent's power of two, both
   // exact; j = 0 (the zeros) is masked. The constructor finds S, O per decade and checks all
   // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 15 register
   // operations per vector (20 signed), no memory lookup: AVX2 has no room for 256 floats in
@@ -537,7 +537,7 @@ struct QuantMap {
   bool dequantize_fits = true;
   std::array<float, 8> dequant_scale{}, dequant_offset{};
   std::array<uint32_t, 8> dequant_fix{};
-  std::array<uint32_t, 16> dequant_fix16{};  // the same bits for 16-entry permutes: j & 15, j >> 4
+  std::array<uint32_t, 16> dequant_fix16{};  // dequant_fix's bits as word j & 15, bit j >> 4
   void build_dequantize(bool is_signed) {
     const int bits = is_signed ? 7 : 8, base = is_signed ? 128 : 0;
     for (int log_n = 0; log_n < bits; ++log_n) {
@@ -566,19 +566,18 @@ struct QuantMap {
             dequant_offset[index] = o;
             for (int k = 0; k < n; ++k) {
               const int j = n + k;
-              if (to_bits(code[base + j]) != to_bits(std::fma(static_cast<float>(k), s, o))) {
+              if (to_bits(code[base + j]) != to_bits(std::fma(static_cast<float>(k), s, o)))
                 dequant_fix[j & 7] |= 1u << (j >> 3);
-                dequant_fix16[j & 15] |= 1u << (j >> 4);
-              }
             }
           }
       if (!found) dequantize_fits = false;
     }
-    // The proof: every byte's arithmetic code is the table's, bit for bit, and both layouts of
-    // the fix bits hold the same bits.
+    // The same fix bits laid out for AVX-512's 16-entry permutes.
+    for (int j = 0; j < 256; ++j)
+      if ((dequant_fix[j & 7] >> (j >> 3)) & 1u) dequant_fix16[j & 15] |= 1u << (j >> 4);
+    // The proof: every byte's arithmetic code is the table's, bit for bit.
     for (int q = 0; q < 256; ++q)
-      if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]) ||
-          ((dequant_fix[q & 7] >> (q >> 3)) & 1u) != ((dequant_fix16[q & 15] >> (q >> 4)) & 1u))
+      if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]))
         dequantize_fits = false;
   }
   void build_arithmetic(bool is_signed) {

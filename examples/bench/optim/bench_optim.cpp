@@ -110,18 +110,23 @@ void finish(const at::Tensor& t) {
   if (!t.is_cpu()) (void)t.view(-1)[0].item<float>();
 }
 
+// The elements of each of make_segments' tensors for `total`: whole rows of kColumns.
+constexpr int64_t kTensors = 100, kColumns = 1024;
+int64_t elements_per_tensor(int64_t total) { return total / kTensors / kColumns * kColumns; }
+
 // 100 tensors: 99 matrices (rows x 1024) and one vector, ~total elements, each with its grad.
 std::vector<loom::Segment> make_segments(const loom::UpdateRule* rule, int64_t total,
                                          std::vector<at::Tensor>& grads,
                                          at::Device device = at::kCPU) {
   const auto on = at::TensorOptions().device(device);
-  const int64_t cols = 1024, rows = total / 100 / cols;
+  const int64_t cols = kColumns, rows = elements_per_tensor(total) / cols;
   const bool fresh_grads = grads.empty();
   std::vector<loom::Segment> segments;
-  for (int i = 0; i < 100; ++i) {
+  for (int i = 0; i < kTensors; ++i) {
     loom::Segment s;
     s.name = "t" + std::to_string(i);
-    s.shape = i == 99 ? std::vector<int64_t>{rows * cols} : std::vector<int64_t>{rows, cols};
+    s.shape = i == kTensors - 1 ? std::vector<int64_t>{rows * cols}
+                                : std::vector<int64_t>{rows, cols};
     s.param = at::randn({rows * cols}, on) * 0.02;
     if (rule) s.state = rule->init_state(s);
     if (fresh_grads) grads.push_back(at::randn({rows * cols}, on) * 1e-3);
@@ -167,8 +172,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
   std::vector<at::Tensor> grads;
   std::vector<Entry> entries;
   const at::Device device = bench_device();
-  // make_segments' tensors: 100 of `per_tensor` elements (whole rows of 1024).
-  const int64_t per_tensor = total / 100 / 1024 * 1024;
+  const int64_t per_tensor = elements_per_tensor(total);
   if (per_tensor == 0)
     throw std::runtime_error("PARAMS_MILLIONS " + std::to_string(total / 1e6) +
                              " makes empty tensors: use at least 0.1024 (100 tensors of 1024)");

@@ -946,6 +946,9 @@ __attribute__((target("avx512f"))) void dequantize16(const optim::QuantMap& map,
 }
 #endif
 
+// Whether two floats have the same bits (a zero's sign and a NaN's payload included).
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
 // Note [Dequantize by arithmetic]: the code of every byte, from the scalar statement and from
 // the AVX2 and AVX-512 code in every lane, is the map's float bit for bit (the zeros' sign
 // included).
@@ -954,12 +957,11 @@ TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
   const bool avx512 = cpu::cpu_kernel_isa() == cpu::KernelIsa::avx512;
   ASSERT_TRUE(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
       << "the AVX2 path must be tested";
-  auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
   for (bool is_signed : {true, false}) {
     const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
     ASSERT_TRUE(map.dequantize_ready()) << "a code the arithmetic misses";
     for (int q = 0; q < 256; ++q)
-      ASSERT_TRUE(same(map.dequantize_arith(static_cast<uint8_t>(q)), map.code[q]))
+      ASSERT_TRUE(same_bits(map.dequantize_arith(static_cast<uint8_t>(q)), map.code[q]))
           << "scalar, byte " << q << ": " << map.dequantize_arith(static_cast<uint8_t>(q))
           << " against " << map.code[q];
     std::vector<uint8_t> bytes(256 + 16);
@@ -972,7 +974,7 @@ TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
         dequantize8<false>(map, bytes.data() + at, got);
       }
       for (int lane = 0; lane < 8; ++lane)
-        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+        ASSERT_TRUE(same_bits(got[lane], map.code[bytes[at + lane]]))
             << "AVX2, byte " << int(bytes[at + lane]) << ": " << got[lane];
       if (!avx512) continue;
       if (is_signed) {
@@ -981,7 +983,7 @@ TEST(OptimQuantization, ArithmeticDequantizeEqualsTheCodeMapForEveryByte) {
         dequantize16<false>(map, bytes.data() + at, got);
       }
       for (int lane = 0; lane < 16; ++lane)
-        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+        ASSERT_TRUE(same_bits(got[lane], map.code[bytes[at + lane]]))
             << "AVX-512, byte " << int(bytes[at + lane]) << ": " << got[lane];
     }
   }
@@ -1007,7 +1009,6 @@ TEST(OptimQuantization, BytePlaneDequantizeEqualsTheCodeMapForEveryByteAndLane) 
 #if defined(__x86_64__)
   if (!(cpu::cpu_kernel_isa() == cpu::KernelIsa::avx512 && __builtin_cpu_supports("avx512vbmi")))
     GTEST_SKIP() << "this CPU lacks AVX-512 VBMI (the arithmetic dequantizer runs instead)";
-  auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
   for (bool is_signed : {true, false}) {
     const optim::QuantMap& map = is_signed ? optim::signed_map() : optim::unsigned_map();
     std::vector<uint8_t> bytes(256 + 64);
@@ -1016,7 +1017,7 @@ TEST(OptimQuantization, BytePlaneDequantizeEqualsTheCodeMapForEveryByteAndLane) 
       float got[64];
       dequantize64_planes(map, bytes.data() + at, got);
       for (int lane = 0; lane < 64; ++lane)
-        ASSERT_TRUE(same(got[lane], map.code[bytes[at + lane]]))
+        ASSERT_TRUE(same_bits(got[lane], map.code[bytes[at + lane]]))
             << (is_signed ? "signed" : "unsigned") << ", lane " << lane << ", byte "
             << int(bytes[at + lane]) << ": " << got[lane] << " against "
             << map.code[bytes[at + lane]];
@@ -1031,10 +1032,10 @@ TEST(OptimQuantization, BytePlaneDequantizeEqualsTheCodeMapForEveryByteAndLane) 
 // choice: Note [Kernel ISA cap]) give the same parameters, codes and absmax after every step
 // (each step reads back every state byte the last one wrote), bit for bit, over blocks with
 // tails of every kind, with and without the bias correction's division. The paths this CPU
-// lacks are skipped, and said so. Blocks of 64 and 32:
-// on a CPU with AVX-512 VBMI the first loop dequantizes whole 64-element runs by byte planes
-// and the rest by arithmetic (Note [Dequantize by byte planes]), so blocks of 32 run the
-// arithmetic loop alone and both AVX-512 first loops are held to the scalar kernel here.
+// lacks are skipped, and said so. Blocks of 64 and 32: on a CPU with AVX-512 VBMI the first
+// loop dequantizes whole 64-element runs by byte planes and the rest by arithmetic (Note
+// [Dequantize by byte planes]), so blocks of 32 run the arithmetic loop alone and both AVX-512
+// first loops are held to the scalar kernel here.
 TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
   // beta2 = 0.01: from step 4 on, sqrt(1 - beta2^t) rounds to 1.0f, so steps 4-6 take the
   // kernels' branch without that division (Note [A bias correction of one]).
