@@ -172,6 +172,7 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
   std::vector<at::Tensor> grads;
   std::vector<Entry> entries;
   const at::Device device = bench_device();
+  const int first_step = first_step_from_environment();  // bad input refused before any work
   const int64_t per_tensor = elements_per_tensor(total);
   if (per_tensor == 0)
     throw std::runtime_error("PARAMS_MILLIONS " + std::to_string(total / 1e6) +
@@ -217,7 +218,6 @@ int compare(int threads, int rounds, int64_t total, const std::vector<std::strin
       }
     entries.push_back(std::move(e));
   }
-  const int first_step = first_step_from_environment();
   const char* outer_isa = std::getenv("LOOM_KERNEL_ISA");
   const std::string restore = outer_isa ? outer_isa : "";
   for (int round = 0; round < rounds + 1; ++round)
