@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
@@ -81,10 +82,13 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 //   loop that updates the moments, on both widths; on CPUs with AVX-512 VBMI the AVX-512
 //   path's first loop looks 64 codes up at once in the table's byte planes instead (Note
 //   [Dequantize by byte planes]: 22 operations, not ~35 x 4), runs of under 64 by arithmetic;
-// - requantizing follows Note [Quantize by arithmetic], the code from the float's exponent and
-//   one fused multiply-subtract, no gather; the rare vector with a lane too close to a
-//   threshold for that arithmetic to be sure (about 1 in 800 in training) takes Note [Quantize
-//   in one step]'s gather, the same byte as quantize_fast either way. (quantize()'s binary search
+//   the AVX2 path gathers them from the table where gathers are the faster (Note [Dequantize
+//   by gather where gathers are fast]);
+// - requantizing follows Note [Quantize by arithmetic] (AVX2: Note [Quantize by lines]), the
+//   code from the float's bits and one fused multiply-subtract, no gather; the rare vector with
+//   a lane too close to a threshold for that arithmetic to be sure (about 1 in 800 in
+//   training) takes Note [Quantize in one step]'s gather, the same byte as quantize_fast
+//   either way. (quantize()'s binary search
 //   with its thresholds in registers, twelve permutes per 16 values, was measured slower than
 //   the gather on the Xeon of issue 39: docs/BENCHMARKS.md.) Both widths run a block in two
 //   loops (Note [adam8bit's divisions beside the quantizer]).
@@ -365,9 +369,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void update_and_requan
   }
 }
 
-// One block on AVX2, in two loops (Note [adam8bit's divisions beside the quantizer]).
-__attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coefficients& c,
-                                                    float* mbuf, float* vbuf) {
+// One block on AVX2, in two loops (Note [adam8bit's divisions beside the quantizer]), its codes
+// dequantized by `Dequantizer` (Note [Dequantize by gather where gathers are fast]).
+template <template <bool> class Dequantizer>
+__attribute__((target("avx2,fma"))) void block_avx2_with(const Block& b, const Coefficients& c,
+                                                         float* mbuf, float* vbuf) {
   // Locals, not b's fields: a float store could alias `b`, which the loop would then reload.
   const float* const g = b.g;
   const uint8_t* const qm = b.qm;
@@ -378,8 +384,8 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
   {
     const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
                  absmax_m = _mm256_set1_ps(*b.am), absmax_v = _mm256_set1_ps(*b.av);
-    const QuantMap::Dequantizer8<true> code_m(signed_map());
-    const QuantMap::Dequantizer8<false> code_v(unsigned_map());
+    const Dequantizer<true> code_m(signed_map());
+    const Dequantizer<false> code_v(unsigned_map());
     for (int64_t i = 0; i < whole; i += 8) {
       if ((i & 15) == 0) prefetch_ahead(g + i);
       if ((i & 63) == 0) {
@@ -418,6 +424,65 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block& b, const Coeffi
   *b.am = new_am;
   *b.av = new_av;
 }
+void block_avx2(const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
+  block_avx2_with<QuantMap::Dequantizer8>(b, c, mbuf, vbuf);
+}
+void block_avx2_gather(const Block& b, const Coefficients& c, float* mbuf, float* vbuf) {
+  block_avx2_with<QuantMap::GatherDequantizer8>(b, c, mbuf, vbuf);
+}
+
+// Note [Dequantize by gather where gathers are fast]: the AVX2 first loop can look the codes up
+// in code[] by a gather (one instruction and eight loads) or compute them (Note [Dequantize by
+// arithmetic]: ~15-20 register operations); both give code[]'s floats, so the choice is only
+// speed, and gathers differ by an order between CPUs: on the Intel Xeon of issue 39 (Sapphire
+// Rapids-class) two gathers cost 2.2-2.4 ns per 8 elements against the arithmetic's 3.2-3.6,
+// on the AVX2-only AMD EPYC of issue 39 7.1 ns against 4.8, and Intel cores with the Gather
+// Data Sampling microcode run them several times slower again (docs/BENCHMARKS.md, "adam8bit's
+// AVX2 quantizer by lines"). So the first AVX2 step times both over 4096 codes of each map in
+// L1, best of five rounds interleaved (about 0.1 ms), and gathers only where they are faster
+// by more than a tenth. LOOM_ADAM8BIT_DEQUANTIZE = gather | arithmetic forces either, read on
+// every step like LOOM_KERNEL_ISA, so the tests hold both to the scalar kernel on any CPU.
+template <template <bool> class Dequantizer>
+__attribute__((target("avx2,fma"))) double dequantize_seconds(const uint8_t* codes, float* out,
+                                                              int64_t count) {
+  const Dequantizer<true> code_m(signed_map());
+  const Dequantizer<false> code_v(unsigned_map());
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < count; i += 8) {
+    const __m256i q =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(out + i, code_m(q));
+    _mm256_storeu_ps(out + count + i, code_v(q));
+  }
+  asm volatile("" : : "r"(out) : "memory");  // the stores are the work: keep them
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+bool gathers_faster() {
+  constexpr int64_t kCodes = 4096;
+  std::vector<uint8_t> codes(kCodes);
+  uint32_t state = 12345;
+  for (uint8_t& q : codes) q = static_cast<uint8_t>((state = state * 1664525u + 1013904223u) >> 24);
+  std::vector<float> out(2 * kCodes);
+  double arithmetic = 1e30, gather = 1e30;
+  for (int round = 0; round < 5; ++round) {
+    arithmetic = std::min(arithmetic, dequantize_seconds<QuantMap::Dequantizer8>(
+                                          codes.data(), out.data(), kCodes));
+    gather = std::min(gather, dequantize_seconds<QuantMap::GatherDequantizer8>(
+                                  codes.data(), out.data(), kCodes));
+  }
+  return gather < 0.9 * arithmetic;
+}
+bool avx2_dequantizes_by_gather() {
+  static const bool faster = gathers_faster();
+  const char* forced = std::getenv("LOOM_ADAM8BIT_DEQUANTIZE");
+  if (!forced || !*forced) return faster;
+  const std::string value(forced);
+  if (value == "gather") return true;
+  if (value == "arithmetic") return false;
+  throw ConfigError("environment variable LOOM_ADAM8BIT_DEQUANTIZE='" + value +
+                    "' is unknown; use gather or arithmetic, or unset it to let the first step "
+                    "time both on this CPU (it chose " + (faster ? "gather" : "arithmetic") + ")");
+}
 #endif
 
 // The path this CPU runs, capped by LOOM_KERNEL_ISA (Note [Kernel ISA cap]: the tests compare
@@ -432,6 +497,26 @@ cpu::KernelIsa kernel_path() {
   if (maps_ready) return cpu::kernel_isa();
 #endif
   return cpu::KernelIsa::scalar;
+}
+
+// The block kernel of this step: kernel_path()'s, the AVX-512 one by byte planes where the CPU
+// has VBMI, the AVX2 one by gather where gathers are faster (chosen once per tensor and step,
+// not per thread's range).
+using BlockKernel = void (*)(const Block&, const Coefficients&, float*, float*);
+BlockKernel block_kernel() {
+#if defined(__x86_64__)
+  switch (kernel_path()) {
+    case cpu::KernelIsa::avx512: {
+      static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+      return vbmi ? block_avx512_vbmi : block_avx512;
+    }
+    case cpu::KernelIsa::avx2:
+      return avx2_dequantizes_by_gather() ? block_avx2_gather : block_avx2;
+    case cpu::KernelIsa::scalar:
+      break;
+  }
+#endif
+  return block_scalar;
 }
 
 class Adam8bit final : public UpdateRule {
@@ -586,21 +671,13 @@ class Adam8bit final : public UpdateRule {
     float* av = s.state_at("exp_avg_sq_absmax").data_ptr<float>();
     const int64_t n = s.param.numel(), block = block_, blocks = (n + block - 1) / block;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / block);
-    const cpu::KernelIsa path = kernel_path();
+    const auto kernel = block_kernel();
     at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
       auto block_at = [&](int64_t k) {
         const int64_t b = first + k, start = b * block;
         return Block{p + start, g + start, qm + start, qv + start, am + b, av + b,
                      std::min(block, n - start)};
       };
-#if defined(__x86_64__)
-      static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-      const auto kernel = path == cpu::KernelIsa::avx512 ? (vbmi ? block_avx512_vbmi : block_avx512)
-                          : path == cpu::KernelIsa::avx2 ? block_avx2
-                                                         : block_scalar;
-#else
-      const auto kernel = block_scalar;
-#endif
       std::vector<float> mbuf(block), vbuf(block);
       for (int64_t k = 0; k < last - first; ++k) kernel(block_at(k), c, mbuf.data(), vbuf.data());
     });

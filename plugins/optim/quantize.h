@@ -100,6 +100,7 @@ struct QuantMap {
     }
     build_step_cells();
     build_arithmetic(is_signed);
+    build_lines8(is_signed);
     build_dequantize(is_signed);
     for (int i = 0; i < 256; ++i)
       for (int b = 0; b < 4; ++b)
@@ -224,10 +225,10 @@ struct QuantMap {
   // map mirrors the positive (threshold[254 - i] = -threshold[i], checked): byte 255 - q, and
   // y <= 0 takes the lower of the two zeros. The unsigned map's negatives and NaN are 0
   // (max(y, 0) is 0 for both); the signed map's NaN is unsure. No gather: about 18 register
-  // operations per vector, against a gather of ~35 cycles on the Xeon of issue 39
-  // (docs/BENCHMARKS.md).
+  // operations per vector, against a gather of ~35 cycles on the Cascade Lake Xeon of issue 39
+  // (docs/BENCHMARKS.md). AVX2 finds the decade otherwise (Note [Quantize by lines]).
   static constexpr float kArithMargin = 1.0f / 4096;
-  bool arithmetic_ready() const { return arith_fits; }
+  bool arithmetic_ready() const { return arith_fits && lines8_fit; }
   // Both widths compare a lane's key with its decade's lower edge: |y| as an integer (integers
   // order as non-negative floats do). y at an edge goes to the decade below, as the search
   // rounds a tie, but on the signed map's negative half the tie rounds away from zero, so a
@@ -289,65 +290,83 @@ struct QuantMap {
                          : Quantizer8<false>(*this)(y, unsure);
   }
   // quantize8_arith's tables in registers, made per block (a local: kSigned must be the map's).
-  // 8-entry permutes stand in for AVX-512's 16- and 32-entry ones: the binade's decade is a byte
-  // of a 32-byte table (the word by the binade's low 3 bits, the byte by its bits 3-4), and the
-  // unsigned map's zero decade (8, one past the permutes) is masked by one more comparison.
+  //
+  // Note [Quantize by lines]: AVX2 has only 8-entry permutes, and finding the decade from a
+  // table of 32 binades took it seven operations (a byte table, a variable shift, masks), the
+  // unsigned map's zeros three more; so the AVX2 quantizer finds the decade by arithmetic. A
+  // non-negative float's bits read as an integer are 2^23 (log2 |y| + 127) to within 0.086 of
+  // a binade (the mantissa read as linear), so one fma of their conversion and a truncation
+  // give an estimate that moves to the next decade at 0.33 10^-e (log10(0.33) + e - log10 |y|,
+  // truncated). Decade e's line x'' = |y| S - O (Note [Quantize by arithmetic]) is right over
+  // (10^-(e+1), 10^-e], between the decade below's top code and its own: below its lower edge
+  // down to that code x'' lies within 1/2 under its first integer, giving the code below, and
+  // at its top code x'' is the top byte + 1/2. The estimate's switch lies inside every span
+  // with room for the 0.086 binade either side, so it names the span or the one above, and one
+  // comparison with the span's lower end (the code 10^-(e+1), as an integer) settles it. The
+  // lowest decade's one code gets a line through both of its edges instead of a constant; it
+  // carries down to |y| = 0 at the zero byte (x'' ~0.2 under the code's integer), so no
+  // decade of zeros and no mask: eight lines on both maps (the signed map's eighth repeats its
+  // seventh). A span's end is a code, not a threshold, so there is no tie to round there, and
+  // the top decade's x'' is capped at 255.5, the top byte, for |y| >= 1. The constructor proves
+  // it (build_lines8): each line at every threshold of its span within half the margin, both
+  // ends sure, the estimate at both ends of every span, every line at or over the cap from 1
+  // up (a wrapped estimate past 3). A sure lane is then exact, and a y at a threshold is unsure
+  // and goes to the table, ties of either sign included. About 20 register operations per
+  // vector on the signed map and 17 on the unsigned, where the binade table took 26 and 25
+  // (docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines").
   template <bool kSigned>
   struct Quantizer8 {
-    __m256 top, scale, offset;
-    __m256i edge_above;  // a decade's lower edge + 1 as an integer: key < it is key <= the edge
-    __m256i binade_decade;
-    float lowest_edge;  // the unsigned map's: at or below it the byte is 0
+    __m256 scale, offset;
+    __m256i edge_above;  // a line's lower edge + 1 as an integer: key < it is key <= the edge
     __attribute__((target("avx2"))) explicit Quantizer8(const QuantMap& map)
-        : top(_mm256_loadu_ps(map.arith_top.data())),
-          scale(_mm256_loadu_ps(map.arith_scale.data())),
-          offset(_mm256_loadu_ps(map.arith_offset.data())),
-          edge_above(_mm256_add_epi32(_mm256_castps_si256(_mm256_loadu_ps(map.arith_lower.data())),
-                                      _mm256_set1_epi32(1))),
-          binade_decade(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(map.arith_binade_decade_bytes.data()))),
-          lowest_edge(map.arith_lower[7]) {}
+        : scale(_mm256_loadu_ps(map.line8_scale.data())),
+          offset(_mm256_loadu_ps(map.line8_offset.data())),
+          edge_above(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(map.line8_edge_above.data()))) {}
     __attribute__((target("avx2,fma"), always_inline)) __m256i operator()(__m256 y,
                                                                           int& unsure) const {
       const __m256 zero = _mm256_setzero_ps();
+      // |y|; the unsigned map's negatives and NaN are 0 (max returns its second operand).
       const __m256 a =
           kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y) : _mm256_max_ps(y, zero);
       const __m256i magnitude = _mm256_castps_si256(a);
-      // The key: a y <= 0 on the signed map counts one ulp larger (a true mask is -1).
-      const __m256 not_positive =
-          kSigned ? _mm256_cmp_ps(y, zero, _CMP_LE_OQ) : _mm256_setzero_ps();
-      const __m256i key =
-          kSigned ? _mm256_sub_epi32(magnitude, _mm256_castps_si256(not_positive)) : magnitude;
-      const __m256i binade = _mm256_min_epu32(
-          _mm256_subs_epu16(_mm256_srli_epi32(magnitude, 23),
-                            _mm256_set1_epi32(kArithFirstExponent)),
-          _mm256_set1_epi32(31));
-      __m256i decade = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(binade_decade, binade),
-                            _mm256_and_si256(binade, _mm256_set1_epi32(0x18))),
-          _mm256_set1_epi32(0xff));
-      // At or below the decade's lower edge: the decade below (a true mask is -1).
-      decade = _mm256_sub_epi32(
-          decade, _mm256_cmpgt_epi32(_mm256_permutevar8x32_epi32(edge_above, decade), key));
-      const __m256 x = _mm256_min_ps(
-          _mm256_permutevar8x32_ps(top, decade),
-          _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, decade),
-                          _mm256_permutevar8x32_ps(offset, decade)));
+      // The estimate (Note [Quantize by lines]), 7 for anything below the lowest decade's.
+      const __m256i estimate = _mm256_cvttps_epi32(_mm256_min_ps(
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(kLineEstimateScale),
+                          _mm256_set1_ps(kLineEstimateOffset)),
+          _mm256_set1_ps(7.0f)));
+      // At or below the estimate's lower edge: the decade below (a true mask is -1).
+      const __m256i decade = _mm256_sub_epi32(
+          estimate, _mm256_cmpgt_epi32(_mm256_permutevar8x32_epi32(edge_above, estimate),
+                                       magnitude));
+      // A NaN x stays NaN in min (its second operand), so the lane is unsure.
+      const __m256 x = _mm256_min_ps(_mm256_set1_ps(kLineTop),
+                                     _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, decade),
+                                                     _mm256_permutevar8x32_ps(offset, decade)));
       __m256i q = _mm256_cvttps_epi32(x);
       const __m256 fraction = _mm256_sub_ps(x, _mm256_cvtepi32_ps(q));  // exact
-      __m256 doubt = _mm256_cmp_ps(fraction, _mm256_set1_ps(2 * kArithMargin), _CMP_NGT_UQ);
-      if (kSigned) {
+      unsure = _mm256_movemask_ps(
+          _mm256_cmp_ps(fraction, _mm256_set1_ps(2 * kArithMargin), _CMP_NGT_UQ));
+      if (kSigned) {  // y <= 0: the mirror byte (and +-0 the lower zero)
         q = _mm256_xor_si256(
-            q, _mm256_and_si256(_mm256_castps_si256(not_positive), _mm256_set1_epi32(0xff)));
-      } else {  // at or below the lowest edge (decade 8 and beyond): byte 0, sure
-        const __m256 nothing = _mm256_cmp_ps(a, _mm256_set1_ps(lowest_edge), _CMP_LE_OQ);
-        q = _mm256_andnot_si256(_mm256_castps_si256(nothing), q);
-        doubt = _mm256_andnot_ps(nothing, doubt);
+            q, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_LE_OQ)),
+                                _mm256_set1_epi32(0xff)));
       }
-      unsure = _mm256_movemask_ps(doubt);
       return q;
     }
   };
+  // The estimate's fma, log10(0.33) - log10 |y| read from the bits (Note [Quantize by lines]);
+  // kLineTop caps x'' for |y| >= 1 at the top byte, 255, on both maps.
+  static constexpr float kLineEstimateScale = static_cast<float>(-0.30102999566398120 / 8388608.0);
+  static constexpr float kLineEstimateOffset =
+      static_cast<float>(127 * 0.30102999566398120 - 0.48148606012211248);  // log10(0.33)
+  static constexpr float kLineTop = 255.5f;
+  static int line_estimate(float a) {  // the vector estimate, as scalar code
+    const float f = std::min(std::fma(static_cast<float>(static_cast<int32_t>(to_bits(a))),
+                                      kLineEstimateScale, kLineEstimateOffset),
+                             7.0f);
+    return static_cast<int>(f);
+  }
 #endif
 
   // Note [Dequantize by arithmetic]: code[q] without a table of 256 floats. A magnitude code is
@@ -364,9 +383,11 @@ struct QuantMap {
   // exact; j = 0 (the zeros) is masked. The constructor finds S, O per decade and checks all
   // 256 codes (dequantize_ready()); the tests check every byte in every lane. About 15 register
   // operations per vector (20 signed), no memory lookup: AVX2 has no room for 256 floats in
-  // registers (16 x 8), and its gathers cost ~35 cycles each on the Xeon of issue 39
-  // (docs/BENCHMARKS.md). With AVX-512 VBMI the table itself is looked up instead (Note
-  // [Dequantize by byte planes], below).
+  // registers (16 x 8), and gathers cost ~35 cycles each on the Cascade Lake Xeon of issue 39
+  // and more than this arithmetic on its AVX2 EPYC (docs/BENCHMARKS.md). Where they cost less,
+  // as on the Sapphire Rapids-class Xeon, the AVX2 kernel gathers instead (Note [Dequantize by
+  // gather where gathers are fast] in adam8bit.cpp). With AVX-512 VBMI the table itself is
+  // looked up in registers (Note [Dequantize by byte planes], below).
   bool dequantize_ready() const { return dequantize_fits; }
   // The scalar statement of the vector code (the tests hold it to code[]).
   float dequantize_arith(uint8_t q) const {
@@ -417,6 +438,16 @@ struct QuantMap {
       if (kSigned) bits = _mm256_or_si256(bits, sign);
       bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(j, _mm256_setzero_si256()), bits);
       return _mm256_castsi256_ps(bits);
+    }
+  };
+  // code[q] by one gather from the table itself (Note [Dequantize by gather where gathers are
+  // fast] in adam8bit.cpp): Dequantizer8's interface, the table's floats by construction.
+  template <bool kSigned>
+  struct GatherDequantizer8 {
+    const float* table;
+    explicit GatherDequantizer8(const QuantMap& map) : table(map.code.data()) {}
+    __attribute__((target("avx2"), always_inline)) __m256 operator()(__m256i q) const {
+      return _mm256_i32gather_ps(table, q, 4);
     }
   };
   template <bool kSigned>
@@ -531,7 +562,11 @@ struct QuantMap {
   bool is_signed_map = false, arith_fits = true;
   std::array<float, 16> arith_lower{}, arith_scale{}, arith_offset{}, arith_top{};
   std::array<int32_t, 32> arith_binade_decade{};
-  std::array<uint32_t, 8> arith_binade_decade_bytes{};  // binade b's at byte b >> 3 of word b & 7
+  // Note [Quantize by lines]: per line its scale and offset, and its lower edge + 1 as an
+  // integer (0 where there is no decade below to fall to).
+  bool lines8_fit = true;
+  std::array<float, 8> line8_scale{}, line8_offset{};
+  std::array<int32_t, 8> line8_edge_above{};
   // Note [Dequantize by arithmetic]: per decade (by the low 3 bits of float(j)'s exponent) the
   // fma's two floats, and per magnitude j its missing last bit (bit j >> 3 of word j & 7).
   bool dequantize_fits = true;
@@ -580,6 +615,54 @@ struct QuantMap {
       if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]))
         dequantize_fits = false;
   }
+  // Note [Quantize by lines]: the AVX2 quantizer's lines, and the proofs that make it exact
+  // wherever it is sure.
+  void build_lines8(bool is_signed) {
+    const int decades = is_signed ? 7 : 8, zero_byte = is_signed ? 128 : 0;
+    auto base_of = [&](int e) { return zero_byte + (1 << (decades - 1 - e)); };
+    auto count_of = [&](int e) { return 1 << (decades - 1 - e); };
+    // Line e's span is (decade e + 1's top code, decade e's top code]; the lowest reaches 0.
+    auto top_code = [&](int e) { return code[base_of(e) + count_of(e) - 1]; };
+    for (int e = 0; e < 8; ++e) {
+      const int line = std::min(e, decades - 1);
+      const int base = base_of(line);
+      if (count_of(line) > 1) {
+        line8_scale[e] = arith_scale[line];
+        line8_offset[e] = arith_offset[line];
+      } else {  // through the one code's two edges: x'' = base + margin, base + 1 + margin
+        const double low = threshold[base - 1], high = threshold[base];
+        const double slope = 1.0 / (high - low);
+        line8_scale[e] = static_cast<float>(slope);
+        line8_offset[e] = static_cast<float>(low * slope - base - kArithMargin);
+      }
+      line8_edge_above[e] =
+          line < decades - 1 ? static_cast<int32_t>(to_bits(top_code(line + 1)) + 1) : 0;
+    }
+    auto x_of = [&](int e, float a) { return std::fma(a, line8_scale[e], -line8_offset[e]); };
+    // x'' at a span's end, where no threshold lies: that byte, and sure.
+    auto sure_at = [&](float x, int byte) {
+      return std::floor(x) == static_cast<float>(byte) && x - std::floor(x) > 2 * kArithMargin;
+    };
+    for (int e = 0; e < decades; ++e) {
+      const int base = base_of(e), n = count_of(e);
+      // Every threshold of the span: its lower edge and those between its codes.
+      for (int k = 0; k < n; ++k) {
+        const float x = x_of(e, threshold[base - 1 + k]);
+        if (!(std::fabs(x - (static_cast<float>(base + k) + kArithMargin)) <= kArithMargin / 2))
+          lines8_fit = false;
+      }
+      // The span's ends: the code below the lower edge, the top code.
+      const float low_end = e < decades - 1 ? top_code(e + 1) : 0.0f;
+      if (!sure_at(x_of(e, low_end), base - 1)) lines8_fit = false;
+      if (!sure_at(std::min(kLineTop, x_of(e, top_code(e))), base + n - 1)) lines8_fit = false;
+      // The estimate: the line's own or the one above over the span (it falls as |y| rises).
+      if (e < decades - 1 && line_estimate(std::nextafter(low_end, 2.0f)) > e) lines8_fit = false;
+      if (line_estimate(top_code(e)) < std::max(e - 1, 0)) lines8_fit = false;
+    }
+    // From |y| = 1 up (and where the estimate wraps, past 2), every line is at or above the cap.
+    for (int e = 0; e < 8; ++e)
+      if (!(x_of(e, 1.0f) >= kLineTop)) lines8_fit = false;
+  }
   void build_arithmetic(bool is_signed) {
     is_signed_map = is_signed;
     const int decades = is_signed ? 7 : 8;  // decade `decades` is the zero one
@@ -623,8 +706,6 @@ struct QuantMap {
       const float top = from_bits(next - 1);
       const float bottom = b == 0 ? 0.0f : from_bits(next - (1u << 23));
       arith_binade_decade[b] = decade_of(top);
-      arith_binade_decade_bytes[b & 7] |= static_cast<uint32_t>(arith_binade_decade[b])
-                                          << (8 * (b >> 3));
       if (decade_of(bottom) > arith_binade_decade[b] + 1) arith_fits = false;  // two edges
     }
     if (is_signed)

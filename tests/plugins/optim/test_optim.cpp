@@ -1054,12 +1054,44 @@ TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
     auto rule = make_rule("adam8bit", {{"block_size", block},
                                        {"beta2", beta2},
                                        {"min_8bit_size", int64_t{8}}});
-    Trajectory scalar;
-    ASSERT_NO_FATAL_FAILURE(expect_vector_paths_equal_scalar(*rule, problem, scalar));
-    ASSERT_EQ(scalar.front().size(), 7u + 4u * 7u);  // parameters, then 4 state tensors each
-    // The codes moved: a comparison of untouched state could not fail.
-    EXPECT_FALSE(at::equal(scalar.back()[7], scalar.front()[7]));
+    // The AVX2 first loop's two dequantizers, forced in turn (Note [Dequantize by gather where
+    // gathers are fast]; the AVX-512 paths ignore the variable).
+    for (const char* dequantize : {"arithmetic", "gather"}) {
+      SCOPED_TRACE(std::string("LOOM_ADAM8BIT_DEQUANTIZE=") + dequantize);
+      setenv("LOOM_ADAM8BIT_DEQUANTIZE", dequantize, 1);
+      Trajectory scalar;
+      expect_vector_paths_equal_scalar(*rule, problem, scalar);
+      unsetenv("LOOM_ADAM8BIT_DEQUANTIZE");
+      ASSERT_FALSE(HasFatalFailure());
+      ASSERT_EQ(scalar.front().size(), 7u + 4u * 7u);  // parameters, then 4 state tensors each
+      // The codes moved: a comparison of untouched state could not fail.
+      EXPECT_FALSE(at::equal(scalar.back()[7], scalar.front()[7]));
+    }
   }
+}
+
+// LOOM_ADAM8BIT_DEQUANTIZE with a value it does not know: the AVX2 step fails with an error
+// naming the variable and its two values.
+TEST(OptimQuantization, Adam8bitUnknownDequantizerIsAnErrorNamingTheVariable) {
+#if defined(__x86_64__)
+  if (cpu::cpu_kernel_isa() < cpu::KernelIsa::avx2) GTEST_SKIP() << "this CPU lacks AVX2";
+  const Problem problem = make_problem({{4096}}, 1, 3);
+  auto rule = make_rule("adam8bit", {{"min_8bit_size", int64_t{8}}});
+  setenv("LOOM_ADAM8BIT_DEQUANTIZE", "lookup", 1);
+  try {
+    run_rule_capped(*rule, problem, "avx2");
+    unsetenv("LOOM_ADAM8BIT_DEQUANTIZE");
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    unsetenv("LOOM_ADAM8BIT_DEQUANTIZE");
+    EXPECT_NE(std::string(e.what()).find("LOOM_ADAM8BIT_DEQUANTIZE='lookup'"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("use gather or arithmetic"), std::string::npos)
+        << e.what();
+  }
+#else
+  GTEST_SKIP() << "not x86-64";
+#endif
 }
 
 // Note [adam8bit's tensor ops in slices]: the GPU path (kernel = "tensor_ops", here on CPU
