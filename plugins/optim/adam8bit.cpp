@@ -84,7 +84,7 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
 //   [Dequantize by byte planes]: 22 operations, not ~35 x 4), runs of under 64 by arithmetic;
 //   the AVX2 path gathers them from the table where gathers are the faster (Note [Dequantize
 //   by gather where gathers are fast]);
-// - requantizing follows Note [Quantize by arithmetic] (AVX2: Note [Quantize by lines]), the
+// - requantizing follows Note [Quantize by arithmetic] and Note [Quantize by lines], the
 //   code from the float's bits and one fused multiply-subtract, no gather; the rare vector with
 //   a lane too close to a threshold for that arithmetic to be sure (about 1 in 800 in
 //   training) takes Note [Quantize in one step]'s gather, the same byte as quantize_fast

@@ -99,8 +99,7 @@ struct QuantMap {
         walk_steps = std::max({walk_steps, below(hi) - below(lo), at_most(-lo) - below(-hi)});
     }
     build_step_cells();
-    build_arithmetic(is_signed);
-    build_lines8(is_signed);
+    build_lines(is_signed);
     build_dequantize(is_signed);
     for (int i = 0; i < 256; ++i)
       for (int b = 0; b < 4; ++b)
@@ -204,83 +203,112 @@ struct QuantMap {
         _mm512_set1_epi32(1));
     return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), q);  // NaN: 0
   }
+#endif
 
   // Note [Quantize by arithmetic]: the map is arithmetic, so its code is too. Decade e (scale
   // 10^-e, n_e codes, the first at byte base_e) holds the codes 10^-e (0.1 + 0.9 (k+1)/n_e), and
   // its thresholds, the midpoints, lie where x = (|y| 10^e - 0.1) n_e / 0.9 is k + 1/2: its lower
   // edge (the midpoint to the decade below) at x = 1/2, the one between codes k-1 and k at
-  // k + 1/2. So with x'' = |y| scale_e - offset_e = x - 1/2 + base_e + kArithMargin, the byte
-  // is floor(x''), capped at the decade's top code. The decade itself comes from the exponent (a
-  // table of 32 binades gives the decade of each binade's top; a binade holds at most one decade
-  // edge) and one comparison with that decade's lower edge, an exact threshold of the map. The
-  // thresholds are float roundings of double arithmetic, so x'' misses them by a little: a lane
-  // whose x'' lies at or less than 2 kArithMargin above an integer is "unsure" and the caller
-  // quantizes that vector by the one-step table (quantize8 / quantize16_step). The constructor
-  // proves the rest exact (arithmetic_ready()): at every threshold of every decade x'' (the same
-  // fma) lies within kArithMargin / 2 of its integer + kArithMargin, and x'' rises with |y|, so
-  // a sure lane is on the right side of every threshold. (The lift by kArithMargin, in offset_e,
-  // makes the test one comparison of x'' - floor(x''), one AVX-512 instruction, where a window
-  // either side of the integer took a subtraction and an absolute value more; the unsure lanes
-  // are the same, 2^32 floats counted: docs/BENCHMARKS.md.) The negative half of the signed
-  // map mirrors the positive (threshold[254 - i] = -threshold[i], checked): byte 255 - q, and
-  // y <= 0 takes the lower of the two zeros. The unsigned map's negatives and NaN are 0
-  // (max(y, 0) is 0 for both); the signed map's NaN is unsure. No gather: about 18 register
-  // operations per vector, against a gather of ~35 cycles on the Cascade Lake Xeon of issue 39
-  // (docs/BENCHMARKS.md). AVX2 finds the decade otherwise (Note [Quantize by lines]).
+  // k + 1/2. So with the decade's line x'' = |y| S_e - O_e = x - 1/2 + base_e + kArithMargin,
+  // the byte is floor(x''); which line a |y| takes is Note [Quantize by lines]. The thresholds
+  // are float roundings of double arithmetic, so x'' misses them by a little: a lane whose x''
+  // lies at or less than 2 kArithMargin above an integer is "unsure" and the caller quantizes
+  // that vector by the one-step table (quantize8 / quantize16_step). The constructor proves the
+  // rest exact (arithmetic_ready()): at every threshold x'' (the same fma) lies within
+  // kArithMargin / 2 of its integer + kArithMargin, and x'' rises with |y|, so a sure lane is
+  // on the right side of every threshold. (The lift by kArithMargin, in O_e, makes the test one
+  // comparison of x'' - floor(x''), one AVX-512 instruction, where a window either side of the
+  // integer took a subtraction and an absolute value more: docs/BENCHMARKS.md.) The negative
+  // half of the signed map mirrors the positive (threshold[254 - i] = -threshold[i], checked):
+  // byte 255 - q, and y <= 0 takes the lower of the two zeros. The unsigned map's negatives and
+  // NaN are 0 (max(y, 0) is 0 for both); the signed map's NaN is unsure. No gather: about 17-20
+  // register operations per vector, against a gather of ~35 cycles on the Cascade Lake Xeon of
+  // issue 39 (docs/BENCHMARKS.md).
+  //
+  // Note [Quantize by lines]: which line. Decade e's line is right over (10^-(e+1), 10^-e], from
+  // the decade below's top code to its own: below its lower edge, down to that code, x'' lies
+  // within 1/2 under its first integer and gives the code below; at its top code x'' is the top
+  // byte + 1/2. A non-negative float's bits read as an integer are 2^23 (log2 |y| + 127) to
+  // within 0.086 of a binade (the mantissa read as linear), so one fma of their conversion and
+  // a truncation give an estimate of the span, log10(0.33) - log10 |y| truncated: it moves to
+  // the next span at 0.33 10^-e, inside every span with room for the 0.086 binade either side,
+  // so it names the span or the one above, and one comparison with the span's lower end (the
+  // code 10^-(e+1), as an integer) settles it. The lowest decade's one code gets a line
+  // through its lower edge (the midpoint to zero) at base + margin and the code itself at
+  // base + 3/4 + margin; it carries down to |y| = 0 at the zero byte (x'' = base - 3/4 +
+  // margin), so there is no decade of zeros to mask: eight lines on both maps (the signed map's
+  // eighth repeats its seventh). (Its slope sets how wide the unsure window at that edge is:
+  // through both of the code's edges, a slope of 1/4 of this, it held 0.3 % of |y| there and
+  // half again as many vectors as before were unsure on log-uniform values.) A span's ends are
+  // codes, not thresholds, so no tie is rounded there, and x'' is capped at 255.5, the top
+  // byte, for |y| >= 1. The constructor proves it (build_lines): each line at every threshold
+  // of its span, both ends sure, the estimate at both ends of every span, every line at or
+  // over the cap from |y| = 1 up (where a wrapped estimate may pick any line). A y at a
+  // threshold is then unsure, ties of either sign included; just under a decade's lower edge,
+  // where a cap once made x'' sure, the line above now gives the byte below, unsure within the
+  // margin as above the edge. (Until issue 39's session 27 the decade came from a table of 32 binades and a
+  // comparison with its lower edge, each decade's line capped at its top: seven operations
+  // more per vector on AVX2, whose permutes hold 8 entries, and three more for the unsigned
+  // map's zeros; docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines".)
   static constexpr float kArithMargin = 1.0f / 4096;
-  bool arithmetic_ready() const { return arith_fits && lines8_fit; }
-  // Both widths compare a lane's key with its decade's lower edge: |y| as an integer (integers
-  // order as non-negative floats do). y at an edge goes to the decade below, as the search
-  // rounds a tie, but on the signed map's negative half the tie rounds away from zero, so a
-  // negative y counts as one ulp larger (its key is |y| + 1: an edge E is below y exactly when
-  // |y| < E).
+  bool arithmetic_ready() const { return lines_fit; }
+  // The estimate's fma (Note [Quantize by lines]), and the cap for |y| >= 1.
+  static constexpr float kLineEstimateScale = static_cast<float>(-0.30102999566398120 / 8388608.0);
+  static constexpr float kLineEstimateOffset =
+      static_cast<float>(127 * 0.30102999566398120 - 0.48148606012211248);  // log10(0.33)
+  static constexpr float kLineTop = 255.5f;
+  // The estimate as scalar code (the constructor's proof), the vector one's operations in order.
+  static int line_estimate(float a) {
+    const float f = std::min(std::fma(static_cast<float>(static_cast<int32_t>(to_bits(a))),
+                                      kLineEstimateScale, kLineEstimateOffset),
+                             7.0f);
+    return static_cast<int>(f);
+  }
+#if defined(__x86_64__)
   __attribute__((target("avx512f,avx512bw,avx512dq"))) __m512i quantize16_arith(
       __m512 y, __mmask16& unsure) const {
     return is_signed_map ? Quantizer16<true>(*this)(y, unsure)
                          : Quantizer16<false>(*this)(y, unsure);
   }
   // quantize16_arith's tables in registers, made per block (a local: kSigned must be the map's),
-  // so the kernel's loop neither reloads them nor tests the map's signedness per vector.
+  // so the kernel's loop neither reloads them nor tests the map's signedness per vector. The
+  // eight lines twice over, so a 16-entry permute reads entry (index & 7) unmasked.
   template <bool kSigned>
   struct Quantizer16 {
-    __m512i binade_decade_low, binade_decade_high, lower;
-    __m512 top, scale, offset;
+    __m512 scale, offset;
+    __m512i edge_above;  // a span's lower end + 1 as an integer: key < it is key <= the end
+    __attribute__((target("avx512f"))) static __m512i twice(const void* table) {
+      const __m512i low = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
+      return _mm512_shuffle_i32x4(low, low, 0x44);
+    }
     __attribute__((target("avx512f"))) explicit Quantizer16(const QuantMap& map)
-        : binade_decade_low(_mm512_loadu_si512(map.arith_binade_decade.data())),
-          binade_decade_high(_mm512_loadu_si512(map.arith_binade_decade.data() + 16)),
-          lower(_mm512_castps_si512(_mm512_loadu_ps(map.arith_lower.data()))),
-          top(_mm512_loadu_ps(map.arith_top.data())),
-          scale(_mm512_loadu_ps(map.arith_scale.data())),
-          offset(_mm512_loadu_ps(map.arith_offset.data())) {}
+        : scale(_mm512_castsi512_ps(twice(map.line_scale.data()))),
+          offset(_mm512_castsi512_ps(twice(map.line_offset.data()))),
+          edge_above(twice(map.line_edge_above.data())) {}
     __attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) __m512i operator()(
         __m512 y, __mmask16& unsure) const {
       const __m512 zero = _mm512_setzero_ps();
       const __m512 a = kSigned ? _mm512_abs_ps(y) : _mm512_max_ps(y, zero);
       const __m512i magnitude = _mm512_castps_si512(a);
-      // The key: a y <= 0 on the signed map counts one ulp larger (+0 too: its key, 1, lies
-      // below every edge as 0 does).
-      const __mmask16 not_positive = kSigned ? _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ) : 0;
-      const __m512i key =
-          kSigned ? _mm512_mask_add_epi32(magnitude, not_positive, magnitude, _mm512_set1_epi32(1))
-                  : magnitude;
-      // The binade, 0 for anything below 2^-26, 31 from 2^5 up (inf and NaN included).
-      const __m512i binade = _mm512_min_epu32(
-          _mm512_subs_epu16(_mm512_srli_epi32(magnitude, 23),
-                            _mm512_set1_epi32(kArithFirstExponent)),
-          _mm512_set1_epi32(31));
-      __m512i decade = _mm512_permutex2var_epi32(binade_decade_low, binade, binade_decade_high);
-      const __mmask16 below_edge =
-          _mm512_cmple_epi32_mask(key, _mm512_permutexvar_epi32(decade, lower));
-      decade = _mm512_mask_add_epi32(decade, below_edge, decade, _mm512_set1_epi32(1));
-      const __m512 x = _mm512_min_ps(
-          _mm512_permutexvar_ps(decade, top),
-          _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, scale),
-                          _mm512_permutexvar_ps(decade, offset)));
-      __m512i q = _mm512_cvttps_epi32(x);  // NaN last in min: a NaN x stays NaN, so unsure
+      const __m512i estimate = _mm512_cvttps_epi32(_mm512_min_ps(
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(kLineEstimateScale),
+                          _mm512_set1_ps(kLineEstimateOffset)),
+          _mm512_set1_ps(7.0f)));
+      const __mmask16 below =
+          _mm512_cmpgt_epi32_mask(_mm512_permutexvar_epi32(estimate, edge_above), magnitude);
+      const __m512i line = _mm512_mask_add_epi32(estimate, below, estimate, _mm512_set1_epi32(1));
+      // A NaN x stays NaN in min (its second operand), so the lane is unsure.
+      const __m512 x = _mm512_min_ps(_mm512_set1_ps(kLineTop),
+                                     _mm512_fmsub_ps(a, _mm512_permutexvar_ps(line, scale),
+                                                     _mm512_permutexvar_ps(line, offset)));
+      __m512i q = _mm512_cvttps_epi32(x);
       // x - floor(x), exact (x >= 0 here, below 2^23).
       const __m512 fraction = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
       unsure = _mm512_cmp_ps_mask(fraction, _mm512_set1_ps(2 * kArithMargin), _CMP_NGT_UQ);
-      if (kSigned) q = _mm512_mask_xor_epi32(q, not_positive, q, _mm512_set1_epi32(0xff));
+      if (kSigned)  // y <= 0: the mirror byte (and +-0 the lower zero)
+        q = _mm512_mask_xor_epi32(q, _mm512_cmp_ps_mask(y, zero, _CMP_LE_OQ), q,
+                                  _mm512_set1_epi32(0xff));
       return q;
     }
   };
@@ -290,39 +318,15 @@ struct QuantMap {
                          : Quantizer8<false>(*this)(y, unsure);
   }
   // quantize8_arith's tables in registers, made per block (a local: kSigned must be the map's).
-  //
-  // Note [Quantize by lines]: AVX2 has only 8-entry permutes, and finding the decade from a
-  // table of 32 binades took it seven operations (a byte table, a variable shift, masks), the
-  // unsigned map's zeros three more; so the AVX2 quantizer finds the decade by arithmetic. A
-  // non-negative float's bits read as an integer are 2^23 (log2 |y| + 127) to within 0.086 of
-  // a binade (the mantissa read as linear), so one fma of their conversion and a truncation
-  // give an estimate that moves to the next decade at 0.33 10^-e (log10(0.33) + e - log10 |y|,
-  // truncated). Decade e's line x'' = |y| S - O (Note [Quantize by arithmetic]) is right over
-  // (10^-(e+1), 10^-e], between the decade below's top code and its own: below its lower edge
-  // down to that code x'' lies within 1/2 under its first integer, giving the code below, and
-  // at its top code x'' is the top byte + 1/2. The estimate's switch lies inside every span
-  // with room for the 0.086 binade either side, so it names the span or the one above, and one
-  // comparison with the span's lower end (the code 10^-(e+1), as an integer) settles it. The
-  // lowest decade's one code gets a line through both of its edges instead of a constant; it
-  // carries down to |y| = 0 at the zero byte (x'' ~0.2 under the code's integer), so no
-  // decade of zeros and no mask: eight lines on both maps (the signed map's eighth repeats its
-  // seventh). A span's end is a code, not a threshold, so there is no tie to round there, and
-  // the top decade's x'' is capped at 255.5, the top byte, for |y| >= 1. The constructor proves
-  // it (build_lines8): each line at every threshold of its span within half the margin, both
-  // ends sure, the estimate at both ends of every span, every line at or over the cap from 1
-  // up (a wrapped estimate past 3). A sure lane is then exact, and a y at a threshold is unsure
-  // and goes to the table, ties of either sign included. About 20 register operations per
-  // vector on the signed map and 17 on the unsigned, where the binade table took 26 and 25
-  // (docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines").
   template <bool kSigned>
   struct Quantizer8 {
     __m256 scale, offset;
-    __m256i edge_above;  // a line's lower edge + 1 as an integer: key < it is key <= the edge
+    __m256i edge_above;  // a span's lower end + 1 as an integer: key < it is key <= the end
     __attribute__((target("avx2"))) explicit Quantizer8(const QuantMap& map)
-        : scale(_mm256_loadu_ps(map.line8_scale.data())),
-          offset(_mm256_loadu_ps(map.line8_offset.data())),
+        : scale(_mm256_loadu_ps(map.line_scale.data())),
+          offset(_mm256_loadu_ps(map.line_offset.data())),
           edge_above(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(map.line8_edge_above.data()))) {}
+              reinterpret_cast<const __m256i*>(map.line_edge_above.data()))) {}
     __attribute__((target("avx2,fma"), always_inline)) __m256i operator()(__m256 y,
                                                                           int& unsure) const {
       const __m256 zero = _mm256_setzero_ps();
@@ -330,19 +334,18 @@ struct QuantMap {
       const __m256 a =
           kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y) : _mm256_max_ps(y, zero);
       const __m256i magnitude = _mm256_castps_si256(a);
-      // The estimate (Note [Quantize by lines]), 7 for anything below the lowest decade's.
       const __m256i estimate = _mm256_cvttps_epi32(_mm256_min_ps(
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(kLineEstimateScale),
                           _mm256_set1_ps(kLineEstimateOffset)),
           _mm256_set1_ps(7.0f)));
-      // At or below the estimate's lower edge: the decade below (a true mask is -1).
-      const __m256i decade = _mm256_sub_epi32(
+      // At or below the estimated span's lower end: the span below (a true mask is -1).
+      const __m256i line = _mm256_sub_epi32(
           estimate, _mm256_cmpgt_epi32(_mm256_permutevar8x32_epi32(edge_above, estimate),
                                        magnitude));
       // A NaN x stays NaN in min (its second operand), so the lane is unsure.
       const __m256 x = _mm256_min_ps(_mm256_set1_ps(kLineTop),
-                                     _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, decade),
-                                                     _mm256_permutevar8x32_ps(offset, decade)));
+                                     _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(scale, line),
+                                                     _mm256_permutevar8x32_ps(offset, line)));
       __m256i q = _mm256_cvttps_epi32(x);
       const __m256 fraction = _mm256_sub_ps(x, _mm256_cvtepi32_ps(q));  // exact
       unsure = _mm256_movemask_ps(
@@ -355,18 +358,6 @@ struct QuantMap {
       return q;
     }
   };
-  // The estimate's fma, log10(0.33) - log10 |y| read from the bits (Note [Quantize by lines]);
-  // kLineTop caps x'' for |y| >= 1 at the top byte, 255, on both maps.
-  static constexpr float kLineEstimateScale = static_cast<float>(-0.30102999566398120 / 8388608.0);
-  static constexpr float kLineEstimateOffset =
-      static_cast<float>(127 * 0.30102999566398120 - 0.48148606012211248);  // log10(0.33)
-  static constexpr float kLineTop = 255.5f;
-  static int line_estimate(float a) {  // the vector estimate, as scalar code
-    const float f = std::min(std::fma(static_cast<float>(static_cast<int32_t>(to_bits(a))),
-                                      kLineEstimateScale, kLineEstimateOffset),
-                             7.0f);
-    return static_cast<int>(f);
-  }
 #endif
 
   // Note [Dequantize by arithmetic]: code[q] without a table of 256 floats. A magnitude code is
@@ -554,19 +545,11 @@ struct QuantMap {
 
  private:
   bool step_cells_fit = true;
-  // The tables of Note [Quantize by arithmetic]: per decade e its lower edge, scale, offset and
-  // top + 1/2 (decade 7 of the signed map, 8 of the unsigned, is the zero decade below the
-  // lowest edge: edge -1, scale 0); per binade from 2^(kArithFirstExponent - 127) the decade of
-  // its largest float.
-  static constexpr int kArithFirstExponent = 127 - 26;
-  bool is_signed_map = false, arith_fits = true;
-  std::array<float, 16> arith_lower{}, arith_scale{}, arith_offset{}, arith_top{};
-  std::array<int32_t, 32> arith_binade_decade{};
-  // Note [Quantize by lines]: per line its scale and offset, and its lower edge + 1 as an
-  // integer (0 where there is no decade below to fall to).
-  bool lines8_fit = true;
-  std::array<float, 8> line8_scale{}, line8_offset{};
-  std::array<int32_t, 8> line8_edge_above{};
+  // Note [Quantize by lines]: per line its scale and offset, and its span's lower end + 1 as an
+  // integer (0 for the lowest line, whose span reaches 0).
+  bool is_signed_map = false, lines_fit = true;
+  std::array<float, 8> line_scale{}, line_offset{};
+  std::array<int32_t, 8> line_edge_above{};
   // Note [Dequantize by arithmetic]: per decade (by the low 3 bits of float(j)'s exponent) the
   // fma's two floats, and per magnitude j its missing last bit (bit j >> 3 of word j & 7).
   bool dequantize_fits = true;
@@ -615,9 +598,10 @@ struct QuantMap {
       if (to_bits(dequantize_arith(static_cast<uint8_t>(q))) != to_bits(code[q]))
         dequantize_fits = false;
   }
-  // Note [Quantize by lines]: the AVX2 quantizer's lines, and the proofs that make it exact
-  // wherever it is sure.
-  void build_lines8(bool is_signed) {
+  // Note [Quantize by arithmetic], Note [Quantize by lines]: the lines, and the proofs that make
+  // the quantizers exact wherever they are sure.
+  void build_lines(bool is_signed) {
+    is_signed_map = is_signed;
     const int decades = is_signed ? 7 : 8, zero_byte = is_signed ? 128 : 0;
     auto base_of = [&](int e) { return zero_byte + (1 << (decades - 1 - e)); };
     auto count_of = [&](int e) { return 1 << (decades - 1 - e); };
@@ -625,20 +609,20 @@ struct QuantMap {
     auto top_code = [&](int e) { return code[base_of(e) + count_of(e) - 1]; };
     for (int e = 0; e < 8; ++e) {
       const int line = std::min(e, decades - 1);
-      const int base = base_of(line);
-      if (count_of(line) > 1) {
-        line8_scale[e] = arith_scale[line];
-        line8_offset[e] = arith_offset[line];
-      } else {  // through the one code's two edges: x'' = base + margin, base + 1 + margin
-        const double low = threshold[base - 1], high = threshold[base];
-        const double slope = 1.0 / (high - low);
-        line8_scale[e] = static_cast<float>(slope);
-        line8_offset[e] = static_cast<float>(low * slope - base - kArithMargin);
+      const int base = base_of(line), n = count_of(line);
+      if (n > 1) {  // x'' = (|y| 10^e - 0.1) n / 0.9 - 1/2 + base + margin
+        line_scale[e] = static_cast<float>(std::pow(10.0, line) * n / 0.9);
+        line_offset[e] = static_cast<float>(0.1 * n / 0.9 + 0.5 - base - kArithMargin);
+      } else {  // through its lower edge at base + margin and its code at base + 3/4 + margin
+        const double low = threshold[base - 1], top = code[base];
+        const double slope = 0.75 / (top - low);
+        line_scale[e] = static_cast<float>(slope);
+        line_offset[e] = static_cast<float>(low * slope - base - kArithMargin);
       }
-      line8_edge_above[e] =
+      line_edge_above[e] =
           line < decades - 1 ? static_cast<int32_t>(to_bits(top_code(line + 1)) + 1) : 0;
     }
-    auto x_of = [&](int e, float a) { return std::fma(a, line8_scale[e], -line8_offset[e]); };
+    auto x_of = [&](int e, float a) { return std::fma(a, line_scale[e], -line_offset[e]); };
     // x'' at a span's end, where no threshold lies: that byte, and sure.
     auto sure_at = [&](float x, int byte) {
       return std::floor(x) == static_cast<float>(byte) && x - std::floor(x) > 2 * kArithMargin;
@@ -649,68 +633,22 @@ struct QuantMap {
       for (int k = 0; k < n; ++k) {
         const float x = x_of(e, threshold[base - 1 + k]);
         if (!(std::fabs(x - (static_cast<float>(base + k) + kArithMargin)) <= kArithMargin / 2))
-          lines8_fit = false;
+          lines_fit = false;
       }
       // The span's ends: the code below the lower edge, the top code.
       const float low_end = e < decades - 1 ? top_code(e + 1) : 0.0f;
-      if (!sure_at(x_of(e, low_end), base - 1)) lines8_fit = false;
-      if (!sure_at(std::min(kLineTop, x_of(e, top_code(e))), base + n - 1)) lines8_fit = false;
-      // The estimate: the line's own or the one above over the span (it falls as |y| rises).
-      if (e < decades - 1 && line_estimate(std::nextafter(low_end, 2.0f)) > e) lines8_fit = false;
-      if (line_estimate(top_code(e)) < std::max(e - 1, 0)) lines8_fit = false;
+      if (!sure_at(x_of(e, low_end), base - 1)) lines_fit = false;
+      if (!sure_at(std::min(kLineTop, x_of(e, top_code(e))), base + n - 1)) lines_fit = false;
+      // The estimate: the span's own or the one above over the span (it falls as |y| rises).
+      if (e < decades - 1 && line_estimate(std::nextafter(low_end, 2.0f)) > e) lines_fit = false;
+      if (line_estimate(top_code(e)) < std::max(e - 1, 0)) lines_fit = false;
     }
-    // From |y| = 1 up (and where the estimate wraps, past 2), every line is at or above the cap.
+    // From |y| = 1 up (and where the estimate wraps, past 3), every line is at or above the cap.
     for (int e = 0; e < 8; ++e)
-      if (!(x_of(e, 1.0f) >= kLineTop)) lines8_fit = false;
-  }
-  void build_arithmetic(bool is_signed) {
-    is_signed_map = is_signed;
-    const int decades = is_signed ? 7 : 8;  // decade `decades` is the zero one
-    auto base_of = [&](int e) { return (is_signed ? 128 : 0) + (1 << (decades - 1 - e)); };
-    for (int e = 0; e < 16; ++e) {
-      if (e >= decades) {  // the zero decade (and unused entries): x'' = its byte + 1/2
-        const float byte = is_signed ? 128.0f : 0.0f;
-        arith_lower[e] = -1.0f;
-        arith_scale[e] = 0.0f;
-        arith_offset[e] = -(byte + 0.5f);
-        arith_top[e] = byte + 0.5f;
-        continue;
-      }
-      const int n = 1 << (decades - 1 - e), base = base_of(e);
-      arith_lower[e] = threshold[base - 1];
-      arith_top[e] = static_cast<float>(base + n - 1) + 0.5f;
-      if (n == 1) {  // the lowest decade, one code: its lower edge is the midpoint to 0
-        arith_scale[e] = 0.0f;
-        arith_offset[e] = -arith_top[e];
-        continue;
-      }
-      arith_scale[e] = static_cast<float>(std::pow(10.0, e) * n / 0.9);
-      arith_offset[e] = static_cast<float>(0.1 * n / 0.9 + 0.5 - base - kArithMargin);
-      // The proof: x'' within half the margin of base + k + kArithMargin at the decade's lower
-      // edge (k = 0) and at each threshold inside it (k = 1 .. n-1).
-      for (int k = 0; k < n; ++k) {
-        const float t = threshold[base - 1 + k];
-        const float x = std::fma(t, arith_scale[e], -arith_offset[e]);
-        if (!(std::fabs(x - (static_cast<float>(base + k) + kArithMargin)) <= kArithMargin / 2))
-          arith_fits = false;
-      }
-    }
-    // Each binade's decade: the count of decade edges at or above its largest float.
-    auto decade_of = [&](float v) {
-      int e = 0;
-      while (e < decades && v <= arith_lower[e]) ++e;
-      return e;
-    };
-    for (int b = 0; b < 32; ++b) {
-      const uint32_t next = static_cast<uint32_t>(kArithFirstExponent + b + 1) << 23;
-      const float top = from_bits(next - 1);
-      const float bottom = b == 0 ? 0.0f : from_bits(next - (1u << 23));
-      arith_binade_decade[b] = decade_of(top);
-      if (decade_of(bottom) > arith_binade_decade[b] + 1) arith_fits = false;  // two edges
-    }
-    if (is_signed)
+      if (!(x_of(e, 1.0f) >= kLineTop)) lines_fit = false;
+    if (is_signed)  // the negative half mirrors the positive
       for (int i = 0; i < 255; ++i)
-        if (!(threshold[254 - i] == -threshold[i])) arith_fits = false;
+        if (!(threshold[254 - i] == -threshold[i])) lines_fit = false;
   }
   static float from_bits(uint32_t bits) {
     float out;
