@@ -23,9 +23,13 @@ namespace loom::cpu {
 
 inline constexpr int64_t kPrefetchAhead = 256;
 
-// Asks for the cache line that holds at[kPrefetchAhead], into every cache level.
+// Asks for the cache line that holds at[kPrefetchAhead], into every cache level. Always
+// inlined: GCC counts __builtin_prefetch as no side effect, so a copy of this function left out
+// of line is "const" to it, and calls to it are deleted. That happened to the second loops of
+// every adam8bit kernel when this function was defined in the plugin instead (13 % slower,
+// docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines"); inlined, the builtin stays.
 template <class T>
-inline void prefetch_ahead(const T* at) {
+__attribute__((always_inline)) inline void prefetch_ahead(const T* at) {
   const auto address = reinterpret_cast<uintptr_t>(at) + kPrefetchAhead * sizeof(T);
   __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 3);
 }
