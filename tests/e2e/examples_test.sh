@@ -332,6 +332,34 @@ PY
   ok "bf16 optimizer state: losses $losses, bf16 moments in the checkpoint, 4 B/param of state"
 else fail "bf16 optimizer state: $(grep -v '^\s*$' "$work/bf16-state.log" | tail -3)"; fi
 
+# --- 19: 8-bit Adam: finite losses, the state's bytes in the log, and in the checkpoint each
+# tensor of at least min_8bit_size elements as uint8 codes with fp32 absmaxes (one per block),
+# the smaller ones as fp32 moments.
+if story adam8bit "build/bin/loom run examples/memory/adam8bit.toml" "${tiny[@]}" \
+     --set train.log_level=info &&
+   losses=$(steps_ok adam8bit 3) &&
+   grep -q "optimizer state .* B/param" "$work/adam8bit.log" &&
+   "$python" - "$work/adam8bit/checkpoint-3/optimizer-00000-of-00001.safetensors" <<'PY'; then
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], "np") as f:  # "np": the header's dtypes and shapes, no torch
+    keys = set(f.keys())
+    codes = sorted(k for k in keys if k.endswith("/exp_avg_q"))
+    assert codes, sorted(keys)
+    for k in codes:
+        name = k[: -len("/exp_avg_q")]
+        elements = f.get_slice(k).get_shape()[0]
+        assert elements >= 4096, (k, elements)
+        assert f.get_slice(k).get_dtype() == "U8" and f.get_slice(name + "/exp_avg_sq_q").get_dtype() == "U8"
+        blocks = f.get_slice(name + "/exp_avg_absmax").get_shape()[0]
+        assert f.get_slice(name + "/exp_avg_absmax").get_dtype() == "F32" and blocks == -(-elements // 256), (name, blocks)
+    small = [k for k in keys if k.endswith("/exp_avg")]
+    assert small and all(f.get_slice(k).get_dtype() == "F32" and f.get_slice(k).get_shape()[0] < 4096
+                         for k in small), small
+PY
+  ok "8-bit Adam: losses $losses, uint8 codes with fp32 absmaxes in the checkpoint, small tensors in fp32"
+else fail "8-bit Adam: $(grep -v '^\s*$' "$work/adam8bit.log" | tail -3)"; fi
+
 # --- 17: the delayed update, on NVMe so that this CPU runs its code path (the job's host store is
 # a GPU run's): finite losses with the offload metrics, the log saying the updates run late, the
 # swap file gone after.
