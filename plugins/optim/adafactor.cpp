@@ -190,11 +190,7 @@ class Adafactor final : public UpdateRule {
         scale_parameter_(c.get_bool("scale_parameter")),
         relative_step_(c.get_bool("relative_step")),
         warmup_init_(c.get_bool("warmup_init")),
-        kernel_(c.get_string("kernel")) {
-    LOOM_CHECK_AS(ConfigError,
-                  kernel_ == "auto" || kernel_ == "cpu_loops" || kernel_ == "tensor_ops",
-                  c.where("kernel"), ": [optimizer] kernel '", kernel_,
-                  "' is unknown; use auto, cpu_loops or tensor_ops");
+        kernel_(kernel_in(c, "adafactor", {"auto", "cpu_loops", "tensor_ops"})) {
     LOOM_CHECK_AS(ConfigError, eps1_ >= 0 && eps2_ >= 0, c.where("eps1"),
                   ": [optimizer] eps1 and eps2 must be >= 0");
     LOOM_CHECK_AS(ConfigError, clip_ > 0, c.where("clip_threshold"),

@@ -527,11 +527,7 @@ class Adam8bit final : public UpdateRule {
         eps_(c.get_float("eps")),
         block_(c.get_int("block_size")),
         min_8bit_(c.get_int("min_8bit_size")),
-        tensor_ops_(c.get_string("kernel") == "tensor_ops") {
-    const std::string kernel = c.get_string("kernel");
-    LOOM_CHECK_AS(ConfigError, kernel == "auto" || tensor_ops_, c.where("kernel"),
-                  ": [optimizer] kernel '", kernel,
-                  "' is unknown for adam8bit; use auto or tensor_ops");
+        tensor_ops_(kernel_in(c, "adam8bit", {"auto", "tensor_ops"}) == "tensor_ops") {
     LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
     LOOM_CHECK_AS(ConfigError, block_ >= 16 && block_ <= 65536 && (block_ & (block_ - 1)) == 0,
                   c.where("block_size"),

@@ -33,12 +33,10 @@ constexpr int64_t kGrain = 1 << 16;  // elements per parallel chunk: amortises t
 enum class RuleKernel { kAuto, kMultiTensor, kTensorOps };
 
 RuleKernel rule_kernel(const ConfigSection& c, const char* rule) {
-  const std::string kernel = c.get_string("kernel");
-  if (kernel == "auto") return RuleKernel::kAuto;
-  if (kernel == "multi_tensor") return RuleKernel::kMultiTensor;
-  if (kernel == "tensor_ops") return RuleKernel::kTensorOps;
-  throw ConfigError(detail::cat(c.where("kernel"), ": [optimizer] kernel '", kernel,
-                                "' is unknown for ", rule, "; use auto, multi_tensor or tensor_ops"));
+  const std::string kernel = kernel_in(c, rule, {"auto", "multi_tensor", "tensor_ops"});
+  return kernel == "auto"           ? RuleKernel::kAuto
+         : kernel == "multi_tensor" ? RuleKernel::kMultiTensor
+                                    : RuleKernel::kTensorOps;
 }
 
 const char* const kKernelDoc =

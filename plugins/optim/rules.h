@@ -2,7 +2,9 @@
 // class calls, plus the shared checks. Plugin-internal; not part of the SDK.
 #pragma once
 
+#include <initializer_list>
 #include <memory>
+#include <string>
 
 #include "loom/config.h"
 #include "loom/error.h"
@@ -22,6 +24,22 @@ inline double beta_in_range(const ConfigSection& c, const char* key) {
   LOOM_CHECK_AS(ConfigError, beta >= 0 && beta < 1, c.where(key), ": [optimizer] ", key,
                 " must be in [0, 1), got ", beta, "; use e.g. 0.9");
   return beta;
+}
+
+// [optimizer] kernel: one of the rule's `choices` ("auto" first), or an error naming the rule and
+// listing them.
+inline std::string kernel_in(const ConfigSection& c, const char* rule,
+                             std::initializer_list<const char*> choices) {
+  const std::string kernel = c.get_string("kernel");
+  std::string list;
+  size_t at = 0;
+  for (const char* choice : choices) {
+    if (kernel == choice) return kernel;
+    list += (at == 0 ? "" : at + 1 == choices.size() ? " or " : ", ") + std::string(choice);
+    ++at;
+  }
+  throw ConfigError(detail::cat(c.where("kernel"), ": [optimizer] kernel '", kernel,
+                                "' is unknown for ", rule, "; use ", list));
 }
 
 // For the CUDA kernels (cuda/): t is of `type`, contiguous, on the parameter's device.
