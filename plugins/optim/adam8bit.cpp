@@ -70,6 +70,21 @@ void block_scalar(const Block& b, const Coefficients& c, float* mbuf, float* vbu
   *b.av = new_av;
 }
 
+// LOOM_ADAM8BIT_DEQUANTIZE (Note [Dequantize by gather where gathers are fast]): read on every
+// step, and by the rule's constructor, so `loom check` and `loom run` refuse a bad value before
+// a job writes anything.
+enum class Dequantize { kTimed, kGather, kArithmetic };
+Dequantize forced_dequantizer() {
+  const char* forced = std::getenv("LOOM_ADAM8BIT_DEQUANTIZE");
+  if (!forced || !*forced) return Dequantize::kTimed;
+  const std::string value(forced);
+  if (value == "gather") return Dequantize::kGather;
+  if (value == "arithmetic") return Dequantize::kArithmetic;
+  throw ConfigError("environment variable LOOM_ADAM8BIT_DEQUANTIZE='" + value +
+                    "' is unknown; use gather or arithmetic, or unset it to let the first AVX2 "
+                    "step time both on this CPU");
+}
+
 #if defined(__x86_64__)
 // Note [adam8bit in vectors]: block_scalar 16 (AVX-512) or 8 (AVX2) elements per instruction.
 // Every byte and float equals the scalar kernel's (the optimizer tests compare all three bit
@@ -473,15 +488,10 @@ bool gathers_faster() {
   return gather < 0.9 * arithmetic;
 }
 bool avx2_dequantizes_by_gather() {
-  static const bool faster = gathers_faster();
-  const char* forced = std::getenv("LOOM_ADAM8BIT_DEQUANTIZE");
-  if (!forced || !*forced) return faster;
-  const std::string value(forced);
-  if (value == "gather") return true;
-  if (value == "arithmetic") return false;
-  throw ConfigError("environment variable LOOM_ADAM8BIT_DEQUANTIZE='" + value +
-                    "' is unknown; use gather or arithmetic, or unset it to let the first step "
-                    "time both on this CPU (it chose " + (faster ? "gather" : "arithmetic") + ")");
+  const Dequantize forced = forced_dequantizer();
+  if (forced != Dequantize::kTimed) return forced == Dequantize::kGather;
+  static const bool faster = gathers_faster();  // timed once, only when not forced
+  return faster;
 }
 #endif
 
@@ -528,6 +538,7 @@ class Adam8bit final : public UpdateRule {
         block_(c.get_int("block_size")),
         min_8bit_(c.get_int("min_8bit_size")),
         tensor_ops_(kernel_in(c, "adam8bit", {"auto", "tensor_ops"}) == "tensor_ops") {
+    forced_dequantizer();  // a bad LOOM_ADAM8BIT_DEQUANTIZE refused before the job starts
     LOOM_CHECK_AS(ConfigError, eps_ >= 0, c.where("eps"), ": [optimizer] eps must be >= 0");
     LOOM_CHECK_AS(ConfigError, block_ >= 16 && block_ <= 65536 && (block_ & (block_ - 1)) == 0,
                   c.where("block_size"),

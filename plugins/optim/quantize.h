@@ -50,6 +50,14 @@ struct RegisterTable {
   }
 };
 
+// An 8-entry table of 32-bit words twice over, so a 16-entry permute reads entry (index & 7)
+// with no mask.
+__attribute__((target("avx512f"))) inline __m512i twice_over(const void* table) {
+  const __m512i low =
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
+  return _mm512_shuffle_i32x4(low, low, 0x44);
+}
+
 #endif
 
 // A dynamic ("tree") map: 256 sorted codes in [-1, 1] (signed, for m) or [0, 1] (unsigned, for
@@ -246,10 +254,10 @@ struct QuantMap {
   // over the cap from |y| = 1 up (where a wrapped estimate may pick any line). A y at a
   // threshold is then unsure, ties of either sign included; just under a decade's lower edge,
   // where a cap once made x'' sure, the line above now gives the byte below, unsure within the
-  // margin as above the edge. (Until issue 39's session 27 the decade came from a table of 32 binades and a
-  // comparison with its lower edge, each decade's line capped at its top: seven operations
-  // more per vector on AVX2, whose permutes hold 8 entries, and three more for the unsigned
-  // map's zeros; docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines".)
+  // margin as above the edge. (Until issue 39's session 27 the decade came from a table of 32
+  // binades and a comparison with its lower edge, each decade's line capped at its top: seven
+  // operations more per vector on AVX2, whose permutes hold 8 entries, and three more for the
+  // unsigned map's zeros; docs/BENCHMARKS.md, "adam8bit's AVX2 quantizer by lines".)
   static constexpr float kArithMargin = 1.0f / 4096;
   bool arithmetic_ready() const { return lines_fit; }
   // The estimate's fma (Note [Quantize by lines]), and the cap for |y| >= 1.
@@ -272,20 +280,15 @@ struct QuantMap {
   }
   // quantize16_arith's tables in registers, made per block (a local: kSigned must be the map's),
   // so the kernel's loop neither reloads them nor tests the map's signedness per vector. The
-  // eight lines twice over, so a 16-entry permute reads entry (index & 7) unmasked.
+  // eight lines twice over (twice_over).
   template <bool kSigned>
   struct Quantizer16 {
     __m512 scale, offset;
     __m512i edge_above;  // a span's lower end + 1 as an integer: key < it is key <= the end
-    __attribute__((target("avx512f"))) static __m512i twice(const void* table) {
-      const __m512i low = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
-      return _mm512_shuffle_i32x4(low, low, 0x44);
-    }
     __attribute__((target("avx512f"))) explicit Quantizer16(const QuantMap& map)
-        : scale(_mm512_castsi512_ps(twice(map.line_scale.data()))),
-          offset(_mm512_castsi512_ps(twice(map.line_offset.data()))),
-          edge_above(twice(map.line_edge_above.data())) {}
+        : scale(_mm512_castsi512_ps(twice_over(map.line_scale.data()))),
+          offset(_mm512_castsi512_ps(twice_over(map.line_offset.data()))),
+          edge_above(twice_over(map.line_edge_above.data())) {}
     __attribute__((target("avx512f,avx512bw,avx512dq"), always_inline)) __m512i operator()(
         __m512 y, __mmask16& unsure) const {
       const __m512 zero = _mm512_setzero_ps();
@@ -445,14 +448,10 @@ struct QuantMap {
   struct Dequantizer16 {
     __m512 scale, offset;
     __m512i fix;
-    // The 8-entry tables twice over, so a 16-entry permute reads entry (index & 7) unmasked.
-    __attribute__((target("avx512f"))) static __m512 twice(const float* table) {
-      const __m512 low = _mm512_castps256_ps512(_mm256_loadu_ps(table));
-      return _mm512_shuffle_f32x4(low, low, 0x44);
-    }
+    // The 8-entry tables twice over (twice_over).
     __attribute__((target("avx512f"))) explicit Dequantizer16(const QuantMap& map)
-        : scale(twice(map.dequant_scale.data())),
-          offset(twice(map.dequant_offset.data())),
+        : scale(_mm512_castsi512_ps(twice_over(map.dequant_scale.data()))),
+          offset(_mm512_castsi512_ps(twice_over(map.dequant_offset.data()))),
           fix(_mm512_loadu_si512(map.dequant_fix16.data())) {}
     __attribute__((target("avx512f"), always_inline)) __m512 operator()(__m512i q) const {
       __m512i j = q, sign = _mm512_setzero_si512();

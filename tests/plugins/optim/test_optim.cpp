@@ -1070,12 +1070,17 @@ TEST(OptimQuantization, Adam8bitVectorKernelsEqualTheScalarOne) {
   }
 }
 
-// LOOM_ADAM8BIT_DEQUANTIZE with a value it does not know: the AVX2 step fails with an error
-// naming the variable and its two values.
+// LOOM_ADAM8BIT_DEQUANTIZE with a value it does not know: the rule refuses it when made (so
+// `loom check` does), and an AVX2 step when it is set later, with an error naming the variable
+// and its two values.
 TEST(OptimQuantization, Adam8bitUnknownDequantizerIsAnErrorNamingTheVariable) {
 #if defined(__x86_64__)
   if (cpu::cpu_kernel_isa() < cpu::KernelIsa::avx2) GTEST_SKIP() << "this CPU lacks AVX2";
   const Problem problem = make_problem({{4096}}, 1, 3);
+  setenv("LOOM_ADAM8BIT_DEQUANTIZE", "lookup", 1);
+  EXPECT_THROW_WITH(make_rule("adam8bit", {{"min_8bit_size", int64_t{8}}}), ConfigError,
+                    "LOOM_ADAM8BIT_DEQUANTIZE='lookup'", "use gather or arithmetic");
+  unsetenv("LOOM_ADAM8BIT_DEQUANTIZE");
   auto rule = make_rule("adam8bit", {{"min_8bit_size", int64_t{8}}});
   setenv("LOOM_ADAM8BIT_DEQUANTIZE", "lookup", 1);
   try {
