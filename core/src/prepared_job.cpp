@@ -14,6 +14,7 @@
 #include "dist_env.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
+#include "loom/kernel_isa.h"
 #include "loom/pretrained.h"
 #include "optimizer_in_backward.h"
 
@@ -95,6 +96,9 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   LOOM_CHECK_AS(ConfigError, state_dtype == "fp32" || state_dtype == "bf16",
                 optimizer.where("state_dtype"), ": [optimizer] state_dtype '", state_dtype,
                 "' is unknown; use \"fp32\" (the default) or \"bf16\" (adamw)");
+  // LOOM_KERNEL_ISA is read by the kernels at every call; a bad value is refused here, before
+  // the job writes anything, where the first step would refuse it after (Note [Kernel ISA cap]).
+  (void)cpu::kernel_isa();
 
   // Every table plugin's own table, then every active plugin against the whole job.
   for (auto* plugin : resolved_.table_plugins) plugin->plugin->configure(section(plugin->name));

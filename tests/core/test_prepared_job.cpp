@@ -126,6 +126,10 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
        {"[zero] offload_optimizer.block_size 1000 must be a multiple of 4096"}},
       {"sgd kernel", "", "[optimizer]\nname = \"sgd\"\nkernel = \"fused\"\n",
        {"[optimizer] kernel 'fused' is unknown for sgd", "auto, multi_tensor or tensor_ops"}},
+      // Environment variables the kernels read at every step (set below).
+      {"unknown kernel ISA", "", "", {"LOOM_KERNEL_ISA='avx1024'", "avx512, avx2 or scalar"}},
+      {"unknown adam8bit dequantizer", "", "[optimizer]\nname = \"adam8bit\"\n",
+       {"LOOM_ADAM8BIT_DEQUANTIZE='lookup'", "use gather or arithmetic"}},
       {"offload_param below stage 3", "",
        "[precision]\nmode = \"full_bf16\"\n[zero]\nstage = 2\n"
        "offload_param = { device = \"nvme\", nvme_path = \"nvme\" }\n",
@@ -213,6 +217,17 @@ TEST(PreparedJob, CheckRefusesExactlyTheJobsRunRefusesWithOneMessage) {
       std::filesystem::create_directories(dir / "out/checkpoint-3");
       std::ofstream(dir / "out/checkpoint-3/manifest.json") << "{}";
     }
+    // The variable set for this job only, unset whatever happens.
+    struct Environment {
+      const char* variable = nullptr;
+      ~Environment() {
+        if (variable) unsetenv(variable);
+      }
+    } environment;
+    if (name == "unknown kernel ISA") environment.variable = "LOOM_KERNEL_ISA";
+    if (name == "unknown adam8bit dequantizer") environment.variable = "LOOM_ADAM8BIT_DEQUANTIZE";
+    if (environment.variable)
+      setenv(environment.variable, name == "unknown kernel ISA" ? "avx1024" : "lookup", 1);
     const auto before = test::list_files(dir.path());
     const std::string check = error_of([&] {
       auto trainer = Trainer::from_text(text, dir.path(), set);

@@ -8,7 +8,8 @@
 // the CPU lacks. LOOM_KERNEL_ISA = avx512 | avx2 | scalar caps the choice (a cap above what the
 // CPU has changes nothing), so the tests run every path on whatever CPU they find and compare
 // them bit for bit, and a benchmark can time the AVX2 path on an AVX-512 machine. It is read on
-// every call (a test sets it between calls); an unknown value is an error naming it.
+// every call (a test sets it between calls); an unknown value is an error naming it, raised
+// when a job is prepared too, so `loom check` refuses it and a run writes nothing.
 #pragma once
 
 #include <cstdlib>
