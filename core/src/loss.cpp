@@ -31,10 +31,21 @@ struct HeadProducts {
   const at::Tensor& bias;    // (V) in the rows' dtype, or undefined
   bool by_blocks;
 
-  at::Tensor logits(const at::Tensor& xs) const {
-    if (!by_blocks) return bias.defined() ? at::addmm(bias, xs, weight.t()) : at::mm(xs, weight.t());
-    const int64_t V = weight.size(0), step = detail::widened_rows_per_block(weight.size(1));
-    at::Tensor out = at::empty({xs.size(0), V}, xs.options());
+  // xs's logits, written into `kept`'s first rows where it is given (made by the first call:
+  // the first chunk is the largest).
+  at::Tensor logits(const at::Tensor& xs, at::Tensor* kept) const {
+    const int64_t V = weight.size(0);
+    if (kept && !kept->defined()) *kept = at::empty({xs.size(0), V}, xs.options());
+    if (!by_blocks) {
+      if (!kept)
+        return bias.defined() ? at::addmm(bias, xs, weight.t()) : at::mm(xs, weight.t());
+      at::Tensor out = kept->narrow(0, 0, xs.size(0));
+      return bias.defined() ? at::addmm_out(out, bias, xs, weight.t())
+                            : at::mm_out(out, xs, weight.t());
+    }
+    const int64_t step = detail::widened_rows_per_block(weight.size(1));
+    at::Tensor out =
+        kept ? kept->narrow(0, 0, xs.size(0)) : at::empty({xs.size(0), V}, xs.options());
     for (int64_t r = 0; r < V; r += step) {
       const int64_t n = std::min(step, V - r);
       const at::Tensor wb = detail::widened_weight_rows(weight, r, n).t();
@@ -71,7 +82,11 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor loss = at::zeros({}, f32);
   if (want_x) grads->x = at::empty({N, D}, x.options().dtype(x_dtype));
-  if (want_weight) grads->weight = at::zeros({V, D}, f32);
+  // The head's gradient is written by its first chunk's product (beta = 0), not zero-filled
+  // first: V x D x 4 B (154 MiB for GPT-2's head) of fresh pages written once, not twice. The
+  // values are the same: 0 + x is x (but for a -0 product, which stays -0 where it became +0).
+  if (want_weight) grads->weight = at::empty({V, D}, f32);
+  bool weight_written = false;
   if (want_bias) grads->bias = at::zeros({V}, f32);
   const HeadProducts head{weight, bias, weight.scalar_type() != x.scalar_type()};
   constexpr int kChunksPerSum = 4;
@@ -79,13 +94,36 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
                            ? at::empty({V, D}, x.options())
                            : at::Tensor();  // the head's gradient over a few chunks, half
   int in_sum = 0;
+  // The half partial sum into the fp32 gradient. On the CPU an fp32 += half add_ widens its
+  // half operand into a temporary first (ATen's CPU kernels take one dtype): a whole head's
+  // worth (154 MiB for GPT-2's) at the pass's peak, so it goes a few MiB of rows at a time
+  // there (CUDA's kernels cast as they load).
+  auto add_partial = [&] {
+    if (!weight_written) {
+      grads->weight.copy_(partial);  // the first: no add, no temporary
+    } else if (!partial.is_cpu()) {
+      grads->weight.add_(partial);
+    } else {
+      const int64_t step = std::max<int64_t>(1, (int64_t{4} << 20) / (D * 4));
+      for (int64_t r = 0; r < V; r += step) {
+        const int64_t n = std::min(step, V - r);
+        grads->weight.narrow(0, r, n).add_(partial.narrow(0, r, n));
+      }
+    }
+    weight_written = true;
+    in_sum = 0;
+  };
   // The gradients of x and of the head from one chunk's gradient of its logits, gc (n, V) in
   // the compute dtype.
   auto add_chunk_grads = [&](const at::Tensor& gc, const at::Tensor& xs, int64_t start, int64_t n) {
     if (want_x) head.x_grad(gc, grads->x.narrow(0, start, n));
     if (!want_weight) return;
     if (gc.scalar_type() == at::kFloat) {
-      grads->weight.addmm_(gc.t(), xs);
+      if (weight_written)
+        grads->weight.addmm_(gc.t(), xs);
+      else
+        at::mm_out(grads->weight, gc.t(), xs);
+      weight_written = true;
       return;
     }
     // Half: the matmul accumulates up to kChunksPerSum chunks itself (beta = 1), then the
@@ -94,17 +132,19 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
       at::mm_out(partial, gc.t(), xs);
     else
       partial.addmm_(gc.t(), xs);
-    if (++in_sum == kChunksPerSum) {
-      grads->weight.add_(partial);
-      in_sum = 0;
-    }
+    if (++in_sum == kChunksPerSum) add_partial();
   };
+  // On the CPU every chunk's logits go to one buffer: a chunk's (rows, V) logits are tens of
+  // MiB (51 MiB for GPT-2's 256-row chunks), above glibc's 32 MiB mapping threshold, so a
+  // tensor per chunk is a fresh mapping each time, every 4 KiB page of it a fault the kernel
+  // zero-fills. The row kernel's gradient in them is used up before the next chunk.
+  at::Tensor kept_logits;
   const int64_t chunks = (N + chunk_rows - 1) / std::max<int64_t>(chunk_rows, 1);
   const int64_t rows = chunks ? (N + chunks - 1) / chunks : 0;  // even chunks
   for (int64_t start = 0; start < N; start += rows) {
     const int64_t n = std::min(rows, N - start);
     const at::Tensor xs = x.narrow(0, start, n), ls = labels.narrow(0, start, n);
-    at::Tensor logits = head.logits(xs);
+    at::Tensor logits = head.logits(xs, x.is_cpu() ? &kept_logits : nullptr);
     // Note [Softmax rows in one kernel]: the loss and, in the logits' memory, the gradient.
     at::Tensor row_loss;
     if (!want_bias && detail::softmax_rows(logits, ls, ignore_index, any_grad, row_loss)) {
@@ -114,7 +154,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
     }
     // In fp32 straight from half logits: no fp32 copy of them.
     at::Tensor logp = at::log_softmax(logits, 1, at::kFloat);
-    logits = at::Tensor();  // its memory goes back before the chunk's matmuls
+    logits = kept_logits = at::Tensor();  // its memory goes back before the chunk's matmuls
     const at::Tensor valid = ls.ne(ignore_index);
     const bool all_valid = x.is_cpu() && valid.all().item<bool>();  // no GPU sync
     const at::Tensor index = (all_valid ? ls : at::where(valid, ls, 0)).unsqueeze(1);
@@ -129,7 +169,8 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
     if (want_bias) grads->bias.add_(g.sum(0));
     add_chunk_grads(g.scalar_type() == x.scalar_type() ? g : g.to(x.scalar_type()), xs, start, n);
   }
-  if (in_sum > 0) grads->weight.add_(partial);
+  if (in_sum > 0) add_partial();
+  if (want_weight && !weight_written) grads->weight.zero_();  // no rows
   return loss;
 }
 

@@ -141,8 +141,9 @@ at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& padding_mas
   }
   // x is (B,T,C); q, k, v are (B,H,T,D).
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_heads;
-  auto parts = qkv->forward(x).view({B, T, 3, n_heads, D}).permute({2, 0, 3, 1, 4});
-  at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  const std::vector<at::Tensor> parts = qkv->forward(x).view({B, T, 3, n_heads, D}).unbind(2);
+  at::Tensor q = parts[0].transpose(1, 2), k = parts[1].transpose(1, 2),
+             v = parts[2].transpose(1, 2);
   std::optional<at::Tensor> mask;
   LOOM_CHECK(!padding_mask.defined(), "attention with a KV cache takes no padding mask");
   const int64_t held = kv->held();
@@ -169,8 +170,13 @@ at::Tensor Attention::forward(const at::Tensor& x, const UnitArgs& args) {
   const bool is_causal = causal && !mask.has_value();
   // By value: the region may run again in backward (Note [Recompute regions]).
   RegionFn core = [B, T, C, D, H, p, is_causal, mask](const std::vector<at::Tensor>& in) {
-    auto parts = in[0].view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});
-    at::Tensor y = attention(parts[0], parts[1], parts[2], mask, p, is_causal);
+    // q, k and v (B, H, T, D) by one unbind of qkv's (B, T, 3, H, D) output, not three
+    // selects: unbind's backward stacks the three gradients straight into qkv's layout (a
+    // view of it: no copy after), where each select's wrote a zero-filled tensor of all three,
+    // backward added the three, and the permuted sum was copied into qkv's layout.
+    const std::vector<at::Tensor> parts = in[0].view({B, T, 3, H, D}).unbind(2);
+    at::Tensor y = attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2),
+                             parts[2].transpose(1, 2), mask, p, is_causal);
     return y.transpose(1, 2).reshape({B, T, C});
   };
   return proj->forward(args.region(Region::attention, nullptr, {qkv->forward(x)}, core));

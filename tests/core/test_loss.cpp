@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "loom/loss.h"
@@ -122,6 +123,25 @@ TEST(LinearCrossEntropy, AllRowsIgnoredIsZero) {
   EXPECT_EQ(got.gw.abs().max().item<float>(), 0.0f);
 }
 
+// No rows at all: no chunk writes the head's gradient (the first chunk's product does, with no
+// zero-fill before it), so the pass must zero it itself, in fp32 and under bf16 autocast.
+TEST(LinearCrossEntropy, NoRowsGiveZeroGradients) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 autocast" : "fp32");
+    const Case c = make_case(1, 0, 8, 300, /*with_bias=*/false, /*ignore_some=*/false);
+    std::optional<CpuAutocast> autocast;
+    if (bf16) autocast.emplace(at::kBFloat16);
+    // Memory of the gradient's size left holding NaN, which the allocator hands out again: an
+    // unwritten gradient shows.
+    at::full({300, 8}, NAN);
+    const Result got = fused(c, 3);
+    EXPECT_EQ(got.loss.item<float>(), 0.0f);
+    ASSERT_TRUE(got.gw.defined());
+    EXPECT_EQ(got.gw.sizes(), c.weight.sizes());
+    EXPECT_EQ(got.gw.abs().max().item<float>(), 0.0f);
+  }
+}
+
 TEST(LinearCrossEntropy, NoGradModeGivesTheLossOnly) {
   const Case c = make_case(2, 9, 8, 30, /*with_bias=*/true, /*ignore_some=*/true);
   const at::Tensor want = reference(c).loss;
@@ -149,6 +169,19 @@ TEST(LinearCrossEntropy, Bf16AutocastMatchesUnfusedAutocast) {
   // Not the fp32 result: the matmuls did run in bf16.
   const Result exact = reference(c);
   EXPECT_GT((got.loss - exact.loss).abs().item<double>(), 0.0);
+}
+
+// A head of more than 4 MiB in fp32 (9000 x 128): the partial sums after the first join the
+// fp32 gradient a block of rows at a time; every block must, the last (partial) one included.
+TEST(LinearCrossEntropy, Bf16PartialSumsJoinAHeadOfSeveralBlocks) {
+  const Case c = make_case(2, 10, 128, 9000, /*with_bias=*/false, /*ignore_some=*/true);
+  Result want, got;
+  {
+    CpuAutocast bf16(at::kBFloat16);
+    want = reference(c);
+    got = fused(c, 2);  // 10 chunks: partial sums of 4, 4 and 2
+  }
+  expect_same(got, want, 2e-2, 2e-2);
 }
 
 TEST(LinearCrossEntropy, Fp16AutocastTakesTheUnfusedPath) {

@@ -31,12 +31,17 @@ namespace loom::nn {
 //   kernel] in core/src/softmax_rows.cpp; the two ISAs give the same bits); on other CPUs and
 //   devices, or with a trained bias, ATen's ops. The two agree to fp32 rounding.
 // - Rows whose label is `ignore_index` add nothing to the loss and get a zero gradient.
-// - The head's gradient is accumulated over chunks. In fp32 each chunk's product adds into it
-//   inside the matmul. In half precision the matmul sums up to four chunks itself (its output,
-//   like the unfused path's, is rounded to the half dtype), and each such partial sum is added
-//   into an fp32 gradient: adding every chunk's product to fp32 separately moved three head-sized
-//   tensors per chunk, which cost 10 % of the loss's time in bf16. So results match the unfused
-//   path to rounding (a few half roundings more at most), not bitwise.
+// - The head's gradient is accumulated over chunks. In fp32 the first chunk's product is
+//   written into it (no zero-fill first) and each later one adds into it inside the matmul. In
+//   half precision the matmul sums up to four chunks itself (its output, like the unfused path's,
+//   is rounded to the half dtype), and each such partial sum is added into an fp32 gradient
+//   (the first copied; later ones a few MiB of rows at a time, since a mixed-dtype add_ widens
+//   its half operand into a temporary of its whole size): adding every chunk's product to fp32
+//   separately moved three head-sized tensors per chunk, which cost 10 % of the loss's time in
+//   bf16. So results match the unfused path to rounding (a few half roundings more at most), not
+//   bitwise.
+// - On the CPU every chunk's logits go to one buffer (a chunk's logits, tens of MiB, would
+//   otherwise be mapped afresh each time, page by page).
 //
 // x (..., D), weight (V, D), bias (V) or undefined, labels (...) int64 with x's leading shape.
 // Returns the 0-d fp32 sum over non-ignored rows of cross_entropy(x·weightᵀ + bias, label).
