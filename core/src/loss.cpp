@@ -36,16 +36,12 @@ struct HeadProducts {
   at::Tensor logits(const at::Tensor& xs, at::Tensor* kept) const {
     const int64_t V = weight.size(0);
     if (kept && !kept->defined()) *kept = at::empty({xs.size(0), V}, xs.options());
-    if (!by_blocks) {
-      if (!kept)
-        return bias.defined() ? at::addmm(bias, xs, weight.t()) : at::mm(xs, weight.t());
-      at::Tensor out = kept->narrow(0, 0, xs.size(0));
-      return bias.defined() ? at::addmm_out(out, bias, xs, weight.t())
-                            : at::mm_out(out, xs, weight.t());
-    }
-    const int64_t step = detail::widened_rows_per_block(weight.size(1));
     at::Tensor out =
         kept ? kept->narrow(0, 0, xs.size(0)) : at::empty({xs.size(0), V}, xs.options());
+    if (!by_blocks)
+      return bias.defined() ? at::addmm_out(out, bias, xs, weight.t())
+                            : at::mm_out(out, xs, weight.t());
+    const int64_t step = detail::widened_rows_per_block(weight.size(1));
     for (int64_t r = 0; r < V; r += step) {
       const int64_t n = std::min(step, V - r);
       const at::Tensor wb = detail::widened_weight_rows(weight, r, n).t();
@@ -104,7 +100,7 @@ at::Tensor chunked_pass(const at::Tensor& x, const at::Tensor& weight, const at:
     } else if (!partial.is_cpu()) {
       grads->weight.add_(partial);
     } else {
-      const int64_t step = std::max<int64_t>(1, (int64_t{4} << 20) / (D * 4));
+      const int64_t step = detail::widened_rows_per_block(D);  // 4 MiB of fp32 rows
       for (int64_t r = 0; r < V; r += step) {
         const int64_t n = std::min(step, V - r);
         grads->weight.narrow(0, r, n).add_(partial.narrow(0, r, n));
