@@ -107,7 +107,7 @@ RMSNorm::RMSNorm(int64_t dim, double eps_) : eps(eps_) {
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
-  return at::rms_norm(x, {weight.size(0)}, weight, eps);
+  return rms_norm(x, weight, eps);
 }
 
 Attention::Attention(int64_t dim, int64_t heads, bool causal_, double dropout_, bool bias)

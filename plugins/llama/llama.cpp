@@ -81,13 +81,6 @@ at::Tensor inverse_frequencies(const LlamaConfig& c, int64_t seq_len, const at::
   return inv;
 }
 
-// x (B,H,T,D) rotated by cos and sin (T,D): x·cos + rotate_half(x)·sin.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  return x * cos + rotated * sin;
-}
-
 class LlamaAttention : public torch::nn::Module {
  public:
   explicit LlamaAttention(const LlamaConfig& c) : c_(c) {
@@ -127,8 +120,8 @@ class LlamaAttention : public torch::nn::Module {
       at::Tensor freqs = positions.unsqueeze(1) * inv.unsqueeze(0);
       at::Tensor angles = at::cat({freqs, freqs}, -1);
       at::Tensor cos = angles.cos().to(dtype), sin = angles.sin().to(dtype);
-      q = apply_rope(q, cos, sin);
-      k = apply_rope(k, cos, sin);
+      q = loom::nn::rotary(q, cos, sin);  // x·cos + rotate_half(x)·sin
+      k = loom::nn::rotary(k, cos, sin);
       std::optional<at::Tensor> mask;
       bool causal = true;
       if (kv) {
@@ -167,7 +160,7 @@ class LlamaMlp : public loom::nn::FeedForwardBase {
                                                  c.intermediate_size, c.hidden_size, c.mlp_bias));
   }
   at::Tensor forward(const at::Tensor& x) override {  // SwiGLU
-    return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+    return down_proj->forward(loom::nn::swiglu(gate_proj->forward(x), up_proj->forward(x)));
   }
   std::shared_ptr<loom::nn::Linear> gate_proj, up_proj, down_proj;
 };

@@ -1,7 +1,7 @@
 // loom/kernel_isa.h — which vector instruction set loom's own hand-vectorised CPU kernels run
-// (adam8bit's block kernel, the fused loss's softmax rows): the best this CPU has, capped by the
-// environment variable LOOM_KERNEL_ISA. Header-only. Not oneDNN's level (that is `[train]
-// cpu_isa`, for ATen's own kernels): this one never reaches ATen.
+// (adam8bit's block kernel, the fused loss's softmax rows, the fused row ops): the best this
+// CPU has, capped by the environment variable LOOM_KERNEL_ISA. Header-only. Not oneDNN's level
+// (that is `[train] cpu_isa`, for ATen's own kernels): this one never reaches ATen.
 //
 // Note [Kernel ISA cap]: every kernel with an AVX-512 path has an AVX2 path and a scalar one,
 // chosen per call at run time, so one binary runs on any x86-64 CPU and executes no instruction

@@ -72,6 +72,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, double dropout, bool causal);
 
+// A Llama layer's elementwise parts, each one pass forward and one backward on the CPU (fp32
+// and bf16; Note [Fused row ops] in core/src/fused_ops.cpp), ATen's composite ops elsewhere.
+// Differentiable; values agree with the composite ops to fp32 rounding (bf16: bf16 rounding).
+// rms_norm: x (..., C) / sqrt(mean(x², -1) + eps) · weight (C), reduced in fp32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// swiglu: silu(gate) · up, gate and up of one shape.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// rotary: x (..., T, D) · cos + rotate_half(x) · sin, with cos and sin (T, D) and
+// rotate_half(x) = cat(−x[..., D/2:], x[..., :D/2]) (transformers' RoPE); not differentiable
+// in cos and sin on the kernel's path (they are constants of the positions).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 class Linear : public torch::nn::Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
