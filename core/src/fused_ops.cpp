@@ -12,9 +12,12 @@
 // - RoPE keeps nothing but cos and sin: its backward is rotate_half's transpose.
 // Each element is computed in fp32 by a fixed sequence of roundings (-ffp-contract=off, sums in
 // 16 lanes folded pairwise), so the AVX-512, AVX2 and scalar paths (three compilations of the
-// same loops, Note [Kernel ISA cap]) and any thread count give the same bits. bf16 rounds where
-// ATen's bf16 ops round (silu(g) before its product, x·rstd before the weight, each RoPE
-// product), to nearest even with NaN as 0x7FC0, as c10::BFloat16 does. The exponential is
+// same loops, Note [Kernel ISA cap]) and any thread count give the same bits. bf16 values are
+// widened, computed in fp32 and rounded once when stored, to nearest even with NaN as 0x7FC0
+// (as c10::BFloat16 rounds): ATen's bf16 ops round each intermediate too (silu(g), x·rstd, each
+// RoPE product), so in bf16 the results are closer to exact than theirs, and differ from
+// theirs by bf16 roundings. (Rounding the intermediates as ATen does made SwiGLU's AVX2 loop
+// 16 % slower than ATen's own AVX2 kernels.) The exponential is
 // e^r·2^n by a Taylor series to r^7 (as in Note [Softmax rows in one kernel]), within a few ulps
 // of libm's: the results agree with ATen's to fp32 rounding, not bit for bit.
 #include "fused_ops.h"
@@ -44,16 +47,23 @@ LOOM_INLINE uint16_t bf16_bits(float f) {  // nearest even; NaN -> 0x7FC0
 }
 LOOM_INLINE void store(float* p, int64_t i, float v) { p[i] = v; }
 LOOM_INLINE void store(uint16_t* p, int64_t i, float v) { p[i] = bf16_bits(v); }
-// What a product's result is in the storage type, back in fp32 (bf16: rounded).
-LOOM_INLINE float as_stored(float, float v) { return v; }
-LOOM_INLINE float as_stored(uint16_t, float v) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(v)) << 16);
-}
+// The exponential's clamp, [-87, 88] (so 2^n stays a normal float), as values the compiler
+// cannot see: with constants it folded e^-87 and e^88 and computed SwiGLU's quotient for all
+// three cases in every lane, g / (1 + e^88) a subnormal whose microcode assist made the loop
+// 4x slower than ATen's; opaque bounds leave one select before the exponential.
+struct ExpBounds {
+  float lo = -87.0f, hi = 88.0f;
+  ExpBounds() {
+#if defined(__x86_64__)
+    asm("" : "+x"(lo), "+x"(hi));
+#endif
+  }
+};
 
-// e^x, x clamped to [-87, 88] (so 2^n stays a normal float; a NaN stays NaN).
-LOOM_INLINE float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
+// e^x, x clamped to the bounds (a NaN stays NaN).
+LOOM_INLINE float exp_clamped(float x, const ExpBounds& bounds) {
+  x = x < bounds.lo ? bounds.lo : x;
+  x = x > bounds.hi ? bounds.hi : x;
   const float shifted = x * 1.44269504088896341f + 12582912.0f;  // 1.5·2^23: n in its low bits
   const float n = shifted - 12582912.0f;
   float r = x - n * 0.693359375f;  // ln2 = hi + lo, n·hi exact
@@ -97,7 +107,7 @@ LOOM_INLINE void rms_forward_rows(const S* x, const S* w, S* y, float* rstd, int
     }
     const float s = 1.0f / std::sqrt(fold_lanes(lane) / static_cast<float>(C) + eps);
     rstd[r] = s;
-    for (int64_t k = 0; k < C; ++k) store(yr, k, as_stored(S{}, load(xr, k) * s) * load(w, k));
+    for (int64_t k = 0; k < C; ++k) store(yr, k, (load(xr, k) * s) * load(w, k));
   }
 }
 
@@ -136,26 +146,40 @@ LOOM_INLINE void rms_backward_rows(const S* go, const S* x, const S* w, const fl
 // ---- SwiGLU ----
 template <typename S>
 LOOM_INLINE void swiglu_forward_range(const S* g, const S* u, S* out, int64_t begin, int64_t end) {
+  const ExpBounds bounds;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = load(g, i);
-    const float silu = as_stored(S{}, gi / (1.0f + exp_clamped(-gi)));
+    const float silu = gi / (1.0f + exp_clamped(-gi, bounds));
     store(out, i, silu * load(u, i));
   }
 }
 
-template <typename S>
-LOOM_INLINE void swiglu_backward_range(const S* go, const S* g, const S* u, S* gg, S* gu,
-                                       int64_t begin, int64_t end) {
+// One element's gradients; kG and kU say which are written (loops without branches, so each
+// case vectorises). One division: silu(g) as g·sigmoid(g) here, within an ulp of forward's
+// g / (1 + e^-g).
+template <bool kG, bool kU, typename S>
+LOOM_INLINE void swiglu_backward_loop(const S* go, const S* g, const S* u, S* gg, S* gu,
+                                      int64_t begin, int64_t end) {
+  const ExpBounds bounds;
   for (int64_t i = begin; i < end; ++i) {
     const float gi = load(g, i), grad = load(go, i);
-    const float denominator = 1.0f + exp_clamped(-gi);
-    if (gu) store(gu, i, grad * as_stored(S{}, gi / denominator));
-    if (gg) {
-      const float sigmoid = 1.0f / denominator;
-      const float grad_silu = as_stored(S{}, grad * load(u, i));
+    const float sigmoid = 1.0f / (1.0f + exp_clamped(-gi, bounds));
+    if constexpr (kU) store(gu, i, grad * (gi * sigmoid));
+    if constexpr (kG) {
+      const float grad_silu = grad * load(u, i);
       store(gg, i, grad_silu * sigmoid * (1.0f + gi * (1.0f - sigmoid)));
     }
   }
+}
+template <typename S>
+LOOM_INLINE void swiglu_backward_range(const S* go, const S* g, const S* u, S* gg, S* gu,
+                                       int64_t begin, int64_t end) {
+  if (gg && gu)
+    swiglu_backward_loop<true, true>(go, g, u, gg, gu, begin, end);
+  else if (gg)
+    swiglu_backward_loop<true, false>(go, g, u, gg, gu, begin, end);
+  else if (gu)
+    swiglu_backward_loop<false, true>(go, g, u, gg, gu, begin, end);
 }
 
 // ---- RoPE ----
@@ -173,22 +197,14 @@ LOOM_INLINE void rotary_rows(bool backward, const S* x, const RowLayout& xl, con
     const S* s = sin + (r % T) * D;
     if (!backward) {
       for (int64_t j = 0; j < h; ++j)
-        store(o, j,
-              as_stored(S{}, load(xr, j) * load(c, j)) +
-                  as_stored(S{}, -load(xr, j + h) * load(s, j)));
+        store(o, j, (load(xr, j) * load(c, j)) + (-load(xr, j + h) * load(s, j)));
       for (int64_t j = h; j < D; ++j)
-        store(o, j,
-              as_stored(S{}, load(xr, j) * load(c, j)) +
-                  as_stored(S{}, load(xr, j - h) * load(s, j)));
+        store(o, j, (load(xr, j) * load(c, j)) + (load(xr, j - h) * load(s, j)));
     } else {
       for (int64_t j = 0; j < h; ++j)
-        store(o, j,
-              as_stored(S{}, load(xr, j) * load(c, j)) +
-                  as_stored(S{}, load(xr, j + h) * load(s, j + h)));
+        store(o, j, (load(xr, j) * load(c, j)) + (load(xr, j + h) * load(s, j + h)));
       for (int64_t j = h; j < D; ++j)
-        store(o, j,
-              as_stored(S{}, load(xr, j) * load(c, j)) +
-                  -as_stored(S{}, load(xr, j - h) * load(s, j - h)));
+        store(o, j, (load(xr, j) * load(c, j)) + -(load(xr, j - h) * load(s, j - h)));
     }
   }
 }
