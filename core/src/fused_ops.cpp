@@ -185,16 +185,45 @@ LOOM_INLINE void swiglu_backward_range(const S* go, const S* g, const S* u, S* g
 // ---- RoPE ----
 // Forward: out_j = x_j·c_j + (−x_{j+h})·s_j (j < h), x_j·c_j + x_{j−h}·s_j (j ≥ h).
 // Backward (x = go): gx_j = go_j·c_j + go_{j+h}·s_{j+h} (j < h), go_j·c_j − go_{j−h}·s_{j−h}.
+// Rows in row-major order of the leading dimensions (shared by two layouts of one shape), each
+// row's offsets kept by counting: a division per row and dimension cost as much as the row.
+struct RowWalk {
+  const RowLayout& a;
+  const RowLayout& b;
+  int64_t index[RowLayout::kMaxLead] = {};
+  int64_t at_a = 0, at_b = 0;
+  RowWalk(const RowLayout& a_, const RowLayout& b_, int64_t row) : a(a_), b(b_) {
+    for (int d = a.lead - 1; d >= 0; --d) {
+      index[d] = row % a.size[d];
+      row /= a.size[d];
+      at_a += index[d] * a.stride[d];
+      at_b += index[d] * b.stride[d];
+    }
+  }
+  int64_t position() const { return index[a.lead - 1]; }  // along dimension -2
+  void next() {
+    for (int d = a.lead - 1; d >= 0; --d) {
+      at_a += a.stride[d];
+      at_b += b.stride[d];
+      if (++index[d] < a.size[d]) return;
+      at_a -= a.size[d] * a.stride[d];
+      at_b -= a.size[d] * b.stride[d];
+      index[d] = 0;
+    }
+  }
+};
+
 template <typename S>
 LOOM_INLINE void rotary_rows(bool backward, const S* x, const RowLayout& xl, const S* cos,
                              const S* sin, S* out, const RowLayout& ol, int64_t begin, int64_t end,
-                             int64_t T, int64_t D) {
+                             int64_t D) {
   const int64_t h = D / 2;
-  for (int64_t r = begin; r < end; ++r) {
-    const S* xr = x + xl.offset(r);
-    S* o = out + ol.offset(r);
-    const S* c = cos + (r % T) * D;
-    const S* s = sin + (r % T) * D;
+  RowWalk walk(xl, ol, begin);
+  for (int64_t r = begin; r < end; ++r, walk.next()) {
+    const S* xr = x + walk.at_a;
+    S* o = out + walk.at_b;
+    const S* c = cos + walk.position() * D;
+    const S* s = sin + walk.position() * D;
     if (!backward) {
       for (int64_t j = 0; j < h; ++j)
         store(o, j, (load(xr, j) * load(c, j)) + (-load(xr, j + h) * load(s, j)));
@@ -243,8 +272,8 @@ LOOM_INLINE void rotary_rows(bool backward, const S* x, const RowLayout& xl, con
   template <typename S>                                                                         \
   attr void rotary_##isa(bool backward, const S* x, const RowLayout& xl, const S* cos,          \
                          const S* sin, S* out, const RowLayout& ol, int64_t b, int64_t e,       \
-                         int64_t T, int64_t D) {                                                \
-    rotary_rows(backward, x, xl, cos, sin, out, ol, b, e, T, D);                                \
+                         int64_t D) {                                                           \
+    rotary_rows(backward, x, xl, cos, sin, out, ol, b, e, D);                                   \
   }
 LOOM_ISA_VARIANTS(LOOM_DEFINE_KERNELS)
 #undef LOOM_DEFINE_KERNELS
@@ -357,8 +386,7 @@ void swiglu_backward(Elem e, const void* go, const void* g, const void* u, void*
 }
 
 void rotary(Elem e, bool backward, const void* x, const RowLayout& x_rows, const void* cos,
-            const void* sin, void* out, const RowLayout& out_rows, int64_t rows, int64_t T,
-            int64_t D) {
+            const void* sin, void* out, const RowLayout& out_rows, int64_t rows, int64_t D) {
   auto run = [&](auto* typed_out) {
     using S = std::remove_pointer_t<decltype(typed_out)>;
     const S* tx = static_cast<const S*>(x);
@@ -367,7 +395,7 @@ void rotary(Elem e, bool backward, const void* x, const RowLayout& x_rows, const
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(D, 1)),
                      [&](int64_t b, int64_t end) {
                        LOOM_DISPATCH(rotary, S, backward, tx, x_rows, tc, ts, typed_out, out_rows,
-                                     b, end, T, D)
+                                     b, end, D)
                      });
   };
   if (e == Elem::f32)

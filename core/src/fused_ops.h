@@ -17,14 +17,6 @@ struct RowLayout {
   int lead = 0;
   int64_t size[kMaxLead] = {};
   int64_t stride[kMaxLead] = {};
-  int64_t offset(int64_t row) const {  // row in row-major order of the leading dimensions
-    int64_t at = 0;
-    for (int d = lead - 1; d >= 0; --d) {
-      at += (row % size[d]) * stride[d];
-      row /= size[d];
-    }
-    return at;
-  }
 };
 
 // y = x · rstd · w per row of C, rstd = 1 / sqrt(mean(x²) + eps) in fp32, written to rstd.
@@ -40,10 +32,10 @@ void swiglu_forward(Elem e, const void* g, const void* u, void* out, int64_t n);
 void swiglu_backward(Elem e, const void* go, const void* g, const void* u, void* gg, void* gu,
                      int64_t n);
 
-// Rows of D (even) elements at positions row % T: out = x · cos + rotate_half(x) · sin, cos and
-// sin (T, D) contiguous. Backward takes go for x and writes gx: rotate_half's transpose.
+// Rows of D (even) elements, each at the position its index along dimension -2 gives (the last
+// leading dimension, T long): out = x · cos + rotate_half(x) · sin, cos and sin (T, D)
+// contiguous. Backward takes go for x and writes gx: rotate_half's transpose.
 void rotary(Elem e, bool backward, const void* x, const RowLayout& x_rows, const void* cos,
-            const void* sin, void* out, const RowLayout& out_rows, int64_t rows, int64_t T,
-            int64_t D);
+            const void* sin, void* out, const RowLayout& out_rows, int64_t rows, int64_t D);
 
 }  // namespace loom::nn::detail

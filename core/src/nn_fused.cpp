@@ -125,9 +125,9 @@ at::Tensor rotary_pass(const at::Tensor& in, const at::Tensor& cos, const at::Te
   const at::Tensor x = unit_stride_rows(in);
   at::Tensor out = at::empty_like(x);  // x's strides where x is dense, else contiguous
   if (out.stride(-1) != 1) out = at::empty(x.sizes(), x.options());
-  const int64_t D = x.size(-1), T = x.size(-2), rows = D > 0 ? x.numel() / D : 0;
+  const int64_t D = x.size(-1), rows = D > 0 ? x.numel() / D : 0;
   detail::rotary(elem(x), backward, x.const_data_ptr(), rows_of(x), cos.const_data_ptr(),
-                 sin.const_data_ptr(), out.mutable_data_ptr(), rows_of(out), rows, T, D);
+                 sin.const_data_ptr(), out.mutable_data_ptr(), rows_of(out), rows, D);
   return out;
 }
 

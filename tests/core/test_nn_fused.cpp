@@ -23,14 +23,20 @@ struct Outcome {
   std::string node;  // the output's backward node
 };
 
-// y = op(inputs) and the inputs' gradients under a fixed incoming gradient.
+using View = std::function<at::Tensor(const at::Tensor&)>;
+
+// y = op(inputs) and the inputs' gradients under a fixed incoming gradient. `view` makes the
+// first input from its leaf (a clone would lay a strided view out densely).
 Outcome run(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& op,
-            const std::vector<at::Tensor>& values, const std::vector<bool>& grad) {
+            const std::vector<at::Tensor>& values, const std::vector<bool>& grad,
+            const View& view = {}) {
   std::vector<at::Tensor> inputs;
   for (size_t i = 0; i < values.size(); ++i)
     inputs.push_back(values[i].detach().clone().requires_grad_(grad[i]));
+  std::vector<at::Tensor> args = inputs;
+  if (view) args[0] = view(inputs[0]);
   Outcome out;
-  out.y = op(inputs);
+  out.y = op(args);
   out.node = out.y.grad_fn() ? out.y.grad_fn()->name() : "";
   at::manual_seed(99);
   const at::Tensor incoming = at::randn(out.y.sizes()).to(out.y.scalar_type());
@@ -73,22 +79,23 @@ void expect_same_bits(const Outcome& a, const Outcome& b, const std::string& wha
 // The fused op against ATen's (and against its own other paths and thread counts).
 void check(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& op,
            const std::vector<at::Tensor>& values, const std::vector<bool>& grad,
-           const std::string& node, double rtol, double atol) {
-  const Outcome fused = run(op, values, grad);
+           const std::string& node, double rtol, double atol, const View& view = {}) {
+  const Outcome fused = run(op, values, grad, view);
   EXPECT_NE(fused.node.find(node), std::string::npos)
       << "the kernel's path did not run: " << fused.node;
-  const Outcome aten = with_env("LOOM_FUSED_OPS_ATEN", "1", [&] { return run(op, values, grad); });
+  const Outcome aten =
+      with_env("LOOM_FUSED_OPS_ATEN", "1", [&] { return run(op, values, grad, view); });
   EXPECT_EQ(aten.node.find(node), std::string::npos) << aten.node;
   expect_close(fused.y, aten.y, rtol, atol, "values");
   for (size_t i = 0; i < values.size(); ++i)
     if (grad[i])
       expect_close(fused.grads[i], aten.grads[i], rtol, atol, "grad " + std::to_string(i));
   for (const char* isa : {"avx2", "scalar"})
-    expect_same_bits(fused, with_env("LOOM_KERNEL_ISA", isa, [&] { return run(op, values, grad); }),
-                     isa);
+    expect_same_bits(
+        fused, with_env("LOOM_KERNEL_ISA", isa, [&] { return run(op, values, grad, view); }), isa);
   const int threads = at::get_num_threads();
   at::set_num_threads(threads == 1 ? 2 : 1);
-  const Outcome other = run(op, values, grad);
+  const Outcome other = run(op, values, grad, view);
   at::set_num_threads(threads);
   expect_same_bits(fused, other, "another thread count");
 }
@@ -115,7 +122,8 @@ TEST(FusedRmsNorm, Bf16MatchesAtenToItsRounding) {
 TEST(FusedRmsNorm, AFrozenWeightAndANonContiguousInput) {
   at::manual_seed(3);
   const at::Tensor x = at::randn({40, 6, 64}).transpose(0, 1);  // (6, 40, 64), strided
-  check(rms_norm_op, {x, at::randn({64})}, {true, false}, "RmsNormFunction", 1e-5, 1e-6);
+  check(rms_norm_op, {at::randn({40, 6, 64}), at::randn({64})}, {true, false}, "RmsNormFunction",
+        1e-5, 1e-6, [](const at::Tensor& t) { return t.transpose(0, 1); });
   // The independent formula, on a strided input.
   const at::Tensor w = at::randn({64});
   const at::Tensor expected = x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * w;
@@ -188,6 +196,19 @@ TEST(FusedRotary, Fp32MatchesAtenOnAStridedInput) {
   const at::Tensor cos_full = at::cat({cos, cos}, -1), sin_full = at::cat({sin, sin}, -1);
   expect_close(loom::nn::rotary(x, cos_full.contiguous(), sin_full.contiguous()), expected, 1e-6,
                1e-6, "formula");
+}
+
+TEST(FusedRotary, InputsWhoseRowsAreNotDense) {
+  std::vector<at::Tensor> c = rope_case(2, 9, 3, 20, at::kFloat);
+  // A window of positions out of a longer (B, H, T, D) tensor: the output is laid out anew, so
+  // input and output rows are found with different strides.
+  c[0] = at::randn({2, 3, 12, 20});
+  check(rotary_op, c, {true, false, false}, "RotaryFunction", 1e-6, 1e-6,
+        [](const at::Tensor& x) { return x.narrow(2, 2, 9); });
+  // The last dimension strided: rows copied to unit stride first.
+  c[0] = at::randn({2, 3, 20, 9});
+  check(rotary_op, c, {true, false, false}, "RotaryFunction", 1e-6, 1e-6,
+        [](const at::Tensor& x) { return x.transpose(-1, -2); });
 }
 
 TEST(FusedRotary, Bf16MatchesAten) {
