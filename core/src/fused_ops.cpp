@@ -278,14 +278,30 @@ LOOM_INLINE void rotary_rows(bool backward, const S* x, const RowLayout& xl, con
 LOOM_ISA_VARIANTS(LOOM_DEFINE_KERNELS)
 #undef LOOM_DEFINE_KERNELS
 
-// Calls kernel_##isa<S>(args...) for the path kernel_isa() picks.
+// Calls kernel_##isa<S>(args...) for the path kernel_isa() picks, where the CPU has the whole
+// x86-64 level the path was compiled for (kernel_isa() checks the AVX-512 and AVX2 parts the
+// hand-written kernels use; the compiler may use the level's other instructions, BMI2 and the
+// like, which a virtual CPU could leave out).
 #if defined(__x86_64__)
+enum class Level { base, v3, v4 };
+Level level() {
+  static const bool v3 = __builtin_cpu_supports("x86-64-v3");
+  static const bool v4 = __builtin_cpu_supports("x86-64-v4");
+  switch (cpu::kernel_isa()) {
+    case cpu::KernelIsa::avx512:
+      return v4 ? Level::v4 : v3 ? Level::v3 : Level::base;
+    case cpu::KernelIsa::avx2:
+      return v3 ? Level::v3 : Level::base;
+    default:
+      return Level::base;
+  }
+}
 #define LOOM_DISPATCH(kernel, S, ...) \
-  switch (cpu::kernel_isa()) {        \
-    case cpu::KernelIsa::avx512:      \
+  switch (level()) {                  \
+    case Level::v4:                   \
       kernel##_v4<S>(__VA_ARGS__);    \
       break;                          \
-    case cpu::KernelIsa::avx2:        \
+    case Level::v3:                   \
       kernel##_v3<S>(__VA_ARGS__);    \
       break;                          \
     default:                          \
