@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -20,6 +21,7 @@
 #include "loom/config.h"
 #include "loom/cpu.h"
 #include "loom/error.h"
+#include "loom/memory_control.h"
 
 namespace loom {
 
@@ -99,9 +101,21 @@ std::string keep_freed_cpu_memory() {
   const bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
                   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1 &&
                   mallopt(M_TOP_PAD, 256 << 20) == 1;
-  return ok ? "malloc keeps freed blocks for reuse (mmap threshold 32 MiB, no trim; "
-              "GLIBC_TUNABLES to choose)"
-            : "";
+  if (!ok) return "";
+  // Note [Large blocks kept] (memory.cpp): LOOM_KEEP_LARGE_BLOCKS_MIB caps them (0: none).
+  int64_t cap_mib = 512;
+  if (const char* value = std::getenv("LOOM_KEEP_LARGE_BLOCKS_MIB")) {
+    char* end = nullptr;
+    cap_mib = std::strtoll(value, &end, 10);
+    LOOM_CHECK_AS(ConfigError, *value && end && *end == '\0' && cap_mib >= 0,
+                  "environment variable LOOM_KEEP_LARGE_BLOCKS_MIB='", value,
+                  "' is not a number of MiB >= 0; use 0 to keep no freed block of 32 MiB or "
+                  "more, or unset it for 512");
+  }
+  memory::keep_large_cpu_blocks(static_cast<size_t>(cap_mib) << 20);
+  return "malloc keeps freed blocks for reuse (mmap threshold 32 MiB, no trim; blocks of 32 MiB "
+         "and more kept for their next use, up to " + std::to_string(cap_mib) +
+         " MiB: LOOM_KEEP_LARGE_BLOCKS_MIB; GLIBC_TUNABLES to choose)";
 }
 
 void set_job_threads(const ConfigSection& train, int local_world_size) {

@@ -41,7 +41,9 @@ void set_job_threads(const ConfigSection& train, int local_world_size);
 // samples were in the kernel, mostly autocast's per-step bf16 weight copies. Fixed settings keep
 // them for the next step: blocks up to 32 MiB (glibc's largest mmap threshold) from the heap,
 // which is never trimmed and grows by 256 MiB at a time. Measured: the bf16 step 10 % faster at
-// the same peak RSS, fp32 unchanged (docs/BENCHMARKS.md). Only for CPU runs, and not when the
+// the same peak RSS, fp32 unchanged (docs/BENCHMARKS.md). Blocks of 32 MiB and more, which
+// glibc always maps afresh, are kept by loom's tracking allocator instead, up to 512 MiB in all
+// (Note [Large blocks kept] in memory.cpp). Only for CPU runs, and not when the
 // user set glibc's own (GLIBC_TUNABLES or MALLOC_*_ variables). Returns what it did, for the log
 // ("" when nothing). ZeRO stage 3 lowers the mmap threshold again afterwards, to return its
 // freed weights (Note [Freed weights go back]).

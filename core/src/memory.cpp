@@ -11,12 +11,15 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "cuda_runtime.h"
 #include "loom/error.h"
+#include "loom/memory_control.h"
 
 namespace loom::memory {
 namespace {
@@ -36,12 +39,14 @@ class TrackingAllocator final : public c10::Allocator {
     Header* header = nullptr;
     c10::Device device(c10::kCPU);
     const size_t mapped = huge_blocks_.load(std::memory_order_relaxed) ? huge_span(n) : 0;
-    char* base = mapped ? map_huge(mapped) : nullptr;
+    const size_t kept = mapped ? 0 : keepable_span(n);
+    char* base = mapped ? map_huge(mapped) : kept ? take_kept_or_map(kept) : nullptr;
     if (base != nullptr) {
       header = reinterpret_cast<Header*>(base);
       header->deleter = nullptr;
       header->context = nullptr;
-      header->mapped = static_cast<int64_t>(mapped);
+      header->mapped = static_cast<int64_t>(mapped ? mapped : kept);
+      header->keepable = kept != 0;
     } else {
       c10::DataPtr inner = inner_->allocate(n + kHeaderBytes);
       device = inner.device();
@@ -52,6 +57,7 @@ class TrackingAllocator final : public c10::Allocator {
       header->deleter = inner.get_deleter();
       header->context = inner.release_context();
       header->mapped = 0;
+      header->keepable = false;
     }
     header->bytes = static_cast<int64_t>(n);
     header->owner = this;
@@ -73,6 +79,19 @@ class TrackingAllocator final : public c10::Allocator {
   Stats stats() const { return {current_.load(), peak_.load(), live_.load()}; }
   void reset_peak() { peak_.store(current_.load()); }
   void set_huge_blocks(bool on) { huge_blocks_.store(on); }
+  void set_kept_cap(size_t cap) {
+    std::vector<std::pair<size_t, char*>> dropped;
+    {
+      std::lock_guard<std::mutex> lock(kept_mutex_);
+      kept_cap_.store(cap);
+      while (kept_bytes_ > cap) {  // the oldest first
+        dropped.push_back(kept_.front());
+        kept_bytes_ -= kept_.front().first;
+        kept_.erase(kept_.begin());
+      }
+    }
+    for (const auto& [span, block] : dropped) munmap(block, span);
+  }
 
  private:
   struct Header {
@@ -80,7 +99,8 @@ class TrackingAllocator final : public c10::Allocator {
     void* context;              // the wrapped allocation's context
     int64_t bytes;
     TrackingAllocator* owner;
-    int64_t mapped;  // > 0: a block of its own mapping (map_huge), this many bytes
+    int64_t mapped;  // > 0: a block of its own mapping (map_huge or kept), this many bytes
+    bool keepable;   // a mapping that may be kept for reuse when freed (Note [Large blocks kept])
   };
   static constexpr size_t kHeaderBytes = 64;
   static_assert(sizeof(Header) <= kHeaderBytes);
@@ -121,13 +141,54 @@ class TrackingAllocator final : public c10::Allocator {
   }
   static constexpr size_t kHugePage = size_t{2} << 20, kSmallPage = 4096;
 
+  // Note [Large blocks kept]: glibc maps every block above its largest mmap threshold (32 MiB)
+  // afresh and unmaps it when freed, so each step faults in and zeroes the same few large
+  // tensors again, page by page: an untied vocabulary's embedding and head gradients (98 MiB
+  // each at Llama ~124M) and the fused loss's logits buffer. 2.8 % of that step was page faults.
+  // With a cap set (keep_large_cpu_blocks, CPU runs: Note [Freed memory kept] in device.h)
+  // blocks of 32 MiB and more are mappings of their own, and a freed one is kept, up to the cap
+  // in all, for the next request of exactly its size (its pages, 4 KiB-rounded); past the cap
+  // it is unmapped as before. A step asks for the same sizes every time, so what is kept is
+  // what the next step takes back (docs/BENCHMARKS.md, "Large blocks kept"). Kept blocks count
+  // in the RSS, not in the tracked bytes. Stage 3's huge-page blocks are never kept.
+  size_t keepable_span(size_t n) const {
+    const size_t need = n + kHeaderBytes;
+    if (kept_cap_.load(std::memory_order_relaxed) == 0 || need < kKeptFrom) return 0;
+    return (need + kSmallPage - 1) / kSmallPage * kSmallPage;
+  }
+  char* take_kept_or_map(size_t span) {
+    {
+      std::lock_guard<std::mutex> lock(kept_mutex_);
+      for (auto it = kept_.rbegin(); it != kept_.rend(); ++it)  // the newest first
+        if (it->first == span) {
+          char* block = it->second;
+          kept_bytes_ -= span;
+          kept_.erase(std::next(it).base());
+          return block;
+        }
+    }
+    void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return raw == MAP_FAILED ? nullptr : static_cast<char*>(raw);
+  }
+  // Keeps a freed block if the cap allows; false: the caller unmaps it.
+  bool keep(char* block, size_t span) {
+    std::lock_guard<std::mutex> lock(kept_mutex_);
+    if (kept_bytes_ + span > kept_cap_.load()) return false;
+    kept_.emplace_back(span, block);
+    kept_bytes_ += span;
+    return true;
+  }
+  static constexpr size_t kKeptFrom = size_t{32} << 20;
+
   static void release(void* data) {
     if (data == nullptr) return;  // a 0-byte raw_allocate (oneDNN asks for those) gave nullptr
     auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeaderBytes);
     header->owner->current_.fetch_sub(header->bytes);
     header->owner->live_.fetch_sub(1);
     if (header->mapped > 0) {
-      munmap(header, static_cast<size_t>(header->mapped));
+      const size_t span = static_cast<size_t>(header->mapped);
+      if (!header->keepable || !header->owner->keep(reinterpret_cast<char*>(header), span))
+        munmap(header, span);
       return;
     }
     const c10::DeleterFnPtr deleter = header->deleter;
@@ -136,6 +197,10 @@ class TrackingAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* inner_;
+  std::mutex kept_mutex_;
+  std::vector<std::pair<size_t, char*>> kept_;  // (span, block), oldest first
+  size_t kept_bytes_ = 0;
+  std::atomic<size_t> kept_cap_{0};
   std::atomic<int64_t> current_{0}, peak_{0}, live_{0};
   std::atomic<bool> huge_blocks_{false};
 };
@@ -176,6 +241,11 @@ Stats cpu_stats() { return g_tracker ? g_tracker->stats() : Stats{}; }
 void map_large_cpu_blocks(bool on) {
   install_cpu_tracker();
   g_tracker->set_huge_blocks(on);
+}
+
+void keep_large_cpu_blocks(size_t cap_bytes) {
+  install_cpu_tracker();
+  g_tracker->set_kept_cap(cap_bytes);
 }
 
 void reset_cpu_peak() {

@@ -6,9 +6,11 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "loom/data.h"
 #include "loom/memory.h"
+#include "loom/memory_control.h"
 #include "loom/trainer.h"
 #include "test_util.h"
 
@@ -33,6 +35,51 @@ TEST(Memory, TrackerCountsEveryAllocationExactly) {
   const auto after = memory::cpu_stats();
   EXPECT_EQ(after.current_bytes, before.current_bytes);
   EXPECT_EQ(after.peak_bytes - before.current_bytes, 12080);
+}
+
+// Note [Large blocks kept]: a freed block of 32 MiB or more comes back, its contents as they
+// were, for the next request of its size, up to the cap; a fresh mapping reads zero; the
+// tracked bytes never count kept blocks; a cap of 0 keeps none.
+TEST(Memory, LargeFreedBlocksAreKeptForTheirSizeUpToTheCap) {
+  memory::keep_large_cpu_blocks(0);  // none kept from before
+  memory::keep_large_cpu_blocks(size_t{100} << 20);
+  const int64_t base = memory::cpu_stats().current_bytes;
+  const int64_t n = (int64_t{40} << 20) / 4;  // 40 MiB of floats
+  void* first = nullptr;
+  {
+    at::Tensor t = at::empty({n}, at::kFloat).fill_(3.0f);
+    first = t.data_ptr();
+    EXPECT_EQ(memory::cpu_stats().current_bytes - base, n * 4);
+  }
+  EXPECT_EQ(memory::cpu_stats().current_bytes, base);  // kept, not counted
+  {
+    at::Tensor other = at::empty({n + 1024}, at::kFloat);  // another size: a fresh mapping
+    EXPECT_NE(other.data_ptr(), first);
+    EXPECT_EQ(other[0].item<float>(), 0.0f);
+    at::Tensor again = at::empty({n}, at::kFloat);  // the same size: the kept block
+    EXPECT_EQ(again.data_ptr(), first);
+    EXPECT_EQ(again[n - 1].item<float>(), 3.0f);
+  }
+  memory::keep_large_cpu_blocks(0);
+  memory::keep_large_cpu_blocks(size_t{100} << 20);
+  {
+    // Three freed in turn, 120 MiB, past the 100 MiB cap: the first two are kept, the third
+    // goes back to the system.
+    std::vector<at::Tensor> three;
+    for (int i = 0; i < 3; ++i) three.push_back(at::empty({n}, at::kFloat).fill_(i + 1.0f));
+    three.clear();
+    std::multiset<float> found;
+    std::vector<at::Tensor> back;
+    for (int i = 0; i < 3; ++i) {
+      back.push_back(at::empty({n}, at::kFloat));
+      found.insert(back.back()[0].item<float>());
+    }
+    EXPECT_EQ(found, (std::multiset<float>{0.0f, 1.0f, 2.0f}));
+  }
+  memory::keep_large_cpu_blocks(0);  // unmaps what is kept; new blocks are glibc's again
+  at::Tensor t = at::empty({n}, at::kFloat);
+  EXPECT_EQ(t[0].item<float>(), 0.0f);
+  EXPECT_EQ(memory::cpu_stats().current_bytes - base, n * 4);
 }
 
 // The /proc/self/smaps entry of the mapping holding `address`: its first line and its fields.

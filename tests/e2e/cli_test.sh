@@ -155,6 +155,11 @@ expect_error "run: token ids beyond the vocabulary" "$first of '$pd/tokens.bin' 
   "$loom" run "$pd/job.toml" --set model.vocab_size=256 --set train.output_dir=out2
 [ ! -e "$pd/out2" ] && ok "nothing written for data beyond the vocabulary (not even output_dir)" \
   || fail "data beyond the vocabulary left $pd/out2: $(ls -A "$pd/out2")"
+expect_error "run: a bad LOOM_KEEP_LARGE_BLOCKS_MIB" "LOOM_KEEP_LARGE_BLOCKS_MIB='lots' is not a number of MiB >= 0" \
+  env LOOM_KEEP_LARGE_BLOCKS_MIB=lots "$loom" run "$src/examples/demo.toml" --set train.max_steps=1 \
+  --set "train.output_dir=$work/keep_bad"
+[ ! -e "$work/keep_bad" ] && ok "nothing written for a bad LOOM_KEEP_LARGE_BLOCKS_MIB" \
+  || fail "a bad LOOM_KEEP_LARGE_BLOCKS_MIB left $work/keep_bad"
 expect_error "prepare_data: a missing text file" "text file '/nonexistent.txt' does not exist" \
   "$python" "$src/examples/prepare_data.py" --train-bpe 512 --out "$pd/x.bin" /nonexistent.txt
 expect_error "prepare_data: a vocabulary too small" "needs a vocabulary of at least 257" \
