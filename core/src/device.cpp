@@ -4,6 +4,8 @@
 #include <malloc.h>
 #include <sched.h>
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 
@@ -106,8 +108,12 @@ std::string keep_freed_cpu_memory() {
   int64_t cap_mib = 512;
   if (const char* value = std::getenv("LOOM_KEEP_LARGE_BLOCKS_MIB")) {
     char* end = nullptr;
+    errno = 0;
     cap_mib = std::strtoll(value, &end, 10);
-    LOOM_CHECK_AS(ConfigError, *value && end && *end == '\0' && cap_mib >= 0,
+    // Out of range (errno) or past what a byte count holds: not a number of MiB either.
+    LOOM_CHECK_AS(ConfigError,
+                  *value && end && *end == '\0' && errno == 0 && cap_mib >= 0 &&
+                      static_cast<uint64_t>(cap_mib) <= (SIZE_MAX >> 20),
                   "environment variable LOOM_KEEP_LARGE_BLOCKS_MIB='", value,
                   "' is not a number of MiB >= 0; use 0 to keep no freed block of 32 MiB or "
                   "more, or unset it for 512");

@@ -278,13 +278,14 @@ LOOM_INLINE void rotary_rows(bool backward, const S* x, const RowLayout& xl, con
 LOOM_ISA_VARIANTS(LOOM_DEFINE_KERNELS)
 #undef LOOM_DEFINE_KERNELS
 
-// Calls kernel_##isa<S>(args...) for the path kernel_isa() picks, where the CPU has the whole
-// x86-64 level the path was compiled for (kernel_isa() checks the AVX-512 and AVX2 parts the
+// The compilation a call runs: the path kernel_isa() picks, where the CPU has the whole x86-64
+// level the path was compiled for (kernel_isa() checks the AVX-512 and AVX2 parts the
 // hand-written kernels use; the compiler may use the level's other instructions, BMI2 and the
-// like, which a virtual CPU could leave out).
-#if defined(__x86_64__)
+// like, which a virtual CPU could leave out). Found once per call, before its threads split the
+// work (kernel_isa() reads LOOM_KERNEL_ISA each time).
 enum class Level { base, v3, v4 };
 Level level() {
+#if defined(__x86_64__)
   static const bool v3 = __builtin_cpu_supports("x86-64-v3");
   static const bool v4 = __builtin_cpu_supports("x86-64-v4");
   switch (cpu::kernel_isa()) {
@@ -293,23 +294,28 @@ Level level() {
     case cpu::KernelIsa::avx2:
       return v3 ? Level::v3 : Level::base;
     default:
-      return Level::base;
+      break;
   }
+#endif
+  return Level::base;
 }
-#define LOOM_DISPATCH(kernel, S, ...) \
-  switch (level()) {                  \
-    case Level::v4:                   \
-      kernel##_v4<S>(__VA_ARGS__);    \
-      break;                          \
-    case Level::v3:                   \
-      kernel##_v3<S>(__VA_ARGS__);    \
-      break;                          \
-    default:                          \
-      kernel##_base<S>(__VA_ARGS__);  \
-      break;                          \
+
+// Calls kernel_##isa<S>(args...) for the level `lv`.
+#if defined(__x86_64__)
+#define LOOM_DISPATCH(lv, kernel, S, ...) \
+  switch (lv) {                           \
+    case Level::v4:                       \
+      kernel##_v4<S>(__VA_ARGS__);        \
+      break;                              \
+    case Level::v3:                       \
+      kernel##_v3<S>(__VA_ARGS__);        \
+      break;                              \
+    default:                              \
+      kernel##_base<S>(__VA_ARGS__);      \
+      break;                              \
   }
 #else
-#define LOOM_DISPATCH(kernel, S, ...) kernel##_base<S>(__VA_ARGS__);
+#define LOOM_DISPATCH(lv, kernel, S, ...) kernel##_base<S>(__VA_ARGS__);
 #endif
 
 constexpr int64_t kGrain = 32768;  // elements per task, as ATen's elementwise ops
@@ -317,9 +323,10 @@ constexpr int64_t kGrain = 32768;  // elements per task, as ATen's elementwise o
 template <typename S>
 void rms_forward_typed(const S* x, const S* w, S* y, float* rstd, int64_t rows, int64_t C,
                        float eps) {
+  const Level lv = level();
   at::parallel_for(
       0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)),
-      [&](int64_t b, int64_t e) { LOOM_DISPATCH(rms_forward, S, x, w, y, rstd, b, e, C, eps) });
+      [&](int64_t b, int64_t e) { LOOM_DISPATCH(lv, rms_forward, S, x, w, y, rstd, b, e, C, eps) });
 }
 
 template <typename S>
@@ -329,13 +336,14 @@ void rms_backward_typed(const S* go, const S* x, const S* w, const float* rstd, 
   // Each chunk's partial sum of w's gradient, added in chunk order: any thread count, the
   // same sum.
   std::vector<float> parts(gw ? static_cast<size_t>(chunks * C) : 0, 0.0f);
+  const Level lv = level();
   at::parallel_for(0, chunks, std::max<int64_t>(1, kGrain / std::max<int64_t>(kGwRows * C, 1)),
                    [&](int64_t b, int64_t e) {
                      for (int64_t chunk = b; chunk < e; ++chunk) {
                        float* part = gw ? parts.data() + chunk * C : nullptr;
                        const int64_t first = chunk * kGwRows;
                        const int64_t last = std::min(rows, first + kGwRows);
-                       LOOM_DISPATCH(rms_backward, S, go, x, w, rstd, gx, part, first, last, C)
+                       LOOM_DISPATCH(lv, rms_backward, S, go, x, w, rstd, gx, part, first, last, C)
                      }
                    });
   if (!gw) return;
@@ -372,8 +380,9 @@ void swiglu_forward(Elem e, const void* g, const void* u, void* out, int64_t n) 
     using S = std::remove_pointer_t<decltype(typed_out)>;
     const S* tg = static_cast<const S*>(g);
     const S* tu = static_cast<const S*>(u);
+    const Level lv = level();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t end) {
-      LOOM_DISPATCH(swiglu_forward, S, tg, tu, typed_out, b, end)
+      LOOM_DISPATCH(lv, swiglu_forward, S, tg, tu, typed_out, b, end)
     });
   };
   if (e == Elem::f32)
@@ -391,8 +400,9 @@ void swiglu_backward(Elem e, const void* go, const void* g, const void* u, void*
     const S* tu = static_cast<const S*>(u);
     S* tgg = static_cast<S*>(gg);
     S* tgu = static_cast<S*>(gu);
+    const Level lv = level();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t end) {
-      LOOM_DISPATCH(swiglu_backward, S, tgo, tg, tu, tgg, tgu, b, end)
+      LOOM_DISPATCH(lv, swiglu_backward, S, tgo, tg, tu, tgg, tgu, b, end)
     });
   };
   if (e == Elem::f32)
@@ -408,10 +418,11 @@ void rotary(Elem e, bool backward, const void* x, const RowLayout& x_rows, const
     const S* tx = static_cast<const S*>(x);
     const S* tc = static_cast<const S*>(cos);
     const S* ts = static_cast<const S*>(sin);
+    const Level lv = level();
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(D, 1)),
                      [&](int64_t b, int64_t end) {
-                       LOOM_DISPATCH(rotary, S, backward, tx, x_rows, tc, ts, typed_out, out_rows,
-                                     b, end, D)
+                       LOOM_DISPATCH(lv, rotary, S, backward, tx, x_rows, tc, ts, typed_out,
+                                     out_rows, b, end, D)
                      });
   };
   if (e == Elem::f32)

@@ -24,7 +24,7 @@ bool aten_forced() {
   return value && std::string_view(value) == "1";
 }
 
-// The kernels' element type for CPU tensors of `dtype`; nullopt where they do not run.
+// The kernels' element type for `t` (a CPU tensor of fp32 or bf16); nullopt where they do not run.
 std::optional<detail::Elem> kernel_elem(const at::Tensor& t) {
   if (!t.is_cpu() || aten_forced()) return std::nullopt;
   if (t.scalar_type() == at::kFloat) return detail::Elem::f32;
@@ -81,14 +81,19 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
 };
 
 // ---- SwiGLU ----
+// silu(g) · u for contiguous g and u.
+at::Tensor swiglu_pass(detail::Elem e, const at::Tensor& g, const at::Tensor& u) {
+  at::Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
+  detail::swiglu_forward(e, g.const_data_ptr(), u.const_data_ptr(), out.mutable_data_ptr(),
+                         g.numel());
+  return out;
+}
+
 struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     const at::Tensor g = gate.contiguous(), u = up.contiguous();
-    at::Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
-    detail::swiglu_forward(elem(g), g.const_data_ptr(), u.const_data_ptr(), out.mutable_data_ptr(),
-                           g.numel());
     ctx->save_for_backward({g, u});
-    return out;
+    return swiglu_pass(elem(g), g, u);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     const variable_list saved = ctx->get_saved_variables();
@@ -168,11 +173,7 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
       !gate.sizes().equals(up.sizes()))
     return at::silu(gate) * up;
   if (wants_graph({gate, up})) return SwigluFunction::apply(gate, up);
-  const at::Tensor g = gate.contiguous(), u = up.contiguous();
-  at::Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
-  detail::swiglu_forward(*e, g.const_data_ptr(), u.const_data_ptr(), out.mutable_data_ptr(),
-                         g.numel());
-  return out;
+  return swiglu_pass(*e, gate.contiguous(), up.contiguous());
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
