@@ -96,15 +96,7 @@ void set_device_rng_state(c10::Device device, const at::Tensor& state) {
   generator.set_state(state);
 }
 
-std::string keep_freed_cpu_memory() {
-  for (const char* name : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                           "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX"})
-    if (std::getenv(name)) return "";
-  const bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
-                  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1 &&
-                  mallopt(M_TOP_PAD, 256 << 20) == 1;
-  if (!ok) return "";
-  // Note [Large blocks kept] (memory.cpp): LOOM_KEEP_LARGE_BLOCKS_MIB caps them (0: none).
+int64_t kept_large_blocks_mib() {
   int64_t cap_mib = 512;
   if (const char* value = std::getenv("LOOM_KEEP_LARGE_BLOCKS_MIB")) {
     char* end = nullptr;
@@ -118,6 +110,18 @@ std::string keep_freed_cpu_memory() {
                   "' is not a number of MiB >= 0; use 0 to keep no freed block of 32 MiB or "
                   "more, or unset it for 512");
   }
+  return cap_mib;
+}
+
+std::string keep_freed_cpu_memory() {
+  for (const char* name : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                           "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX"})
+    if (std::getenv(name)) return "";
+  const bool ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
+                  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1 &&
+                  mallopt(M_TOP_PAD, 256 << 20) == 1;
+  if (!ok) return "";
+  const int64_t cap_mib = kept_large_blocks_mib();
   memory::keep_large_cpu_blocks(static_cast<size_t>(cap_mib) << 20);
   return "malloc keeps freed blocks for reuse (mmap threshold 32 MiB, no trim; blocks of 32 MiB "
          "and more kept for their next use, up to " + std::to_string(cap_mib) +

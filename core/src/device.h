@@ -49,4 +49,9 @@ void set_job_threads(const ConfigSection& train, int local_world_size);
 // freed weights (Note [Freed weights go back]).
 std::string keep_freed_cpu_memory();
 
+// The cap on freed blocks of 32 MiB and more kept for reuse, in MiB (Note [Large blocks kept]
+// in memory.cpp): LOOM_KEEP_LARGE_BLOCKS_MIB, else 512. A value that is no number of MiB >= 0
+// is a ConfigError naming the variable (a prepared job checks it, so `loom check` refuses it).
+int64_t kept_large_blocks_mib();
+
 }  // namespace loom

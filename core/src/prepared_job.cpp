@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "checkpoint_io.h"
+#include "device.h"
 #include "evaluation/best_model.h"
 #include "evaluation/evaluator.h"
 #include "dist_env.h"
@@ -99,6 +100,7 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   // LOOM_KERNEL_ISA is read by the kernels at every call; a bad value is refused here, before
   // the job writes anything, where the first step would refuse it after (Note [Kernel ISA cap]).
   (void)cpu::kernel_isa();
+  (void)kept_large_blocks_mib();  // the same for LOOM_KEEP_LARGE_BLOCKS_MIB, read at run start
 
   // Every table plugin's own table, then every active plugin against the whole job.
   for (auto* plugin : resolved_.table_plugins) plugin->plugin->configure(section(plugin->name));

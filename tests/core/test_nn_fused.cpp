@@ -211,6 +211,19 @@ TEST(FusedRotary, InputsWhoseRowsAreNotDense) {
         [](const at::Tensor& x) { return x.transpose(-1, -2); });
 }
 
+TEST(FusedRotary, AnOddOrMissingDimensionIsAnError) {
+  for (const at::Tensor& x : {at::randn({2, 5, 7}), at::randn({8})}) {
+    try {
+      loom::nn::rotary(x, at::ones({5, 7}), at::ones({5, 7}));
+      FAIL() << "expected an error for " << x.sizes();
+    } catch (const loom::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("needs positions and an even last dimension"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(FusedRotary, Bf16MatchesAten) {
   check(rotary_op, rope_case(1, 17, 2, 64, at::kBFloat16), {true, false, false}, "RotaryFunction",
         2e-2, 2e-2);

@@ -161,6 +161,9 @@ expect_error "run: a bad LOOM_KEEP_LARGE_BLOCKS_MIB" "LOOM_KEEP_LARGE_BLOCKS_MIB
 expect_error "run: an out-of-range LOOM_KEEP_LARGE_BLOCKS_MIB" "LOOM_KEEP_LARGE_BLOCKS_MIB='99999999999999999999' is not a number of MiB >= 0" \
   env LOOM_KEEP_LARGE_BLOCKS_MIB=99999999999999999999 "$loom" run "$src/examples/demo.toml" \
   --set train.max_steps=1 --set "train.output_dir=$work/keep_bad"
+expect_error "check: a bad LOOM_KEEP_LARGE_BLOCKS_MIB" "LOOM_KEEP_LARGE_BLOCKS_MIB='-5' is not a number of MiB >= 0" \
+  env LOOM_KEEP_LARGE_BLOCKS_MIB=-5 "$loom" check "$src/examples/demo.toml" \
+  --set "train.output_dir=$work/keep_bad"
 [ ! -e "$work/keep_bad" ] && ok "nothing written for a bad LOOM_KEEP_LARGE_BLOCKS_MIB" \
   || fail "a bad LOOM_KEEP_LARGE_BLOCKS_MIB left $work/keep_bad"
 expect_error "prepare_data: a missing text file" "text file '/nonexistent.txt' does not exist" \
