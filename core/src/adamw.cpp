@@ -18,6 +18,7 @@
 #include "loom/error.h"
 #include "loom/kernel_isa.h"
 #include "loom/prefetch.h"
+#include "stochastic_rounding.h"
 
 namespace loom {
 namespace {
@@ -75,39 +76,7 @@ void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restr
 //   exp_avg takes the low 16 bits of x, exp_avg_sq the high 16.
 // mix64 is SplitMix64's finaliser (with its golden-ratio increment), lowbias32 Chris Wellons'
 // 32-bit integer hash; tests/plugins/optim/bf16_state_reference.py recomputes both in numpy.
-uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t fnv1a64(const std::string& text) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (unsigned char c : text) h = (h ^ c) * 0x100000001B3ull;
-  return h;
-}
-
-// Elements [begin, end) of the whole tensor share a key when begin and end - 1 share index >> 32.
-uint64_t rounding_key(uint64_t tensor_key, int64_t step, int64_t index) {
-  return mix64(mix64(tensor_key ^ static_cast<uint64_t>(step)) ^
-               (static_cast<uint64_t>(index) >> 32));
-}
-
-// Elements [begin, end) of a segment that starts at `offset` in the whole tensor, cut where the
-// whole tensor's index crosses a multiple of 2^32, so that one key serves each span:
-// span(from, stop, uint32 index of `from`, key).
-template <typename Span>
-void each_rounding_span(uint64_t tensor_key, int64_t step, int64_t offset, int64_t begin,
-                        int64_t end, const Span& span) {
-  while (begin < end) {
-    const int64_t index = offset + begin;
-    const int64_t block_end = ((index >> 32) + 1) << 32;
-    const int64_t stop = std::min(end, begin + (block_end - index));
-    span(begin, stop, static_cast<uint32_t>(index), rounding_key(tensor_key, step, index));
-    begin = stop;
-  }
-}
+// mix64, fnv1a64, rounding_key, each_rounding_span: stochastic_rounding.h.
 
 // lowbias32 and the rounding itself: adamw_bf16_element.h, which the CUDA kernel compiles too.
 
@@ -168,36 +137,6 @@ AdamWBf16Kernel adamw_bf16_kernel() {
   }
 #endif
   return adamw_bf16_baseline;
-}
-
-// The random bits as tensor ops (int64 tensors holding uint32 values), for devices without the
-// CPU kernel: the same bits as the kernels.
-// x * factor mod 2^32 for x < 2^32 held in int64, in two halves of factor so that no product
-// reaches 2^63 (signed overflow).
-at::Tensor multiply_mod32(const at::Tensor& x, int64_t factor) {
-  const at::Tensor low = x * (factor & 0xFFFF);
-  const at::Tensor high = at::bitwise_left_shift(at::bitwise_and(x * (factor >> 16), 0xFFFF), 16);
-  return at::bitwise_and(low + high, 0xFFFFFFFFll);
-}
-
-at::Tensor lowbias32_ops(at::Tensor x) {
-  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
-  x = multiply_mod32(x, 0x7FEB352Dll);
-  x = at::bitwise_xor(x, at::bitwise_right_shift(x, 15));
-  x = multiply_mod32(x, 0x846CA68Bll);
-  return at::bitwise_xor(x, at::bitwise_right_shift(x, 16));
-}
-
-// x (fp32) rounded stochastically into `into` (bf16) with random16 (int64 in [0, 65536)).
-void round_into_ops(const at::Tensor& x, const at::Tensor& random16, at::Tensor& into) {
-  const at::Tensor bits = at::bitwise_and(x.view(at::kInt).to(at::kLong), 0xFFFFFFFFll);
-  const at::Tensor nan = at::bitwise_and(bits, 0x7FFFFFFFll) > 0x7F800000ll;
-  const at::Tensor rounded = at::bitwise_right_shift(bits + random16, 16);
-  const at::Tensor quiet = at::bitwise_or(at::bitwise_right_shift(bits, 16), 0x0040);
-  at::Tensor half = at::where(nan, quiet, at::bitwise_and(rounded, 0xFFFF));
-  // 0..65535 into int16's bit pattern.
-  half = at::where(half >= 32768, half - 65536, half).to(at::kShort);
-  into.view(at::kShort).copy_(half);
 }
 
 // AdamW (Loshchilov & Hutter) with torch.optim.AdamW's arithmetic and bias correction.
@@ -380,20 +319,7 @@ class AdamW final : public UpdateRule {
     const at::Tensor root = at::sqrt(vi.to(at::kDouble)).to(at::kFloat);
     const at::Tensor denominator = root / f32(c.bc2_sqrt) + f32(c.eps);
     s.param.copy_(s.param * f32(c.decay) - f32(c.step_size) * (mi / denominator));
-    const auto longs = s.param.options().dtype(at::kLong);
-    at::Tensor random = at::empty({n}, longs);
-    for (int64_t begin = 0; begin < n;) {
-      const int64_t index = s.offset + begin;
-      const int64_t stop = std::min(n, begin + ((((index >> 32) + 1) << 32) - index));
-      const uint64_t key = rounding_key(tensor_key, ctx.step, index);
-      const at::Tensor low =
-          at::bitwise_and(at::arange(index, s.offset + stop, longs), 0xFFFFFFFFll);
-      random.slice(0, begin, stop)
-          .copy_(lowbias32_ops(at::bitwise_xor(
-              lowbias32_ops(at::bitwise_xor(low, static_cast<int64_t>(key & 0xFFFFFFFFull))),
-              static_cast<int64_t>(key >> 32))));
-      begin = stop;
-    }
+    const at::Tensor random = random_bits_ops(tensor_key, ctx.step, s.offset, n, s.param.options());
     round_into_ops(mi.contiguous(), at::bitwise_and(random, 0xFFFF), m);
     round_into_ops(vi.contiguous(), at::bitwise_right_shift(random, 16), v);
   }

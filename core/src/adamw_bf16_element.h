@@ -79,6 +79,12 @@ LOOM_HOST_DEVICE float square_root(float x) {
 #endif
 }
 
+// The 32 random bits of the element at `index` (of the whole tensor, mod 2^32) under a span's
+// key (key_lo, key_hi).
+LOOM_HOST_DEVICE uint32_t random_bits(uint32_t index, uint32_t key_lo, uint32_t key_hi) {
+  return lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
+}
+
 // Element i of a span whose first element has index `first_index` in the whole flattened
 // tensor and whose rounding key is (key_lo, key_hi). p, g: fp32; m, v: bf16 bits.
 LOOM_HOST_DEVICE void update(float* __restrict p, const float* __restrict g,
@@ -89,11 +95,19 @@ LOOM_HOST_DEVICE void update(float* __restrict p, const float* __restrict g,
   const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
   const float mi = m0 + c.w1 * (gi - m0);
   const float vi = c.b2 * v0 + c.w2 * gi * gi;
-  const uint32_t index = first_index + static_cast<uint32_t>(i);
-  const uint32_t x = lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
+  const uint32_t x = random_bits(first_index + static_cast<uint32_t>(i), key_lo, key_hi);
   m[i] = float_to_bf16_stochastic(mi, x & 0xFFFFu);
   v[i] = float_to_bf16_stochastic(vi, x >> 16);
   p[i] = p[i] * c.decay - c.step_size * (mi / (square_root(vi) / c.bc2_sqrt + c.eps));
+}
+
+// Element i of a weight span written back into bf16 from its fp32 value, rounded with the low
+// 16 random bits (Note [bf16 weights as their own masters] in ../step_driver.cpp).
+LOOM_HOST_DEVICE void round_weight(const float* __restrict from, uint16_t* __restrict into,
+                                   int64_t i, uint32_t first_index, uint32_t key_lo,
+                                   uint32_t key_hi) {
+  const uint32_t x = random_bits(first_index + static_cast<uint32_t>(i), key_lo, key_hi);
+  into[i] = float_to_bf16_stochastic(from[i], x & 0xFFFFu);
 }
 
 }  // namespace adamw_bf16

@@ -121,7 +121,11 @@ class ShardedStateReader final : public StateReader {
             at::Tensor& into) override {
     auto it = pieces_.find(name);
     LOOM_CHECK_AS(CheckpointError, it != pieces_.end(), where(), " has no tensor '", name,
-                  "' that the optimizer needs; was it saved by another optimizer or model?");
+                  "' that the optimizer needs; was it saved by another optimizer or model?",
+                  name.rfind("master/", 0) == 0
+                      ? " (a run with [optimizer] master_dtype = \"bf16\" saves no fp32 masters; "
+                        "resume it with the same master_dtype, or with the core's step driver)"
+                      : "");
     read_.insert(name);
     const int64_t rows = into.dim() == 0 ? 1 : into.size(0);
     std::vector<bool> covered(static_cast<size_t>(rows), false);
@@ -166,6 +170,7 @@ class ShardedStateReader final : public StateReader {
       if (!read_.count(name) && name.rfind("weight/", 0) != 0) out.push_back(name);
     return out;
   }
+  bool holds(const std::string& name) const override { return pieces_.count(name) > 0; }
   std::string where() const override {
     return "'" + folder_ + "/" +
            (files_.size() == 1 ? files_.front().path.filename().string()

@@ -47,6 +47,11 @@ struct CudaRuntime {
   void (*adamw_bf16_update)(int device, float* p, const float* g, uint16_t* m, uint16_t* v,
                             int64_t n, const AdamWCoefficients& c, uint32_t first_index,
                             uint32_t key_lo, uint32_t key_hi);
+  // bf16 weights written back from their fp32 update, rounded stochastically (Note [bf16
+  // weights as their own masters] in step_driver.cpp): n elements of one rounding span, queued
+  // as adamw_bf16_update is. Null without CUDA kernels.
+  void (*round_bf16_stochastic)(int device, const float* from, uint16_t* into, int64_t n,
+                                uint32_t first_index, uint32_t key_lo, uint32_t key_hi);
 };
 
 // The loaded CUDA half, or null: not a CUDA build, no GPU driver here, LOOM_LOAD_CUDA=0, or

@@ -376,6 +376,11 @@ std::vector<Schema> core_schemas() {
                   "fp32 | bf16: the dtype of the rule's state; bf16 (adamw) keeps the moments "
                   "in bf16 with stochastic rounding, 4 B/param less (Note [Stochastic rounding "
                   "of the state])")
+      .key_string("master_dtype", "fp32",
+                  "fp32 | bf16: fp32 keeps an fp32 master beside each half weight; bf16 (with "
+                  "[precision] mode = \"full_bf16\", the core's step driver) keeps none: the "
+                  "bf16 weights are updated in fp32 and written back with stochastic rounding, "
+                  "4 B/param less (Note [bf16 weights as their own masters])")
       .key_optional("param_groups", ValueType::Array,
                     "[{match = \"regex over parameter names\", lr_scale = 1.0, weight_decay = x}]; "
                     "the first match sets a parameter's lr multiplier and weight decay");

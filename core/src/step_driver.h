@@ -35,9 +35,8 @@ void update_step(StepDriver& driver, TrainState& state, const at::Tensor& in_bac
 
 class DefaultStepDriver final : public StepDriver {
  public:
-  // comm: the job's (needed only for placed parameters, Note [Placed parameters]).
-  DefaultStepDriver(std::vector<Param> params, const UpdateRule& rule, double weight_decay,
-                    Comm* comm = nullptr);
+  // options.comm: the job's (needed only for placed parameters, Note [Placed parameters]).
+  explicit DefaultStepDriver(const StepDriverOptions& options);
   std::string name() const override { return "default"; }
 
   void zero_grad() override;
@@ -78,17 +77,26 @@ class DefaultStepDriver final : public StepDriver {
     Param param;
     at::Tensor master;  // fp32 (n); aliases the parameter when it is fp32 already
     bool separate_master = false;
+    // Note [bf16 weights as their own masters]: a bf16 parameter with no master; its segment's
+    // param is an fp32 copy made for its update only, rounded back with `rounding_key`'s bits.
+    bool rounded = false;
+    uint64_t rounding_key = 0;
     Segment segment;
   };
   // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
   StatePieces pieces_of(const Entry& entry) const;
-  // Writes an updated master back to its parameter (a separate master only).
-  static void write_back(Entry& entry);
+  // Before the rule runs on a batch: its fp32 gradient (a copy where the gradient is half) and,
+  // for a rounded entry, its fp32 weights.
+  static void prepare(Entry& entry, const at::Tensor& grad);
+  // After: an updated master written back to its parameter (a separate master: copied; a
+  // rounded entry: rounded stochastically), and the update's copies released.
+  static void write_back(Entry& entry, int64_t step);
   std::vector<Entry> entries_;
   std::unordered_map<const void*, size_t> entry_of_;  // parameter's TensorImpl -> entries_ index
   const UpdateRule& rule_;
   double weight_decay_;
   Comm* comm_;
+  bool bf16_masters_;
   bool any_rows_placed_ = false;
 };
 

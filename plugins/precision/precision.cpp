@@ -180,7 +180,8 @@ class Precision final : public loom::Plugin {
     r.labels["precision"] = half ? "full_bf16" : autocast ? "bf16" : "fp32";
     const double w = half ? 2 : 4;
     r.weight_bytes = r.grad_bytes = w;
-    r.master_bytes = half ? 4 : 0;
+    // Note [bf16 weights as their own masters] (core/src/step_driver.cpp): none kept.
+    r.master_bytes = half && !(c.bf16_masters && mode == "full_bf16") ? 4 : 0;
     const double frozen_half =
         autocast && table.get_string("frozen_weights") == "half" ? c.frozen_linear_params : 0;
     r.half_frozen_params = frozen_half;
@@ -600,8 +601,12 @@ class Precision final : public loom::Plugin {
           << " B optimizer state = " << weights + 2 + grads + optimizer
           << " B; activations saved for backward mostly in " << half;
     } else if (half_weights(mode_)) {
-      out << weights << " B " << half << " weights + " << masters << " B fp32 masters + " << grads
-          << " B " << half << " grads + " << optimizer << " B optimizer state = "
+      out << weights << " B " << half << " weights + ";
+      if (masters > 0)
+        out << masters << " B fp32 masters + ";
+      else  // Note [bf16 weights as their own masters] (core/src/step_driver.cpp)
+        out << "no masters (the weights updated with stochastic rounding) + ";
+      out << grads << " B " << half << " grads + " << optimizer << " B optimizer state = "
           << weights + masters + grads + optimizer << " B; no autocast: every op runs in "
           << half;
     } else {

@@ -63,6 +63,7 @@ class UncheckedReader final : public loom::StateReader {
     inner_.read(name, global_shape, offset, into);
   }
   std::vector<std::string> unread() const override { return {}; }
+  bool holds(const std::string& name) const override { return inner_.holds(name); }
   std::string where() const override { return inner_.where(); }
 
  private:

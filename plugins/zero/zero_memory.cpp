@@ -106,6 +106,10 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     r.applicable = false;
     return;
   }
+  // Note [bf16 weights as their own masters]: the core's driver alone keeps no masters.
+  if (c.bf16_masters && r.labels["precision"] == "full_bf16" &&
+      (stage >= 1 || optimizer_device != "none" || offload_params))
+    r.buildable = false;
   int buffer_count = c.buffer_count;
   if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())
     if (const ConfigValue* n = o->find("buffer_count"))

@@ -375,6 +375,36 @@ TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
   EXPECT_EQ(estimate::largest_batch(report, fp32.model_states() * 0.5), 0);
 }
 
+// [optimizer] master_dtype = "bf16" (Note [bf16 weights as their own masters]): the job's
+// full_bf16 row holds no masters and is within the same 10 % of the peak the job measures; its
+// other precisions' probes run with masters' default (which they need), and the full_bf16 rows
+// of a sharding stage or an offload are marked as not buildable (only the core's driver keeps
+// no masters).
+TEST(Estimate, Bf16MastersJobRowHasNoMastersAndMatchesItsPeak) {
+  TempDir dir;
+  const std::filesystem::path job = dir.path() / "job.toml";
+  const std::string run_dir = (dir.path() / "run").string();
+  std::ofstream(job) << test::tiny_gpt_job(run_dir) << "\n[precision]\nmode = \"full_bf16\"\n"
+                     << "\n[optimizer]\nmaster_dtype = \"bf16\"\n";
+  const estimate::Report report = estimate::estimate_job(job, kShape, {});
+  const estimate::Row* mine = nullptr;
+  for (const auto& r : report.rows) {
+    if (r.precision != Precision::full_bf16) continue;
+    EXPECT_EQ(r.masters, 0) << "stage " << r.stage;
+    EXPECT_EQ(r.buildable, r.stage == 0 && r.offload == Offload::none) << "stage " << r.stage;
+    if (r.stage == 0 && r.offload == Offload::none) mine = &r;
+  }
+  ASSERT_NE(mine, nullptr);
+  for (const auto& r : report.rows)
+    if (r.precision == Precision::fp32) EXPECT_EQ(r.masters, 0);
+  TempDir run;
+  const double measured = measured_peak(test::tiny_gpt_job(run.str()), run, "full_bf16",
+                                        {"optimizer.master_dtype=\"bf16\""});
+  std::printf("estimated %.2f MiB, measured %.2f MiB\n", mine->peak / 1048576.0,
+              measured / 1048576.0);
+  EXPECT_NEAR(mine->peak / measured, 1.0, 0.10);
+}
+
 // The same bar for the ZeRO and offload configurations the offload tests run on one rank
 // (full_bf16: the layout offload needs): the row of the job's stage and offload against the
 // peak of tensor memory the configured job measures. The swap files' staging buffers are not

@@ -332,6 +332,22 @@ PY
   ok "bf16 optimizer state: losses $losses, bf16 moments in the checkpoint, 4 B/param of state"
 else fail "bf16 optimizer state: $(grep -v '^\s*$' "$work/bf16-state.log" | tail -3)"; fi
 
+# --- 20: bf16 weights without fp32 masters, as written: finite losses, no masters in the
+# checkpoint, 8 B/param of model state in the precision's log line.
+if story bf16-no-masters "build/bin/loom run examples/memory/bf16_no_masters.toml" "${tiny[@]}" \
+     --set train.log_level=info &&
+   losses=$(steps_ok bf16-no-masters 3) &&
+   grep -q "no masters (the weights updated with stochastic rounding) .* = 8 B" "$work/bf16-no-masters.log" &&
+   "$python" - "$work/bf16-no-masters/checkpoint-3/optimizer-00000-of-00001.safetensors" <<'PY'; then
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], "np") as f:
+    keys = list(f.keys())
+    assert keys and not [k for k in keys if k.startswith("master/")], keys
+PY
+  ok "bf16 weights without masters: losses $losses, no masters in the checkpoint, 8 B/param"
+else fail "bf16 weights without masters: $(grep -v '^\s*$' "$work/bf16-no-masters.log" | tail -3)"; fi
+
 # --- 19: 8-bit Adam: finite losses, the state's bytes in the log, and in the checkpoint each
 # tensor of at least min_8bit_size elements as uint8 codes with fp32 absmaxes (one per block),
 # the smaller ones as fp32 moments.

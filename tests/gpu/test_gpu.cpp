@@ -18,7 +18,9 @@
 #include "loom/comm.h"
 #include "loom/engine.h"
 #include "loom/model.h"
+#include "loom/step_driver.h"
 #include "loom/trainer.h"
+#include "bf16_rounding_reference.h"
 #include "test_util.h"
 #include "update_rules.h"
 
@@ -565,6 +567,59 @@ TEST(Gpu, Bf16OptimizerStateFollowsTheCpuKernel) {
 }
 
 // ---- the plugins on CUDA ----
+
+// Note [bf16 weights as their own masters] on a GPU: the rounding's CUDA kernel (the CPU
+// kernel's element, adamw_bf16_element.h) writes the fp32 update of the widened weights back
+// with the Note's bits. The fp32 update is the GPU's own (torch's fused AdamW on the widened
+// copies, run alike by a driver with fp32 weights), so the bf16 weights must equal its result
+// rounded by the tests' reference exactly, in three steps and tensors of odd lengths.
+TEST(Gpu, Bf16WeightsWithoutMastersRoundAsTheCpuReference) {
+  LOOM_REQUIRE_GPU();
+  const c10::Device gpu(c10::kCUDA, 0);
+  at::manual_seed(8);
+  const std::vector<int64_t> sizes = {4099, 37};
+  std::vector<at::Tensor> weights, copies, grads;
+  std::vector<Param> params, fp32_params;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    weights.push_back((at::randn({sizes[k]}) * 0.2).to(at::kBFloat16).to(gpu).requires_grad_(true));
+    copies.push_back(weights.back().detach().to(at::kFloat).requires_grad_(true));
+    for (int s = 0; s < 3; ++s) grads.push_back((at::randn({sizes[k]}) * 0.05).to(at::kBFloat16));
+    Param p;
+    p.name = "h." + std::to_string(k) + ".weight";
+    p.tensor = weights.back();
+    params.push_back(p);
+    p.tensor = copies.back();
+    fp32_params.push_back(p);
+  }
+  auto rule = test::make_rule("adamw"), fp32_rule = test::make_rule("adamw");
+  StepDriverOptions options;
+  options.params = params;
+  options.rule = rule.get();
+  options.weight_decay = 0.1;
+  options.master_dtype = "bf16";
+  options.seed = 77;
+  auto driver = make_default_step_driver(options);
+  options.params = fp32_params;
+  options.rule = fp32_rule.get();
+  options.master_dtype = "fp32";
+  auto fp32_driver = make_default_step_driver(options);
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      weights[k].mutable_grad() = grads[3 * k + step - 1].to(gpu);
+      copies[k].mutable_grad() = grads[3 * k + step - 1].to(at::kFloat).to(gpu);
+      at::NoGradGuard no_grad;
+      copies[k].copy_(weights[k]);
+    }
+    driver->update(step, 1e-2);
+    fp32_driver->update(step, 1e-2);
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      const at::Tensor want =
+          test::reference_rounding(copies[k].detach().cpu(), 77, params[k].name, step);
+      EXPECT_EQ(weights[k].device(), gpu);
+      EXPECT_TRUE(at::equal(weights[k].detach().cpu(), want)) << "step " << step << " " << k;
+    }
+  }
+}
 
 TEST(Gpu, CheckpointingWithDropoutIsBitwiseThePlainRun) {
   LOOM_REQUIRE_GPU();

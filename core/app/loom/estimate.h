@@ -84,6 +84,9 @@ struct ModelCounts {
   // [train] optimizer_in_backward: each gradient is freed once it updated its parameter during
   // backward (MemoryContext::optimizer_in_backward); the probes run the step without it.
   bool optimizer_in_backward = false;
+  // [optimizer] master_dtype = "bf16": full_bf16's weights are their own masters
+  // (MemoryContext::bf16_masters).
+  bool bf16_masters = false;
 };
 
 // Activations of one precision, measured by the probe.

@@ -50,6 +50,10 @@ struct MemoryContext {
   // step driver that updates its own pieces holds less gradient at the peak (Note [Updating
   // chunks in backward]); the probes measure the step without it.
   bool optimizer_in_backward = false;
+  // [optimizer] master_dtype = "bf16" (Note [bf16 weights as their own masters] in
+  // core/src/step_driver.cpp): full_bf16 keeps no fp32 masters, and only the core's step driver
+  // offers it (no ZeRO stage, no offload).
+  bool bf16_masters = false;
 };
 
 // One rank's bytes, by what they hold; `to_host` and `to_nvme` say how much of them lives off

@@ -34,6 +34,14 @@ struct StepDriverOptions {
   const UpdateRule* rule = nullptr;
   double weight_decay = 0.0;
   Comm* comm = nullptr;
+  // [optimizer] master_dtype: "fp32" keeps an fp32 master beside every parameter stored in
+  // another dtype; "bf16" keeps none, and each bf16 weight is updated in fp32 and written back
+  // rounded stochastically (Note [bf16 weights as their own masters] in core/src/
+  // step_driver.cpp). The core's driver offers both; a plugin's driver that cannot keep its
+  // weights as their own masters is refused it before the run (prepared_job).
+  std::string master_dtype = "fp32";
+  // [train] seed: the stream of that rounding, the same on every rank.
+  uint64_t seed = 0;
 };
 
 // One piece of a checkpoint tensor: rows [offset, offset + tensor.size(0)) along dim 0 of the
@@ -69,6 +77,9 @@ class StateReader {
   // whether the checkpoint holds them whole in model.safetensors or as shards; those names are
   // never reported here (the engine checks the model's tensors itself).
   virtual std::vector<std::string> unread() const = 0;
+  // Whether the checkpoint holds tensor `name` (read or not). The default says true, so a
+  // reader that cannot tell leaves the question to read()'s error for a missing tensor.
+  virtual bool holds(const std::string& name) const;
   // The files, for messages ("checkpoint-10/optimizer-*.safetensors").
   virtual std::string where() const = 0;
 };
@@ -159,7 +170,8 @@ class StepDriver {
 };
 
 // The core's driver: one segment per trainable tensor, fp32 masters for parameters stored in
-// another dtype, the rule over whole tensors (batched through UpdateRule::update_many).
+// another dtype (or, master_dtype "bf16", the weights as their own masters), the rule over whole
+// tensors (batched through UpdateRule::update_many).
 std::unique_ptr<StepDriver> make_default_step_driver(const StepDriverOptions& options);
 
 }  // namespace loom

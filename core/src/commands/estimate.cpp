@@ -206,6 +206,9 @@ Report estimate_loaded(const Job& job, const Options& options) {
   if (const ConfigValue* v = key_of(job, "train", "model"))
     if (auto* s = std::get_if<std::string>(&v->value)) report.model_name = *s;
   bool in_backward = false;  // the probes run without it: the declarations say what it frees
+  bool bf16_masters = false;  // the full_bf16 probe runs with it; the other precisions cannot
+  if (const ConfigValue* v = key_of(job, "optimizer", "master_dtype"))
+    if (auto* s = std::get_if<std::string>(&v->value)) bf16_masters = *s == "bf16";
   if (const ConfigValue* v = key_of(job, "train", "optimizer_in_backward"))
     if (auto* b = std::get_if<bool>(&v->value)) in_backward = *b;
   // Note [GPU jobs estimated on a CPU]: a job written for a GPU is planned on a machine without
@@ -305,6 +308,10 @@ Report estimate_loaded(const Job& job, const Options& options) {
         if (const auto at = v.labels.find("precision");
             at != v.labels.end() && at->second == to_string(precision))
           with = set_lines(d, v);
+    // Note [bf16 weights as their own masters]: a job without masters is full_bf16; its
+    // probes of the other precisions keep the default, which they need.
+    if (bf16_masters && precision != Precision::full_bf16)
+      with.push_back("optimizer.master_dtype=\"fp32\"");
     return with;
   };
 
@@ -331,6 +338,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
         all, {{"stage", "0"}, {"offload", "none"}, {"precision", to_string(precision)}});
     ModelCounts probed = counts;
     probed.optimizer_in_backward = false;  // the probes' step (see probe())
+    probed.bf16_masters = bf16_masters;
     const memory::MemoryTerms terms = declare(
         all, choice, context_with_units(probed, units, 1, true, options.buffer_count), 0);
     const double released = terms.grads_released ? terms.grads : 0.0;
@@ -345,6 +353,7 @@ Report estimate_loaded(const Job& job, const Options& options) {
                                         overrides_for(first), 1, false);
     report.model = whole.counts;
     report.model.optimizer_in_backward = in_backward;
+    report.model.bf16_masters = bf16_masters;
     unit_tensors = whole.unit_tensors;
     counted = true;
     report.activations[precision_of(0)].setup_peak = whole.setup_peak;

@@ -243,6 +243,7 @@ memory::MemoryContext context_of(const ModelCounts& m, int world_size, bool cpu_
   c.cpu_device = cpu_device;
   c.buffer_count = buffer_count;
   c.optimizer_in_backward = m.optimizer_in_backward;
+  c.bf16_masters = m.bf16_masters;
   return c;
 }
 

@@ -60,6 +60,16 @@ __global__ void adamw_bf16_kernel4(float* __restrict__ p, const float* __restric
     loom::adamw_bf16::update(p, g, m, v, tail, c, first_index, key_lo, key_hi);
 }
 
+// The weights' stochastic rounding: round_weight in a grid-stride loop (6 bytes an element).
+__global__ void round_bf16_kernel(const float* __restrict__ from, uint16_t* __restrict__ into,
+                                  int64_t n, uint32_t first_index, uint32_t key_lo,
+                                  uint32_t key_hi) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    loom::adamw_bf16::round_weight(from, into, i, first_index, key_lo, key_hi);
+}
+
 // The multiprocessors of each device, asked once (cudaDeviceGetAttribute is cheap, but not free
 // at a launch per tensor and step).
 int multiprocessors(int device) {
@@ -100,6 +110,20 @@ const char* launch_adamw_bf16(int device, float* p, const float* g, uint16_t* m,
     adamw_bf16_kernel4<<<blocks, kThreads, 0, on>>>(p, g, m, v, n, c, first_index, key_lo, key_hi);
   else
     adamw_bf16_kernel<<<blocks, kThreads, 0, on>>>(p, g, m, v, n, c, first_index, key_lo, key_hi);
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
+const char* launch_round_bf16(int device, const float* from, uint16_t* into, int64_t n,
+                              uint32_t first_index, uint32_t key_lo, uint32_t key_hi,
+                              void* stream) {
+  if (n <= 0) return nullptr;
+  constexpr int kThreads = 256;
+  const int64_t wanted = (n + kThreads - 1) / kThreads;
+  const int64_t most = 32LL * multiprocessors(device);
+  const unsigned blocks = static_cast<unsigned>(wanted < most ? wanted : most);
+  round_bf16_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      from, into, n, first_index, key_lo, key_hi);
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }

@@ -46,12 +46,24 @@ void adamw_bf16_update(int device, float* p, const float* g, uint16_t* m, uint16
                                          "cuda:") + std::to_string(device) + ": " + error);
 }
 constexpr auto kAdamwBf16 = &adamw_bf16_update;
+
+void round_bf16_stochastic(int device, const float* from, uint16_t* into, int64_t n,
+                           uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
+  const c10::DeviceGuard guard(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  if (const char* error =
+          loom::launch_round_bf16(device, from, into, n, first_index, key_lo, key_hi,
+                                  c10::cuda::getCurrentCUDAStream(device).stream()))
+    throw std::runtime_error(std::string("the bf16 weights' rounding kernel did not launch on "
+                                         "cuda:") + std::to_string(device) + ": " + error);
+}
+constexpr auto kRoundBf16 = &round_bf16_stochastic;
 #else
 constexpr decltype(loom::CudaRuntime::adamw_bf16_update) kAdamwBf16 = nullptr;
+constexpr decltype(loom::CudaRuntime::round_bf16_stochastic) kRoundBf16 = nullptr;
 #endif
 
 const loom::CudaRuntime kRuntime{&allocator_initialized, &allocated_bytes, &reset_peak,
-                                 &make_nccl_backend, kAdamwBf16};
+                                 &make_nccl_backend, kAdamwBf16, kRoundBf16};
 
 }  // namespace
 

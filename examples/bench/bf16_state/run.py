@@ -1,8 +1,10 @@
 """bf16 optimizer state against fp32 state on the demo job (examples/demo.toml, 300 steps): the
 model-state bytes per parameter (run.json's model_state, which the log's `model gpt:` line
 rounds) and the loss curve (a few steps, the mean of the last 20, the held-out eval_loss) of
-each run, with fp32 weights and with full_bf16 weights. One run per configuration, one after
-another; the same seed, so the runs differ only by what the configuration changes. Not a test.
+each run, with fp32 weights and with full_bf16 weights, the latter with fp32 masters and without
+([optimizer] master_dtype = "bf16": the bf16 weights updated with stochastic rounding). One run
+per configuration, one after another; the same seed, so the runs differ only by what the
+configuration changes. Not a test.
 
 usage: .venv/bin/python examples/bench/bf16_state/run.py [--steps N] [--write]
 """
@@ -19,11 +21,17 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import benchlib  # noqa: E402
 
+FULL = 'precision.mode="full_bf16"'
+BF16_STATE = 'optimizer.state_dtype="bf16"'
+NO_MASTERS = 'optimizer.master_dtype="bf16"'
+# (weights, masters, state, --set lines)
 CONFIGS = [
-    ("fp32", "fp32", []),
-    ("fp32", "bf16", ['optimizer.state_dtype="bf16"']),
-    ("full_bf16", "fp32", ['precision.mode="full_bf16"']),
-    ("full_bf16", "bf16", ['precision.mode="full_bf16"', 'optimizer.state_dtype="bf16"']),
+    ("fp32", "none (fp32 weights)", "fp32", []),
+    ("fp32", "none (fp32 weights)", "bf16", [BF16_STATE]),
+    ("full_bf16", "fp32", "fp32", [FULL]),
+    ("full_bf16", "fp32", "bf16", [FULL, BF16_STATE]),
+    ("full_bf16", "none (stochastic rounding)", "fp32", [FULL, NO_MASTERS]),
+    ("full_bf16", "none (stochastic rounding)", "bf16", [FULL, BF16_STATE, NO_MASTERS]),
 ]
 SHOWN = [1, 50, 100, 200, 300]
 
@@ -63,19 +71,19 @@ def main():
         f"{args.steps} steps, seed 42, one run each. Machine: {benchlib.cpu_name()}, "
         f"{os.cpu_count()} cores.",
         "",
-        "| weights | state | model state B/param (weights + masters + grads + state) | "
+        "| weights | masters | state | model state B/param (weights + masters + grads + state) | "
         + " | ".join(f"loss @{s}" for s in shown)
         + " | mean loss, last 20 | eval_loss @100/200/300 |",
-        "|---|---|---|" + "---|" * len(shown) + "---|---|",
+        "|---|---|---|---|" + "---|" * len(shown) + "---|---|",
     ]
-    for weights, state, sets in CONFIGS:
+    for weights, masters, state, sets in CONFIGS:
         model, per_param, rows, seconds = run(sets, args.steps)
         train = {r["step"]: r["loss"] for r in rows if "loss" in r}
         evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
         last = [train[s] for s in sorted(train)[-20:]]
         parts = list(per_param.values())
         anatomy = " + ".join(f"{p:g}" for p in parts) + f" = {sum(parts):g}"
-        lines.append(f"| {weights} | {state} | {anatomy} | "
+        lines.append(f"| {weights} | {masters} | {state} | {anatomy} | "
                      + " | ".join(f"{train[s]:.4f}" for s in shown)
                      + f" | {sum(last) / len(last):.4f} | "
                      + " / ".join(f"{e:.4f}" for e in evals) + " |")

@@ -1,0 +1,294 @@
+// Tests of [optimizer] master_dtype = "bf16" (Note [bf16 weights as their own masters] in
+// core/src/step_driver.cpp): each update is the fp32 update of the widened weights, rounded into
+// bf16 with the random bits of the Note's formula (recomputed here from the formula, not from
+// the core's code), bit for bit on every kernel path; the rounding is unbiased where nearest
+// rounding would never move the weight; a run saves no masters, holds 4 B/param less, resumes
+// bitwise, updates in backward as in the step, switches master_dtype at a resume; the update's
+// fp32 copies stay bounded; bad jobs are refused by name.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include "bf16_rounding_reference.h"
+#include "loom/config.h"
+#include "loom/kernel_isa.h"
+#include "loom/memory.h"
+#include "loom/safetensors.h"
+#include "loom/step_driver.h"
+#include "loom/trainer.h"
+#include "loom/update_rule.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using test::reference_rounding;
+using test::TempDir;
+using test::tiny_gpt_job;
+
+std::unique_ptr<UpdateRule> adamw(const std::string& state_dtype = "fp32") {
+  Schema schema("optimizer", "adamw");
+  schema.key_float("beta1", 0.9, "").key_float("beta2", 0.999, "").key_float("eps", 1e-8, "");
+  schema.key_string("state_dtype", "fp32", "");
+  ConfigTable table;
+  ConfigValue dtype;
+  dtype.value = state_dtype;
+  table.emplace_back("state_dtype", dtype);
+  return make_adamw(ConfigSection("optimizer", table, schema, "test"));
+}
+
+std::vector<Param> params_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<Param> out;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    Param p;
+    p.name = "layer." + std::to_string(k) + ".weight";
+    p.tensor = tensors[k];
+    out.push_back(p);
+  }
+  return out;
+}
+
+constexpr uint64_t kSeed = 4242;
+
+// Three updates of bf16 weights without masters against the same rule run on fp32 copies of
+// the widened weights, each result rounded by the reference: the weights equal bit for bit on
+// the scalar, AVX2 and AVX-512 paths; and the rounding is not nearest rounding.
+TEST(Bf16Masters, StepIsTheFp32UpdateOfTheWeightsRoundedByTheNote) {
+  at::manual_seed(3);
+  const std::vector<int64_t> sizes = {1000, 37, 4099};
+  std::vector<at::Tensor> start, grads;
+  for (int64_t n : sizes) {
+    start.push_back((at::randn({n}) * 0.2).to(at::kBFloat16));
+    for (int s = 0; s < 3; ++s) grads.push_back((at::randn({n}) * 0.05).to(at::kBFloat16));
+  }
+  auto run = [&](const char* isa) {
+    setenv("LOOM_KERNEL_ISA", isa, 1);
+    std::vector<at::Tensor> weights, copies;
+    for (const auto& t : start) {
+      weights.push_back(t.clone().requires_grad_(true));
+      copies.push_back(t.to(at::kFloat).requires_grad_(true));
+    }
+    auto rule = adamw(), reference_rule = adamw();
+    StepDriverOptions options;
+    options.params = params_of(weights);
+    options.rule = rule.get();
+    options.weight_decay = 0.1;
+    options.master_dtype = "bf16";
+    options.seed = kSeed;
+    auto driver = make_default_step_driver(options);
+    StepDriverOptions reference = options;
+    reference.params = params_of(copies);
+    reference.rule = reference_rule.get();
+    reference.master_dtype = "fp32";
+    auto fp32_driver = make_default_step_driver(reference);
+    EXPECT_EQ(driver->master_bytes(), 0);
+    bool stochastic = false;
+    for (int64_t step = 1; step <= 3; ++step) {
+      for (size_t k = 0; k < weights.size(); ++k) {
+        weights[k].mutable_grad() = grads[3 * k + step - 1];
+        copies[k].mutable_grad() = grads[3 * k + step - 1].to(at::kFloat);
+        at::NoGradGuard no_grad;
+        copies[k].copy_(weights[k]);  // the widened weights, as the driver's update sees them
+      }
+      driver->update(step, 1e-2);
+      fp32_driver->update(step, 1e-2);
+      for (size_t k = 0; k < weights.size(); ++k) {
+        const std::string name = "layer." + std::to_string(k) + ".weight";
+        const at::Tensor want = reference_rounding(copies[k].detach(), kSeed, name, step);
+        EXPECT_TRUE(at::equal(weights[k].detach(), want)) << isa << " step " << step << " " << name;
+        stochastic = stochastic || !at::equal(want, copies[k].detach().to(at::kBFloat16));
+      }
+    }
+    unsetenv("LOOM_KERNEL_ISA");
+    EXPECT_TRUE(stochastic) << "every weight rounded to nearest: the test could not tell";
+    EXPECT_FALSE(at::equal(weights[0].detach(), start[0]));
+    std::vector<at::Tensor> out;
+    for (const auto& w : weights) out.push_back(w.detach());
+    return out;
+  };
+  const auto scalar = run("scalar");
+  for (const char* isa : {"avx2", "avx512"}) {
+    const cpu::KernelIsa wanted =
+        std::string(isa) == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512;
+    if (cpu::cpu_kernel_isa() < wanted) {
+      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
+      continue;
+    }
+    const auto got = run(isa);
+    for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(at::equal(got[k], scalar[k])) << isa;
+  }
+}
+
+// An update of a quarter of a bf16 ulp moves the weights on average by the update, where
+// nearest rounding leaves every one where it was: 2^16 weights of 1.0 after one AdamW step of
+// lr 0.001 (Adam's first step moves each by lr) hold 0.999 on average.
+TEST(Bf16Masters, RoundingIsUnbiasedWhereNearestRoundingWouldNeverMove) {
+  constexpr int64_t n = 1 << 16;
+  at::Tensor weight = at::ones({n}, at::kBFloat16).requires_grad_(true);
+  auto rule = adamw();
+  StepDriverOptions options;
+  options.params = params_of({weight});
+  options.rule = rule.get();
+  options.master_dtype = "bf16";
+  options.seed = 11;
+  auto driver = make_default_step_driver(options);
+  weight.mutable_grad() = at::full({n}, 0.5, at::kBFloat16);
+  driver->update(1, 1e-3);
+  const float exact = 1.0f - 1e-3f;
+  ASSERT_EQ(at::scalar_tensor(exact).to(at::kBFloat16).item<float>(), 1.0f)
+      << "nearest rounding would keep 1.0";
+  const at::Tensor values = weight.detach().to(at::kDouble);
+  const double low = values.min().item<double>(), high = values.max().item<double>();
+  EXPECT_EQ(high, 1.0);
+  EXPECT_EQ(low, 1.0 - 1.0 / 256);  // the bf16 below 1
+  const double up_share = (values == high).to(at::kDouble).mean().item<double>();
+  const double want = (exact - low) / (high - low);  // 0.744
+  EXPECT_NEAR(up_share, want, 0.012);                // six binomial errors
+  EXPECT_NEAR(values.mean().item<double>(), exact, 0.012 / 256);
+}
+
+// The update's fp32 copies (widened half gradients, widened weights) are made a batch at a
+// time, never for the whole model at once (Note [Update copies bounded]): 12 tensors of 4 M
+// elements would need 384 MiB of copies at once; the update's peak above its start stays within
+// the 128 MiB bound and one tensor's copies.
+TEST(Bf16Masters, UpdateCopiesStayBounded) {
+  memory::install_cpu_tracker();
+  constexpr int64_t n = 4 << 20;
+  std::vector<at::Tensor> weights;
+  for (int k = 0; k < 12; ++k) {
+    weights.push_back(at::zeros({n}, at::kBFloat16).requires_grad_(true));
+    weights.back().mutable_grad() = at::full({n}, 0.25, at::kBFloat16);
+  }
+  auto rule = adamw("bf16");
+  StepDriverOptions options;
+  options.params = params_of(weights);
+  options.rule = rule.get();
+  options.master_dtype = "bf16";
+  auto driver = make_default_step_driver(options);
+  const int64_t before = memory::cpu_stats().current_bytes;
+  memory::reset_cpu_peak();
+  driver->update(1, 1e-3);
+  const int64_t grown = memory::cpu_stats().peak_bytes - before;
+  std::printf("the update's peak: %.1f MiB above its start\n", grown / 1048576.0);
+  EXPECT_LE(grown, (int64_t{128} << 20) + 8 * n + (int64_t{4} << 20));
+  EXPECT_GT(grown, 8 * n);  // at least one tensor's copies: the tracker sees them
+  EXPECT_NE(weights.back().detach()[0].item<float>(), 0.0f);
+}
+
+std::map<std::string, at::Tensor> load(const std::filesystem::path& file) {
+  auto tensors = safetensors::load(file).tensors;
+  return {tensors.begin(), tensors.end()};
+}
+
+std::vector<std::string> full_bf16(const std::string& masters, std::vector<std::string> more = {}) {
+  more.push_back("precision.mode=\"full_bf16\"");
+  more.push_back("optimizer.master_dtype=\"" + masters + "\"");
+  return more;
+}
+
+// No clipping, so that an update in backward (which refuses the global norm's clip) compares.
+std::string job_with_precision(const std::string& dir) {
+  std::string job = tiny_gpt_job(dir);
+  job.replace(job.find("[train]\n"), 8, "[train]\nmax_grad_norm = 0.0\n");
+  return job + "\n[precision]\nmode = \"fp32\"\n";
+}
+
+// A run keeps no masters (none in its checkpoint, none in its model state: 4 B per trainable
+// parameter less for the tracker), and a resume from its step 2 ends bitwise where the run
+// ended, with the same bits as an update in backward.
+TEST(Bf16Masters, RunSavesNoMastersResumesBitwiseAndMatchesTheUpdateInBackward) {
+  memory::install_cpu_tracker();
+  TempDir whole, resumed, in_backward;
+  auto setup_bytes = [](const std::string& masters, int64_t* trainable, int64_t* master_bytes) {
+    TempDir dir;
+    const int64_t before = memory::cpu_stats().current_bytes;
+    auto trainer = Trainer::from_text(job_with_precision(dir.str()), dir.path(),
+                                      full_bf16(masters, {"train.max_steps=1"}));
+    trainer->setup();
+    const int64_t grown = memory::cpu_stats().current_bytes - before;
+    *trainable = trainer->engine().model_state().trainable_count;
+    *master_bytes = trainer->engine().model_state().master_bytes;
+    return grown;
+  };
+  int64_t trainable = 0, masters = 0;
+  setup_bytes("fp32", &trainable, &masters);  // one-time allocations out of the way
+  const int64_t with = setup_bytes("fp32", &trainable, &masters);
+  EXPECT_EQ(masters, 4 * trainable);
+  const int64_t without = setup_bytes("bf16", &trainable, &masters);
+  EXPECT_EQ(masters, 0);
+  EXPECT_EQ(with - without, 4 * trainable);
+
+  Trainer::from_text(job_with_precision(whole.str()), whole.path(),
+                     full_bf16("bf16", {"train.save_steps=2"}))
+      ->run();
+  for (const auto& [name, tensor] :
+       load(whole / "checkpoint-2" / "optimizer-00000-of-00001.safetensors"))
+    EXPECT_NE(name.rfind("master/", 0), 0u) << name;
+  Trainer::from_text(
+      job_with_precision(resumed.str()), resumed.path(),
+      full_bf16("bf16", {"train.resume=\"" + (whole / "checkpoint-2").string() + "\""}))
+      ->run();
+  Trainer::from_text(job_with_precision(in_backward.str()), in_backward.path(),
+                     full_bf16("bf16", {"train.optimizer_in_backward=true"}))
+      ->run();
+  const auto want = load(whole / "checkpoint-4" / "model.safetensors");
+  const auto start = load(whole / "checkpoint-2" / "model.safetensors");
+  for (const auto* dir : {&resumed, &in_backward}) {
+    const auto got = load(*dir / "checkpoint-4" / "model.safetensors");
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, tensor] : want) {
+      ASSERT_EQ(tensor.scalar_type(), at::kBFloat16) << name;
+      EXPECT_TRUE(at::equal(got.at(name), tensor)) << dir->str() << ": " << name;
+    }
+  }
+  EXPECT_FALSE(at::equal(start.at("wte.weight"), want.at("wte.weight")));
+}
+
+// master_dtype may change at a resume: a checkpoint with masters resumed without them drops
+// them (said), one without them resumed with masters starts them from the weights (said); both
+// go on training.
+TEST(Bf16Masters, ResumeMaySwitchMasterDtype) {
+  for (const auto& [saved, resumed] :
+       std::vector<std::pair<std::string, std::string>>{{"fp32", "bf16"}, {"bf16", "fp32"}}) {
+    TempDir first, second;
+    Trainer::from_text(job_with_precision(first.str()), first.path(),
+                       full_bf16(saved, {"train.max_steps=2"}))
+        ->run();
+    Trainer::from_text(
+        job_with_precision(second.str()), second.path(),
+        full_bf16(resumed, {"train.resume=\"" + (first / "checkpoint-2").string() + "\""}))
+        ->run();
+    const auto start = load(first / "checkpoint-2" / "model.safetensors");
+    const auto end = load(second / "checkpoint-4" / "model.safetensors");
+    EXPECT_FALSE(at::equal(start.at("wte.weight"), end.at("wte.weight")))
+        << saved << " -> " << resumed;
+    const auto state = load(second / "checkpoint-4" / "optimizer-00000-of-00001.safetensors");
+    EXPECT_EQ(state.count("master/wte.weight"), resumed == "fp32" ? 1u : 0u)
+        << saved << " -> " << resumed;
+  }
+}
+
+// Refused by name before anything is written: an unknown dtype, weights that are not bf16, a
+// driver that keeps its own masters.
+TEST(Bf16Masters, RefusedWhereItCannotApply) {
+  TempDir dir;
+  auto build = [&](const std::vector<std::string>& set) {
+    return Trainer::from_text(job_with_precision(dir.str()), dir.path(), set)->run();
+  };
+  EXPECT_THROW_WITH(build({"optimizer.master_dtype=\"fp16\""}), ConfigError,
+                    "[optimizer] master_dtype 'fp16' is unknown", "\"fp32\"", "\"bf16\"");
+  EXPECT_THROW_WITH(build({"optimizer.master_dtype=\"bf16\""}), ConfigError,
+                    "[precision] mode = \"fp32\" keeps fp32 weights", "mode = \"full_bf16\"");
+  EXPECT_THROW_WITH(build({"precision.mode=\"full_fp16\"", "optimizer.master_dtype=\"bf16\""}),
+                    ConfigError, "[precision] mode = \"full_fp16\" keeps fp16 weights");
+  const std::string zero = job_with_precision(dir.str()) + "\n[zero]\nstage = 1\n";
+  EXPECT_THROW_WITH(Trainer::from_text(zero, dir.path(), full_bf16("bf16"))->run(), ConfigError,
+                    "master_dtype = \"bf16\" is built for the core's step driver", "[zero]");
+  EXPECT_TRUE(test::list_files(dir.path()).empty());
+}
+
+}  // namespace
+}  // namespace loom
