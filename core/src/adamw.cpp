@@ -139,6 +139,89 @@ AdamWBf16Kernel adamw_bf16_kernel() {
   return adamw_bf16_baseline;
 }
 
+// Note [bf16 weights as their own masters] (step_driver.cpp), fused: AdamW on bf16 weights that
+// have no fp32 master, from bf16 gradients, in one pass. Each element widens its weight and
+// gradient in registers (exact), runs adamw_element's (or adamw_bf16::update's) fp32 arithmetic
+// in the same order, and writes the weight back rounded with the weight stream's bits: the bits
+// of the driver's generic path (widen, the fp32 kernel, round), which made three more passes
+// over the weights and the gradients (18 B per parameter: 46 B against this pass's 22 with fp32
+// moments, 14 with bf16 ones). Moments fp32 (kBf16State false: mf, vf) or bf16 bits rounded with
+// the state stream (mh, vh).
+template <bool kBf16State>
+__attribute__((always_inline)) inline void adamw_weights_body(
+    uint16_t* __restrict p, const uint16_t* __restrict g, float* __restrict mf,
+    float* __restrict vf, uint16_t* __restrict mh, uint16_t* __restrict vh, int64_t n,
+    AdamWCoefficients c, uint32_t first_index, uint32_t weight_lo, uint32_t weight_hi,
+    uint32_t state_lo, uint32_t state_hi) {
+  const auto element = [&](int64_t i) __attribute__((always_inline)) {
+    const float gi = adamw_bf16::bf16_to_float(g[i]);
+    const float m0 = kBf16State ? adamw_bf16::bf16_to_float(mh[i]) : mf[i];
+    const float v0 = kBf16State ? adamw_bf16::bf16_to_float(vh[i]) : vf[i];
+    const float mi = m0 + c.w1 * (gi - m0);
+    const float vi = c.b2 * v0 + c.w2 * gi * gi;
+    const uint32_t index = first_index + static_cast<uint32_t>(i);
+    if constexpr (kBf16State) {
+      const uint32_t x = adamw_bf16::random_bits(index, state_lo, state_hi);
+      mh[i] = adamw_bf16::float_to_bf16_stochastic(mi, x & 0xFFFFu);
+      vh[i] = adamw_bf16::float_to_bf16_stochastic(vi, x >> 16);
+    } else {
+      mf[i] = mi;
+      vf[i] = vi;
+    }
+    const float pi = adamw_bf16::bf16_to_float(p[i]);
+    const float updated =
+        pi * c.decay - c.step_size * (mi / (adamw_bf16::square_root(vi) / c.bc2_sqrt + c.eps));
+    p[i] = adamw_bf16::float_to_bf16_stochastic(
+        updated, adamw_bf16::random_bits(index, weight_lo, weight_hi) & 0xFFFFu);
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    cpu::prefetch_ahead(p + i);
+    cpu::prefetch_ahead(g + i);
+    if constexpr (kBf16State) {
+      cpu::prefetch_ahead(mh + i);
+      cpu::prefetch_ahead(vh + i);
+    } else {
+      cpu::prefetch_ahead(mf + i);
+      cpu::prefetch_ahead(mf + i + 16);
+      cpu::prefetch_ahead(vf + i);
+      cpu::prefetch_ahead(vf + i + 16);
+    }
+    for (int64_t k = i; k < i + 32; ++k) element(k);
+  }
+  for (; i < n; ++i) element(i);
+}
+
+using AdamWWeightsKernel = void (*)(uint16_t*, const uint16_t*, float*, float*, uint16_t*,
+                                    uint16_t*, int64_t, AdamWCoefficients, uint32_t, uint32_t,
+                                    uint32_t, uint32_t, uint32_t);
+#define LOOM_ADAMW_WEIGHTS_COPY(name, attributes, bf16_state)                                    \
+  attributes void name(uint16_t* p, const uint16_t* g, float* mf, float* vf, uint16_t* mh,     \
+                       uint16_t* vh, int64_t n, AdamWCoefficients c, uint32_t first,          \
+                       uint32_t wlo, uint32_t whi, uint32_t slo, uint32_t shi) {              \
+    adamw_weights_body<bf16_state>(p, g, mf, vf, mh, vh, n, c, first, wlo, whi, slo, shi);     \
+  }
+#if defined(__x86_64__)
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_avx512, __attribute__((target("arch=x86-64-v4"))), false)
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_avx2, __attribute__((target("arch=x86-64-v3"))), false)
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_bf16_avx512, __attribute__((target("arch=x86-64-v4"))), true)
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_bf16_avx2, __attribute__((target("arch=x86-64-v3"))), true)
+#endif
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_baseline, , false)
+LOOM_ADAMW_WEIGHTS_COPY(adamw_weights_bf16_baseline, , true)
+#undef LOOM_ADAMW_WEIGHTS_COPY
+
+AdamWWeightsKernel adamw_weights_kernel(bool bf16_state) {
+#if defined(__x86_64__)
+  switch (cpu::kernel_isa()) {
+    case cpu::KernelIsa::avx512: return bf16_state ? adamw_weights_bf16_avx512 : adamw_weights_avx512;
+    case cpu::KernelIsa::avx2: return bf16_state ? adamw_weights_bf16_avx2 : adamw_weights_avx2;
+    case cpu::KernelIsa::scalar: break;
+  }
+#endif
+  return bf16_state ? adamw_weights_bf16_baseline : adamw_weights_baseline;
+}
+
 // AdamW (Loshchilov & Hutter) with torch.optim.AdamW's arithmetic and bias correction.
 class AdamW final : public UpdateRule {
  public:
@@ -161,6 +244,7 @@ class AdamW final : public UpdateRule {
   std::string name() const override { return "adamw"; }
   std::vector<std::string> state_dtypes() const override { return {"fp32", "bf16"}; }
   void set_seed(uint64_t seed) override { seed_ = seed; }
+  uint64_t seed() const { return seed_; }
   NamedTensors init_state(const Segment& s) const override {
     const auto options = s.param.options().dtype(bf16_state_ ? at::kBFloat16 : at::kFloat);
     return {{"exp_avg", at::zeros(s.param.sizes(), options)},
@@ -172,6 +256,8 @@ class AdamW final : public UpdateRule {
     const double bc1 = 1.0 - std::pow(beta1_, static_cast<double>(ctx.step));
     const double bc2_sqrt = std::sqrt(1.0 - std::pow(beta2_, static_cast<double>(ctx.step)));
     const double step_size = ctx.lr / bc1;
+    if (s.param.scalar_type() == at::kBFloat16)
+      return update_bf16_weights(s, ctx, bc2_sqrt, step_size);
     if (bf16_state_) return update_bf16_state(s, ctx, bc2_sqrt, step_size);
     if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
         s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
@@ -259,6 +345,40 @@ class AdamW final : public UpdateRule {
             static_cast<float>(step_size)};
   }
 
+  // Note [bf16 weights as their own masters], fused (takes_bf16_weights): s.param is the bf16
+  // weights themselves and s.grad their bf16 gradient, both contiguous on the CPU.
+  void update_bf16_weights(Segment& s, const UpdateContext& ctx, double bc2_sqrt,
+                           double step_size) const {
+    at::Tensor& m = s.state_at("exp_avg");
+    at::Tensor& v = s.state_at("exp_avg_sq");
+    LOOM_INTERNAL_ASSERT(s.param.is_cpu() && s.param.is_contiguous() &&
+                             s.grad.scalar_type() == at::kBFloat16 && s.grad.is_cpu() &&
+                             s.grad.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
+                         "adamw's bf16-weight kernel got ", s.name, " in another layout");
+    const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
+    const uint64_t state_key = mix64(seed_ ^ fnv1a64(s.name));
+    const uint64_t weight_key = weight_rounding_key(seed_, s.name);
+    auto* p = reinterpret_cast<uint16_t*>(s.param.data_ptr<at::BFloat16>());
+    const auto* g = reinterpret_cast<const uint16_t*>(s.grad.data_ptr<at::BFloat16>());
+    float* mf = bf16_state_ ? nullptr : m.data_ptr<float>();
+    float* vf = bf16_state_ ? nullptr : v.data_ptr<float>();
+    uint16_t* mh = bf16_state_ ? reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>()) : nullptr;
+    uint16_t* vh = bf16_state_ ? reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()) : nullptr;
+    const AdamWWeightsKernel kernel = adamw_weights_kernel(bf16_state_);
+    at::parallel_for(0, s.param.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      // Both keys change only where the whole tensor's index crosses a multiple of 2^32.
+      each_rounding_span(state_key, ctx.step, s.offset, begin, end,
+                         [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
+                           const uint64_t wkey = rounding_key(weight_key, ctx.step, s.offset + from);
+                           kernel(p + from, g + from, mf ? mf + from : nullptr,
+                                  vf ? vf + from : nullptr, mh ? mh + from : nullptr,
+                                  vh ? vh + from : nullptr, stop - from, c, index,
+                                  static_cast<uint32_t>(wkey), static_cast<uint32_t>(wkey >> 32),
+                                  static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
+                         });
+    });
+  }
+
   // Note [Stochastic rounding of the state]. The CPU kernel for contiguous fp32 parameters and
   // gradients, its CUDA twin for the same on a GPU; tensor ops with the same arithmetic and the
   // same random bits anywhere else (or on a GPU where loom was built without its kernels).
@@ -333,6 +453,11 @@ class AdamW final : public UpdateRule {
 };
 
 }  // namespace
+
+bool takes_bf16_weights(const UpdateRule& rule, uint64_t seed) {
+  const auto* adamw = dynamic_cast<const AdamW*>(&rule);
+  return adamw && adamw->seed() == seed;
+}
 
 std::unique_ptr<UpdateRule> make_adamw(const ConfigSection& table) {
   return std::make_unique<AdamW>(table);

@@ -9,4 +9,9 @@
 
 namespace loom {
 std::unique_ptr<UpdateRule> make_adamw(const ConfigSection& table);
+// Note [bf16 weights as their own masters] (step_driver.cpp): whether `rule` is the core's
+// adamw drawing its rounding from `seed`, which then takes a CPU segment whose param is the bf16
+// weights themselves and whose grad is bf16, and rounds its result into them in one pass: the
+// bits of the driver's generic path.
+bool takes_bf16_weights(const UpdateRule& rule, uint64_t seed);
 }

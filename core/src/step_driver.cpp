@@ -12,6 +12,7 @@
 #include "loom/error.h"
 #include "loom/log.h"
 #include "resolve.h"
+#include "adamw.h"
 #include "stochastic_rounding.h"
 #include "sum_of_squares.h"
 
@@ -29,14 +30,18 @@ namespace loom {
 // The random bits are those of Note [Stochastic rounding of the state] (adamw.cpp) with the
 // parameter's own stream, weight_rounding_key(seed, name): the [train] seed, the step, the name
 // and each element's index in the whole tensor decide them, so a run, its resume and its ranks
-// agree bitwise. A checkpoint holds no masters; a resume from one that does drops them (its
+// agree bitwise. The core's adamw does all of it in one pass of its own
+// (takes_bf16_weights: widening in registers, reading the bf16 gradient as it is; 22 B per
+// parameter with fp32 moments where widen, update and round moved 46), with the same bits; any
+// other rule, or a GPU, gets the widened copy. A checkpoint holds no masters; a resume from one that does drops them (its
 // weights are their rounding to nearest), and a job with masters resumed from one without
 // starts them from the weights, each said in a warning.
 DefaultStepDriver::DefaultStepDriver(const StepDriverOptions& options)
     : rule_(*options.rule),
       weight_decay_(options.weight_decay),
       comm_(options.comm),
-      bf16_masters_(options.master_dtype == "bf16") {
+      bf16_masters_(options.master_dtype == "bf16"),
+      fused_rule_(bf16_masters_ && takes_bf16_weights(*options.rule, options.seed)) {
   LOOM_INTERNAL_ASSERT(options.master_dtype == "fp32" || bf16_masters_, "master_dtype '",
                        options.master_dtype, "'");
   at::NoGradGuard no_grad;
@@ -186,7 +191,17 @@ void DefaultStepDriver::update(int64_t step, double lr) {
   update_params(items, step, lr);
 }
 
+bool DefaultStepDriver::fuses(const Entry& entry, const at::Tensor& grad) const {
+  return entry.rounded && fused_rule_ && entry.param.tensor.is_cpu() && grad.is_cpu() &&
+         grad.scalar_type() == at::kBFloat16 && grad.is_contiguous();
+}
+
 void DefaultStepDriver::prepare(Entry& entry, const at::Tensor& grad) {
+  if (entry.fused) {  // the rule widens and rounds in its own pass (takes_bf16_weights)
+    entry.segment.param = entry.param.tensor.detach().view(-1);
+    entry.segment.grad = grad.view(-1);
+    return;
+  }
   entry.segment.grad =
       grad.scalar_type() == at::kFloat ? grad.reshape(-1) : grad.to(at::kFloat).reshape(-1);
   if (entry.rounded) entry.segment.param = entry.param.tensor.detach().to(at::kFloat).view(-1);
@@ -196,13 +211,13 @@ void DefaultStepDriver::write_back(Entry& entry, int64_t step) {
   if (entry.separate_master) {
     entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
   } else if (entry.rounded) {
-    // A placed parameter's elements by their index in the global tensor.
-    const Param& param = entry.param;
-    const int64_t offset =
-        param.global_shape.empty() ? 0 : param.row_offset * (param.tensor.numel() / param.tensor.size(0));
-    at::Tensor weights = param.tensor.detach().view(-1);
-    round_to_bf16_stochastic(entry.segment.param, weights, entry.rounding_key, step, offset);
+    if (!entry.fused) {
+      at::Tensor weights = entry.param.tensor.detach().view(-1);
+      round_to_bf16_stochastic(entry.segment.param, weights, entry.rounding_key, step,
+                               entry.segment.offset);
+    }
     entry.segment.param = at::Tensor();
+    entry.fused = false;
   }
   entry.segment.grad = at::Tensor();
 }
@@ -254,8 +269,10 @@ void DefaultStepDriver::update_params(const std::vector<std::pair<const Param*, 
       copy_bytes = 0;
     };
     for (auto& [entry, grad] : group) {
-      const int64_t bytes = entry->param.tensor.numel() * 4 *
-                            ((grad.scalar_type() != at::kFloat) + entry->rounded);
+      entry->fused = fuses(*entry, grad);
+      const int64_t bytes = entry->fused ? 0
+                                         : entry->param.tensor.numel() * 4 *
+                                               ((grad.scalar_type() != at::kFloat) + entry->rounded);
       if (!batch.empty() && copy_bytes + bytes > kUpdateCopyBytes) run();
       batch.emplace_back(entry, grad);
       copy_bytes += bytes;

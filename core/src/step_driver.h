@@ -81,10 +81,15 @@ class DefaultStepDriver final : public StepDriver {
     // param is an fp32 copy made for its update only, rounded back with `rounding_key`'s bits.
     bool rounded = false;
     uint64_t rounding_key = 0;
+    // This update hands the rule the bf16 weights and gradient themselves (fuses()).
+    bool fused = false;
     Segment segment;
   };
   // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
   StatePieces pieces_of(const Entry& entry) const;
+  // Whether a rounded entry's update goes to the rule as bf16 (the core's adamw on the CPU, a
+  // contiguous bf16 gradient): no copies, one pass.
+  bool fuses(const Entry& entry, const at::Tensor& grad) const;
   // Before the rule runs on a batch: its fp32 gradient (a copy where the gradient is half) and,
   // for a rounded entry, its fp32 weights.
   static void prepare(Entry& entry, const at::Tensor& grad);
@@ -97,6 +102,7 @@ class DefaultStepDriver final : public StepDriver {
   double weight_decay_;
   Comm* comm_;
   bool bf16_masters_;
+  bool fused_rule_;  // the rule takes bf16 weights itself (takes_bf16_weights)
   bool any_rows_placed_ = false;
 };
 

@@ -53,72 +53,105 @@ std::vector<Param> params_of(const std::vector<at::Tensor>& tensors) {
 
 constexpr uint64_t kSeed = 4242;
 
-// Three updates of bf16 weights without masters against the same rule run on fp32 copies of
-// the widened weights, each result rounded by the reference: the weights equal bit for bit on
-// the scalar, AVX2 and AVX-512 paths; and the rounding is not nearest rounding.
-TEST(Bf16Masters, StepIsTheFp32UpdateOfTheWeightsRoundedByTheNote) {
+// The core's adamw behind a rule of another type: the driver's generic path (the widened copy,
+// the rule, the rounding pass), which every other rule takes, where adamw itself takes the
+// fused one (takes_bf16_weights).
+class Forwarding final : public UpdateRule {
+ public:
+  explicit Forwarding(std::unique_ptr<UpdateRule> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  NamedTensors init_state(const Segment& s) const override { return inner_->init_state(s); }
+  void update(Segment& s, const UpdateContext& c) const override { inner_->update(s, c); }
+  void update_many(const std::vector<Segment*>& s, const UpdateContext& c) const override {
+    inner_->update_many(s, c);
+  }
+  void set_seed(uint64_t seed) override { inner_->set_seed(seed); }
+
+ private:
+  std::unique_ptr<UpdateRule> inner_;
+};
+
+// bf16 weights (and gradients) of three tensors after three updates without masters, on kernel
+// path `isa`, the rule's moments in `state` dtype; `fused`: the core's adamw as it is (its one
+// pass), else behind Forwarding (the generic path). With fp32 moments every result is also
+// checked against the same rule run on fp32 copies of the widened weights, each step's result
+// rounded by the tests' reference of the Note's formula.
+std::vector<at::Tensor> run_updates(const char* isa, bool fused, const std::string& state) {
   at::manual_seed(3);
   const std::vector<int64_t> sizes = {1000, 37, 4099};
-  std::vector<at::Tensor> start, grads;
+  std::vector<at::Tensor> weights, copies, grads;
   for (int64_t n : sizes) {
-    start.push_back((at::randn({n}) * 0.2).to(at::kBFloat16));
+    weights.push_back((at::randn({n}) * 0.2).to(at::kBFloat16).requires_grad_(true));
+    copies.push_back(weights.back().detach().to(at::kFloat).requires_grad_(true));
     for (int s = 0; s < 3; ++s) grads.push_back((at::randn({n}) * 0.05).to(at::kBFloat16));
   }
-  auto run = [&](const char* isa) {
-    setenv("LOOM_KERNEL_ISA", isa, 1);
-    std::vector<at::Tensor> weights, copies;
-    for (const auto& t : start) {
-      weights.push_back(t.clone().requires_grad_(true));
-      copies.push_back(t.to(at::kFloat).requires_grad_(true));
+  const at::Tensor start = weights[0].detach().clone();
+  setenv("LOOM_KERNEL_ISA", isa, 1);
+  std::unique_ptr<UpdateRule> rule = adamw(state);
+  if (!fused) rule = std::make_unique<Forwarding>(std::move(rule));
+  rule->set_seed(kSeed);
+  auto reference_rule = adamw();
+  StepDriverOptions options;
+  options.params = params_of(weights);
+  options.rule = rule.get();
+  options.weight_decay = 0.1;
+  options.master_dtype = "bf16";
+  options.seed = kSeed;
+  auto driver = make_default_step_driver(options);
+  StepDriverOptions reference = options;
+  reference.params = params_of(copies);
+  reference.rule = reference_rule.get();
+  reference.master_dtype = "fp32";
+  auto fp32_driver = make_default_step_driver(reference);
+  EXPECT_EQ(driver->master_bytes(), 0);
+  bool stochastic = false;
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (size_t k = 0; k < weights.size(); ++k) {
+      weights[k].mutable_grad() = grads[3 * k + step - 1];
+      copies[k].mutable_grad() = grads[3 * k + step - 1].to(at::kFloat);
+      at::NoGradGuard no_grad;
+      copies[k].copy_(weights[k]);  // the widened weights, as the generic path's update sees them
     }
-    auto rule = adamw(), reference_rule = adamw();
-    StepDriverOptions options;
-    options.params = params_of(weights);
-    options.rule = rule.get();
-    options.weight_decay = 0.1;
-    options.master_dtype = "bf16";
-    options.seed = kSeed;
-    auto driver = make_default_step_driver(options);
-    StepDriverOptions reference = options;
-    reference.params = params_of(copies);
-    reference.rule = reference_rule.get();
-    reference.master_dtype = "fp32";
-    auto fp32_driver = make_default_step_driver(reference);
-    EXPECT_EQ(driver->master_bytes(), 0);
-    bool stochastic = false;
-    for (int64_t step = 1; step <= 3; ++step) {
-      for (size_t k = 0; k < weights.size(); ++k) {
-        weights[k].mutable_grad() = grads[3 * k + step - 1];
-        copies[k].mutable_grad() = grads[3 * k + step - 1].to(at::kFloat);
-        at::NoGradGuard no_grad;
-        copies[k].copy_(weights[k]);  // the widened weights, as the driver's update sees them
+    driver->update(step, 1e-2);
+    fp32_driver->update(step, 1e-2);
+    if (state != "fp32") continue;
+    for (size_t k = 0; k < weights.size(); ++k) {
+      const std::string name = "layer." + std::to_string(k) + ".weight";
+      const at::Tensor want = reference_rounding(copies[k].detach(), kSeed, name, step);
+      EXPECT_TRUE(at::equal(weights[k].detach(), want))
+          << isa << (fused ? " fused" : " generic") << " step " << step << " " << name;
+      stochastic = stochastic || !at::equal(want, copies[k].detach().to(at::kBFloat16));
+    }
+  }
+  unsetenv("LOOM_KERNEL_ISA");
+  EXPECT_TRUE(stochastic || state != "fp32") << "all rounded to nearest: the test could not tell";
+  EXPECT_FALSE(at::equal(weights[0].detach(), start));
+  std::vector<at::Tensor> out;
+  for (const auto& w : weights) out.push_back(w.detach());
+  return out;
+}
+
+// The update is the fp32 update of the widened weights rounded by the Note's bits, bit for bit:
+// the generic path and adamw's fused pass, on the scalar, AVX2 and AVX-512 kernel paths, with
+// fp32 moments (against the reference) and bf16 moments (the two paths against each other).
+TEST(Bf16Masters, StepIsTheFp32UpdateOfTheWeightsRoundedByTheNote) {
+  for (const std::string state : {"fp32", "bf16"}) {
+    const auto want = run_updates("scalar", /*fused=*/false, state);
+    for (const char* isa : {"scalar", "avx2", "avx512"}) {
+      const cpu::KernelIsa wanted = std::string(isa) == "scalar" ? cpu::KernelIsa::scalar
+                                    : std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
+                                                                 : cpu::KernelIsa::avx512;
+      if (cpu::cpu_kernel_isa() < wanted) {
+        std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
+        continue;
       }
-      driver->update(step, 1e-2);
-      fp32_driver->update(step, 1e-2);
-      for (size_t k = 0; k < weights.size(); ++k) {
-        const std::string name = "layer." + std::to_string(k) + ".weight";
-        const at::Tensor want = reference_rounding(copies[k].detach(), kSeed, name, step);
-        EXPECT_TRUE(at::equal(weights[k].detach(), want)) << isa << " step " << step << " " << name;
-        stochastic = stochastic || !at::equal(want, copies[k].detach().to(at::kBFloat16));
+      for (const bool fused : {false, true}) {
+        const auto got = run_updates(isa, fused, state);
+        for (size_t k = 0; k < got.size(); ++k)
+          EXPECT_TRUE(at::equal(got[k], want[k]))
+              << state << " moments, " << isa << (fused ? " fused" : " generic") << ", tensor " << k;
       }
     }
-    unsetenv("LOOM_KERNEL_ISA");
-    EXPECT_TRUE(stochastic) << "every weight rounded to nearest: the test could not tell";
-    EXPECT_FALSE(at::equal(weights[0].detach(), start[0]));
-    std::vector<at::Tensor> out;
-    for (const auto& w : weights) out.push_back(w.detach());
-    return out;
-  };
-  const auto scalar = run("scalar");
-  for (const char* isa : {"avx2", "avx512"}) {
-    const cpu::KernelIsa wanted =
-        std::string(isa) == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512;
-    if (cpu::cpu_kernel_isa() < wanted) {
-      std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
-      continue;
-    }
-    const auto got = run(isa);
-    for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(at::equal(got[k], scalar[k])) << isa;
   }
 }
 
@@ -152,30 +185,42 @@ TEST(Bf16Masters, RoundingIsUnbiasedWhereNearestRoundingWouldNeverMove) {
 
 // The update's fp32 copies (widened half gradients, widened weights) are made a batch at a
 // time, never for the whole model at once (Note [Update copies bounded]): 12 tensors of 4 M
-// elements would need 384 MiB of copies at once; the update's peak above its start stays within
-// the 128 MiB bound and one tensor's copies.
+// elements would need 192 MiB of gradient copies at once with masters, 384 MiB with the generic
+// path's weight copies too; the update's peak above its start stays within the 128 MiB bound
+// and one tensor's copies. adamw's fused pass makes none.
 TEST(Bf16Masters, UpdateCopiesStayBounded) {
   memory::install_cpu_tracker();
   constexpr int64_t n = 4 << 20;
-  std::vector<at::Tensor> weights;
-  for (int k = 0; k < 12; ++k) {
-    weights.push_back(at::zeros({n}, at::kBFloat16).requires_grad_(true));
-    weights.back().mutable_grad() = at::full({n}, 0.25, at::kBFloat16);
-  }
-  auto rule = adamw("bf16");
-  StepDriverOptions options;
-  options.params = params_of(weights);
-  options.rule = rule.get();
-  options.master_dtype = "bf16";
-  auto driver = make_default_step_driver(options);
-  const int64_t before = memory::cpu_stats().current_bytes;
-  memory::reset_cpu_peak();
-  driver->update(1, 1e-3);
-  const int64_t grown = memory::cpu_stats().peak_bytes - before;
-  std::printf("the update's peak: %.1f MiB above its start\n", grown / 1048576.0);
-  EXPECT_LE(grown, (int64_t{128} << 20) + 8 * n + (int64_t{4} << 20));
-  EXPECT_GT(grown, 8 * n);  // at least one tensor's copies: the tracker sees them
-  EXPECT_NE(weights.back().detach()[0].item<float>(), 0.0f);
+  auto peak_of_update = [&](const std::string& masters, bool fused) {
+    std::vector<at::Tensor> weights;
+    for (int k = 0; k < 12; ++k) {
+      weights.push_back(at::zeros({n}, at::kBFloat16).requires_grad_(true));
+      weights.back().mutable_grad() = at::full({n}, 0.25, at::kBFloat16);
+    }
+    std::unique_ptr<UpdateRule> rule = adamw("bf16");
+    if (!fused) rule = std::make_unique<Forwarding>(std::move(rule));
+    StepDriverOptions options;
+    options.params = params_of(weights);
+    options.rule = rule.get();
+    options.master_dtype = masters;
+    auto driver = make_default_step_driver(options);
+    const int64_t before = memory::cpu_stats().current_bytes;
+    memory::reset_cpu_peak();
+    driver->update(1, 1e-3);
+    const int64_t grown = memory::cpu_stats().peak_bytes - before;
+    std::printf("masters %s, %s: the update's peak %.1f MiB above its start\n", masters.c_str(),
+                fused ? "adamw itself" : "generic", grown / 1048576.0);
+    EXPECT_NE(weights.back().detach()[0].item<float>(), 0.0f);
+    return grown;
+  };
+  const int64_t bound = int64_t{128} << 20, slack = int64_t{4} << 20;
+  const int64_t with_masters = peak_of_update("fp32", true);
+  EXPECT_LE(with_masters, bound + 4 * n + slack);
+  EXPECT_GT(with_masters, 4 * n);  // one tensor's gradient copy at least: the tracker sees them
+  const int64_t generic = peak_of_update("bf16", false);
+  EXPECT_LE(generic, bound + 8 * n + slack);
+  EXPECT_GT(generic, 8 * n);
+  EXPECT_LE(peak_of_update("bf16", true), slack);
 }
 
 std::map<std::string, at::Tensor> load(const std::filesystem::path& file) {
