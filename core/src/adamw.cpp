@@ -31,11 +31,18 @@ namespace {
 // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps). In runs of 16 elements (a cache line of each
 // array), each run first prefetching the lines it will read kPrefetchAhead elements on (Note
 // [Streams prefetched ahead] in loom/prefetch.h); the fixed-length inner loop vectorises whole.
+// The gradient as it is stored: fp32, or bf16 bits (full_bf16's, read as they are: Note [bf16
+// gradients read as they are]), widened exactly.
+__attribute__((always_inline)) inline float gradient_at(const float* g, int64_t i) { return g[i]; }
+__attribute__((always_inline)) inline float gradient_at(const uint16_t* g, int64_t i) {
+  return adamw_bf16::bf16_to_float(g[i]);
+}
+template <typename G>
 __attribute__((always_inline)) inline void adamw_element(float* __restrict p,
-                                                         const float* __restrict g,
+                                                         const G* __restrict g,
                                                          float* __restrict m, float* __restrict v,
                                                          int64_t i, const AdamWCoefficients& c) {
-  const float gi = g[i];
+  const float gi = gradient_at(g, i);
   const float mi = m[i] + c.w1 * (gi - m[i]);
   const float vi = c.b2 * v[i] + c.w2 * gi * gi;
   m[i] = mi;
@@ -54,6 +61,56 @@ void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restr
     for (int64_t k = i; k < i + 16; ++k) adamw_element(p, g, m, v, k, c);
   }
   for (; i < n; ++i) adamw_element(p, g, m, v, i, c);
+}
+
+// Note [bf16 gradients read as they are]: full_bf16 with fp32 masters hands the core's adamw its
+// bf16 gradients as they are (takes_bf16_gradients), where the driver made an fp32 copy of each
+// first (6 B per parameter more, and 4 B/param of copies): the same element, widening in
+// registers, so the same bits. In runs of 32 (a cache line of the gradient), one copy per ISA
+// level picked by cpu::kernel_isa() (so LOOM_KERNEL_ISA runs each, as the tests do).
+__attribute__((always_inline)) inline void adamw_bf16_grad_body(float* __restrict p,
+                                                                const uint16_t* __restrict g,
+                                                                float* __restrict m,
+                                                                float* __restrict v, int64_t n,
+                                                                AdamWCoefficients c) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    cpu::prefetch_ahead(p + i);
+    cpu::prefetch_ahead(p + i + 16);
+    cpu::prefetch_ahead(g + i);
+    cpu::prefetch_ahead(m + i);
+    cpu::prefetch_ahead(m + i + 16);
+    cpu::prefetch_ahead(v + i);
+    cpu::prefetch_ahead(v + i + 16);
+    for (int64_t k = i; k < i + 32; ++k) adamw_element(p, g, m, v, k, c);
+  }
+  for (; i < n; ++i) adamw_element(p, g, m, v, i, c);
+}
+using AdamWBf16GradKernel = void (*)(float*, const uint16_t*, float*, float*, int64_t,
+                                     AdamWCoefficients);
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) void adamw_bf16_grad_avx512(
+    float* p, const uint16_t* g, float* m, float* v, int64_t n, AdamWCoefficients c) {
+  adamw_bf16_grad_body(p, g, m, v, n, c);
+}
+__attribute__((target("arch=x86-64-v3"))) void adamw_bf16_grad_avx2(
+    float* p, const uint16_t* g, float* m, float* v, int64_t n, AdamWCoefficients c) {
+  adamw_bf16_grad_body(p, g, m, v, n, c);
+}
+#endif
+void adamw_bf16_grad_baseline(float* p, const uint16_t* g, float* m, float* v, int64_t n,
+                              AdamWCoefficients c) {
+  adamw_bf16_grad_body(p, g, m, v, n, c);
+}
+AdamWBf16GradKernel adamw_bf16_grad_kernel() {
+#if defined(__x86_64__)
+  switch (cpu::kernel_isa()) {
+    case cpu::KernelIsa::avx512: return adamw_bf16_grad_avx512;
+    case cpu::KernelIsa::avx2: return adamw_bf16_grad_avx2;
+    case cpu::KernelIsa::scalar: break;
+  }
+#endif
+  return adamw_bf16_grad_baseline;
 }
 
 // Note [Stochastic rounding of the state]: with [optimizer] state_dtype = "bf16" AdamW keeps
@@ -245,6 +302,7 @@ class AdamW final : public UpdateRule {
   std::vector<std::string> state_dtypes() const override { return {"fp32", "bf16"}; }
   void set_seed(uint64_t seed) override { seed_ = seed; }
   uint64_t seed() const { return seed_; }
+  bool bf16_state() const { return bf16_state_; }
   NamedTensors init_state(const Segment& s) const override {
     const auto options = s.param.options().dtype(bf16_state_ ? at::kBFloat16 : at::kFloat);
     return {{"exp_avg", at::zeros(s.param.sizes(), options)},
@@ -258,9 +316,30 @@ class AdamW final : public UpdateRule {
     const double step_size = ctx.lr / bc1;
     if (s.param.scalar_type() == at::kBFloat16)
       return update_bf16_weights(s, ctx, bc2_sqrt, step_size);
+    // Note [bf16 gradients read as they are]: the fp32-moment CPU kernel reads them; any other
+    // path widens them first.
+    const bool cpu_fp32 =
+        s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
+        s.grad.is_cpu() && s.grad.is_contiguous() && !bf16_state_;
+    if (s.grad.scalar_type() == at::kBFloat16 && cpu_fp32) {
+      const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
+      float* p = s.param.data_ptr<float>();
+      const auto* g = reinterpret_cast<const uint16_t*>(s.grad.data_ptr<at::BFloat16>());
+      float* mp = m.data_ptr<float>();
+      float* vp = v.data_ptr<float>();
+      const AdamWBf16GradKernel kernel = adamw_bf16_grad_kernel();
+      at::parallel_for(0, s.param.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+        kernel(p + begin, g + begin, mp + begin, vp + begin, end - begin, c);
+      });
+      return;
+    }
+    if (s.grad.scalar_type() != at::kFloat) {  // widened for this update only
+      Segment widened = s;
+      widened.grad = s.grad.to(at::kFloat);
+      return update(widened, ctx);
+    }
     if (bf16_state_) return update_bf16_state(s, ctx, bc2_sqrt, step_size);
-    if (s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.is_contiguous() && s.grad.scalar_type() == at::kFloat) {
+    if (cpu_fp32 && s.grad.scalar_type() == at::kFloat) {
       const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
       float* p = s.param.data_ptr<float>();
       const float* g = s.grad.data_ptr<float>();
@@ -453,6 +532,11 @@ class AdamW final : public UpdateRule {
 };
 
 }  // namespace
+
+bool takes_bf16_gradients(const UpdateRule& rule) {
+  const auto* adamw = dynamic_cast<const AdamW*>(&rule);
+  return adamw && !adamw->bf16_state();  // the fp32-moment kernel reads them
+}
 
 bool takes_bf16_weights(const UpdateRule& rule, uint64_t seed) {
   const auto* adamw = dynamic_cast<const AdamW*>(&rule);

@@ -41,7 +41,8 @@ DefaultStepDriver::DefaultStepDriver(const StepDriverOptions& options)
       weight_decay_(options.weight_decay),
       comm_(options.comm),
       bf16_masters_(options.master_dtype == "bf16"),
-      fused_rule_(bf16_masters_ && takes_bf16_weights(*options.rule, options.seed)) {
+      fused_rule_(bf16_masters_ && takes_bf16_weights(*options.rule, options.seed)),
+      reads_bf16_grads_(takes_bf16_gradients(*options.rule)) {
   LOOM_INTERNAL_ASSERT(options.master_dtype == "fp32" || bf16_masters_, "master_dtype '",
                        options.master_dtype, "'");
   at::NoGradGuard no_grad;
@@ -202,6 +203,10 @@ void DefaultStepDriver::prepare(Entry& entry, const at::Tensor& grad) {
     entry.segment.grad = grad.view(-1);
     return;
   }
+  if (entry.bf16_grad) {  // Note [bf16 gradients read as they are] (adamw.cpp)
+    entry.segment.grad = grad.view(-1);
+    return;
+  }
   entry.segment.grad =
       grad.scalar_type() == at::kFloat ? grad.reshape(-1) : grad.to(at::kFloat).reshape(-1);
   if (entry.rounded) entry.segment.param = entry.param.tensor.detach().to(at::kFloat).view(-1);
@@ -220,6 +225,7 @@ void DefaultStepDriver::write_back(Entry& entry, int64_t step) {
     entry.fused = false;
   }
   entry.segment.grad = at::Tensor();
+  entry.bf16_grad = false;
 }
 
 void DefaultStepDriver::update_param(const Param& param, const at::Tensor& grad, int64_t step,
@@ -270,7 +276,10 @@ void DefaultStepDriver::update_params(const std::vector<std::pair<const Param*, 
     };
     for (auto& [entry, grad] : group) {
       entry->fused = fuses(*entry, grad);
-      const int64_t bytes = entry->fused ? 0
+      entry->bf16_grad = !entry->rounded && reads_bf16_grads_ && grad.is_cpu() &&
+                         grad.scalar_type() == at::kBFloat16 && grad.is_contiguous() &&
+                         entry->master.is_cpu();
+      const int64_t bytes = entry->fused || entry->bf16_grad ? 0
                                          : entry->param.tensor.numel() * 4 *
                                                ((grad.scalar_type() != at::kFloat) + entry->rounded);
       if (!batch.empty() && copy_bytes + bytes > kUpdateCopyBytes) run();

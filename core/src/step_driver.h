@@ -83,6 +83,8 @@ class DefaultStepDriver final : public StepDriver {
     uint64_t rounding_key = 0;
     // This update hands the rule the bf16 weights and gradient themselves (fuses()).
     bool fused = false;
+    // This update hands the rule the bf16 gradient as it is (its fp32 master stays the param).
+    bool bf16_grad = false;
     Segment segment;
   };
   // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
@@ -103,6 +105,7 @@ class DefaultStepDriver final : public StepDriver {
   Comm* comm_;
   bool bf16_masters_;
   bool fused_rule_;  // the rule takes bf16 weights itself (takes_bf16_weights)
+  bool reads_bf16_grads_;  // the rule takes bf16 gradients (takes_bf16_gradients)
   bool any_rows_placed_ = false;
 };
 
