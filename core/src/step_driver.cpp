@@ -11,8 +11,8 @@
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/log.h"
-#include "resolve.h"
 #include "adamw.h"
+#include "resolve.h"
 #include "stochastic_rounding.h"
 #include "sum_of_squares.h"
 
@@ -23,19 +23,19 @@ namespace loom {
 // fp32 (exact), runs the rule on them as on a master, and writes the result back into the bf16
 // weights rounded stochastically (llm.c's and torchao's way to train pure bf16): up with
 // probability equal to the distance from the bf16 below, so E[weight] is the fp32 update and an
-// update smaller than half a bf16 ulp (2^-9 of the weight: lr x 1 for Adam's normalised step
-// with lr 1e-4 and a weight of 0.1) moves the weight sometimes instead of never, as nearest
-// rounding would. 6 B per parameter less than with masters (2 + 2 + the rule's state: 8 with
-// bf16 moments, where DeepSpeed's mixed precision holds 16), and no master to copy back.
+// update smaller than half a bf16 ulp (2^-9 of the weight: Adam's lr-sized step at lr 1e-4 on a
+// weight of 0.1) moves the weight sometimes instead of never, as nearest rounding would. 4 B per
+// parameter less than with masters (2 + 2 + the rule's state: 8 B with bf16 moments, where
+// DeepSpeed's mixed precision holds 16), and no master to copy back.
 // The random bits are those of Note [Stochastic rounding of the state] (adamw.cpp) with the
 // parameter's own stream, weight_rounding_key(seed, name): the [train] seed, the step, the name
 // and each element's index in the whole tensor decide them, so a run, its resume and its ranks
-// agree bitwise. The core's adamw does all of it in one pass of its own
-// (takes_bf16_weights: widening in registers, reading the bf16 gradient as it is; 22 B per
-// parameter with fp32 moments where widen, update and round moved 46), with the same bits; any
-// other rule, or a GPU, gets the widened copy. A checkpoint holds no masters; a resume from one that does drops them (its
-// weights are their rounding to nearest), and a job with masters resumed from one without
-// starts them from the weights, each said in a warning.
+// agree bitwise. The core's adamw does all of it in one pass of its own (takes_bf16_weights:
+// widening in registers, reading the bf16 gradient as it is; 22 B per parameter with fp32
+// moments where widen, update and round moved 46), with the same bits; any other rule, or a
+// GPU, gets the widened copy. A checkpoint holds no masters; a resume from one that does drops
+// them (its weights are their rounding to nearest), and a job with masters resumed from one
+// without starts them from the weights, each said in a warning.
 DefaultStepDriver::DefaultStepDriver(const StepDriverOptions& options)
     : rule_(*options.rule),
       weight_decay_(options.weight_decay),
