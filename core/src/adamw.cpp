@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <type_traits>
 
 #include "adamw_bf16_element.h"
 #include "cuda_runtime.h"
@@ -31,18 +32,13 @@ namespace {
 // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps). In runs of 16 elements (a cache line of each
 // array), each run first prefetching the lines it will read kPrefetchAhead elements on (Note
 // [Streams prefetched ahead] in loom/prefetch.h); the fixed-length inner loop vectorises whole.
-// The gradient as it is stored: fp32, or bf16 bits (full_bf16's, read as they are: Note [bf16
-// gradients read as they are]), widened exactly.
-__attribute__((always_inline)) inline float gradient_at(const float* g, int64_t i) { return g[i]; }
-__attribute__((always_inline)) inline float gradient_at(const uint16_t* g, int64_t i) {
-  return adamw_bf16::bf16_to_float(g[i]);
-}
+// The gradient as it is stored (adamw_bf16::gradient_value): fp32, or bf16 bits.
 template <typename G>
 __attribute__((always_inline)) inline void adamw_element(float* __restrict p,
                                                          const G* __restrict g,
                                                          float* __restrict m, float* __restrict v,
                                                          int64_t i, const AdamWCoefficients& c) {
-  const float gi = gradient_at(g, i);
+  const float gi = adamw_bf16::gradient_value(g, i);
   const float mi = m[i] + c.w1 * (gi - m[i]);
   const float vi = c.b2 * v[i] + c.w2 * gi * gi;
   m[i] = mi;
@@ -66,7 +62,8 @@ void adamw_kernel(float* __restrict p, const float* __restrict g, float* __restr
 // Note [bf16 gradients read as they are]: full_bf16 with fp32 masters hands the core's adamw its
 // bf16 gradients as they are (takes_bf16_gradients), where the driver made an fp32 copy of each
 // first (6 B per parameter more, and 4 B/param of copies): the same element, widening in
-// registers, so the same bits. In runs of 32 (a cache line of the gradient), one copy per ISA
+// registers, so the same bits; with bf16 moments adamw_bf16_body does the same
+// (adamw_bf16_kernel<uint16_t>). On a GPU, or with a strided gradient, update() widens it first. In runs of 32 (a cache line of the gradient), one copy per ISA
 // level picked by cpu::kernel_isa() (so LOOM_KERNEL_ISA runs each, as the tests do).
 __attribute__((always_inline)) inline void adamw_bf16_grad_body(float* __restrict p,
                                                                 const uint16_t* __restrict g,
@@ -143,8 +140,9 @@ AdamWBf16GradKernel adamw_bf16_grad_kernel() {
 // every copy, and torch's separate ops in the tests' reference, round alike.
 // p, g: (n) fp32; m, v: (n) bf16 bits. In runs of 32 elements (a cache line of each bf16
 // array, two of each fp32 one), prefetched ahead as adamw_kernel's.
+template <typename G>
 __attribute__((always_inline)) inline void adamw_bf16_body(
-    float* __restrict p, const float* __restrict g, uint16_t* __restrict m,
+    float* __restrict p, const G* __restrict g, uint16_t* __restrict m,
     uint16_t* __restrict v, int64_t n, AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
     uint32_t key_hi) {
   int64_t i = 0;
@@ -163,37 +161,42 @@ __attribute__((always_inline)) inline void adamw_bf16_body(
 
 // Picked per update by loom::cpu::kernel_isa(), so LOOM_KERNEL_ISA runs the AVX2 and scalar
 // copies on an AVX-512 machine and the tests compare all three bit for bit (Note [Kernel ISA
-// cap]).
-using AdamWBf16Kernel = void (*)(float*, const float*, uint16_t*, uint16_t*, int64_t,
+// cap]). G: the gradient's storage, fp32 or bf16 bits (Note [bf16 gradients read as they are]).
+template <typename G>
+using AdamWBf16Kernel = void (*)(float*, const G*, uint16_t*, uint16_t*, int64_t,
                                  AdamWCoefficients, uint32_t, uint32_t, uint32_t);
 #if defined(__x86_64__)
+template <typename G>
 __attribute__((target("arch=x86-64-v4"))) void adamw_bf16_avx512(
-    float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
+    float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
     uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
   adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
 }
+template <typename G>
 __attribute__((target("arch=x86-64-v3"))) void adamw_bf16_avx2(
-    float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
+    float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
     uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
   adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
 }
 #endif
 // The baseline: the scalar path (SSE2 at most, which the compiler may still use for it).
-void adamw_bf16_baseline(float* p, const float* g, uint16_t* m, uint16_t* v, int64_t n,
+template <typename G>
+void adamw_bf16_baseline(float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n,
                          AdamWCoefficients c, uint32_t first_index, uint32_t key_lo,
                          uint32_t key_hi) {
   adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
 }
 
-AdamWBf16Kernel adamw_bf16_kernel() {
+template <typename G>
+AdamWBf16Kernel<G> adamw_bf16_kernel() {
 #if defined(__x86_64__)
   switch (cpu::kernel_isa()) {
-    case cpu::KernelIsa::avx512: return adamw_bf16_avx512;
-    case cpu::KernelIsa::avx2: return adamw_bf16_avx2;
+    case cpu::KernelIsa::avx512: return adamw_bf16_avx512<G>;
+    case cpu::KernelIsa::avx2: return adamw_bf16_avx2<G>;
     case cpu::KernelIsa::scalar: break;
   }
 #endif
-  return adamw_bf16_baseline;
+  return adamw_bf16_baseline<G>;
 }
 
 // Note [bf16 weights as their own masters] (step_driver.cpp), fused: AdamW on bf16 weights that
@@ -302,7 +305,6 @@ class AdamW final : public UpdateRule {
   std::vector<std::string> state_dtypes() const override { return {"fp32", "bf16"}; }
   void set_seed(uint64_t seed) override { seed_ = seed; }
   uint64_t seed() const { return seed_; }
-  bool bf16_state() const { return bf16_state_; }
   NamedTensors init_state(const Segment& s) const override {
     const auto options = s.param.options().dtype(bf16_state_ ? at::kBFloat16 : at::kFloat);
     return {{"exp_avg", at::zeros(s.param.sizes(), options)},
@@ -318,9 +320,9 @@ class AdamW final : public UpdateRule {
       return update_bf16_weights(s, ctx, bc2_sqrt, step_size);
     // Note [bf16 gradients read as they are]: the fp32-moment CPU kernel reads them; any other
     // path widens them first.
-    const bool cpu_fp32 =
-        s.param.is_cpu() && s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-        s.grad.is_cpu() && s.grad.is_contiguous() && !bf16_state_;
+    const bool cpu_flat = s.param.is_cpu() && s.param.scalar_type() == at::kFloat &&
+                          s.param.is_contiguous() && s.grad.is_cpu() && s.grad.is_contiguous();
+    const bool cpu_fp32 = cpu_flat && !bf16_state_;
     if (s.grad.scalar_type() == at::kBFloat16 && cpu_fp32) {
       const AdamWCoefficients c = coefficients(ctx, bc2_sqrt, step_size);
       float* p = s.param.data_ptr<float>();
@@ -333,7 +335,8 @@ class AdamW final : public UpdateRule {
       });
       return;
     }
-    if (s.grad.scalar_type() != at::kFloat) {  // widened for this update only
+    const bool bf16_kernel_reads = bf16_state_ && cpu_flat && s.grad.scalar_type() == at::kBFloat16;
+    if (s.grad.scalar_type() != at::kFloat && !bf16_kernel_reads) {  // widened for this update
       Segment widened = s;
       widened.grad = s.grad.to(at::kFloat);
       return update(widened, ctx);
@@ -474,16 +477,34 @@ class AdamW final : public UpdateRule {
     // The kernels take flat fp32 parameters and gradients and the moments on one device: the
     // CPU kernel, or the same element in a CUDA kernel (adamw_bf16_element.h), bitwise alike.
     const CudaRuntime* cuda = cuda_runtime();
+    // A bf16 gradient (Note [bf16 gradients read as they are]) only on the CPU: update() widens
+    // it for any other device.
+    const bool bf16_grad = s.grad.scalar_type() == at::kBFloat16 && s.grad.is_cpu();
     const bool flat = s.param.scalar_type() == at::kFloat && s.param.is_contiguous() &&
-                      s.grad.scalar_type() == at::kFloat && s.grad.is_contiguous() &&
+                      (s.grad.scalar_type() == at::kFloat || bf16_grad) && s.grad.is_contiguous() &&
                       s.grad.device() == s.param.device() && m.device() == s.param.device() &&
                       v.device() == s.param.device();
     const bool on_gpu = s.param.is_cuda() && cuda && cuda->adamw_bf16_update;
     if (flat && (s.param.is_cpu() || on_gpu)) {
       float* p = s.param.data_ptr<float>();
-      const float* g = s.grad.data_ptr<float>();
       auto* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
       auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+      // The CPU kernel over the gradient as it is stored (G: float, or uint16_t bf16 bits).
+      const auto on_cpu = [&](const auto* g) {
+        using G = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        const AdamWBf16Kernel<G> kernel = adamw_bf16_kernel<G>();
+        at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+          each_rounding_span(tensor_key, ctx.step, s.offset, begin, end,
+                             [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
+                               kernel(p + from, g + from, mp + from, vp + from, stop - from, c,
+                                      index, static_cast<uint32_t>(key),
+                                      static_cast<uint32_t>(key >> 32));
+                             });
+        });
+      };
+      if (bf16_grad)
+        return on_cpu(reinterpret_cast<const uint16_t*>(s.grad.data_ptr<at::BFloat16>()));
+      const float* g = s.grad.data_ptr<float>();
       if (on_gpu) {
         each_rounding_span(tensor_key, ctx.step, s.offset, 0, n,
                            [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
@@ -494,16 +515,7 @@ class AdamW final : public UpdateRule {
                            });
         return;
       }
-      const AdamWBf16Kernel kernel = adamw_bf16_kernel();
-      at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
-        each_rounding_span(tensor_key, ctx.step, s.offset, begin, end,
-                           [&](int64_t from, int64_t stop, uint32_t index, uint64_t key) {
-                             kernel(p + from, g + from, mp + from, vp + from, stop - from, c,
-                                    index, static_cast<uint32_t>(key),
-                                    static_cast<uint32_t>(key >> 32));
-                           });
-      });
-      return;
+      return on_cpu(g);
     }
     // Tensor ops: each op rounds to fp32 as the kernel's expression does, in the same order.
     const auto f32 = [&](double x) {
@@ -534,8 +546,7 @@ class AdamW final : public UpdateRule {
 }  // namespace
 
 bool takes_bf16_gradients(const UpdateRule& rule) {
-  const auto* adamw = dynamic_cast<const AdamW*>(&rule);
-  return adamw && !adamw->bf16_state();  // the fp32-moment kernel reads them
+  return dynamic_cast<const AdamW*>(&rule) != nullptr;  // its CPU kernels read them
 }
 
 bool takes_bf16_weights(const UpdateRule& rule, uint64_t seed) {

@@ -14,8 +14,8 @@ std::unique_ptr<UpdateRule> make_adamw(const ConfigSection& table);
 // weights themselves and whose grad is bf16, and rounds its result into them in one pass: the
 // bits of the driver's generic path.
 bool takes_bf16_weights(const UpdateRule& rule, uint64_t seed);
-// Note [bf16 gradients read as they are] (adamw.cpp): whether `rule` is the core's adamw with
-// fp32 moments, whose CPU kernel reads a segment's gradient in bf16 (the same bits as its fp32
+// Note [bf16 gradients read as they are] (adamw.cpp): whether `rule` is the core's adamw, whose
+// CPU kernels (fp32 or bf16 moments) read a segment's gradient in bf16 (the same bits as its fp32
 // widening).
 bool takes_bf16_gradients(const UpdateRule& rule);
 }

@@ -85,13 +85,19 @@ LOOM_HOST_DEVICE uint32_t random_bits(uint32_t index, uint32_t key_lo, uint32_t 
   return lowbias32(lowbias32(index ^ key_lo) ^ key_hi);
 }
 
+// A gradient element as it is stored: fp32, or bf16 bits (full_bf16's, read as they are on the
+// CPU: Note [bf16 gradients read as they are] in ../adamw.cpp), widened exactly.
+LOOM_HOST_DEVICE float gradient_value(const float* g, int64_t i) { return g[i]; }
+LOOM_HOST_DEVICE float gradient_value(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
+
 // Element i of a span whose first element has index `first_index` in the whole flattened
-// tensor and whose rounding key is (key_lo, key_hi). p, g: fp32; m, v: bf16 bits.
-LOOM_HOST_DEVICE void update(float* __restrict p, const float* __restrict g,
-                             uint16_t* __restrict m, uint16_t* __restrict v, int64_t i,
-                             const AdamWCoefficients& c, uint32_t first_index, uint32_t key_lo,
-                             uint32_t key_hi) {
-  const float gi = g[i];
+// tensor and whose rounding key is (key_lo, key_hi). p: fp32; g: fp32 or bf16 bits; m, v: bf16
+// bits.
+template <typename G>
+LOOM_HOST_DEVICE void update(float* __restrict p, const G* __restrict g, uint16_t* __restrict m,
+                             uint16_t* __restrict v, int64_t i, const AdamWCoefficients& c,
+                             uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
+  const float gi = gradient_value(g, i);
   const float m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
   const float mi = m0 + c.w1 * (gi - m0);
   const float vi = c.b2 * v0 + c.w2 * gi * gi;

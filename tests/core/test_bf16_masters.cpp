@@ -149,64 +149,67 @@ TEST(Bf16Masters, StepIsTheFp32UpdateOfTheWeightsRoundedByTheNote) {
         const auto got = run_updates(isa, fused, state);
         for (size_t k = 0; k < got.size(); ++k)
           EXPECT_TRUE(at::equal(got[k], want[k]))
-              << state << " moments, " << isa << (fused ? " fused" : " generic") << ", tensor " << k;
+              << state << " moments, " << isa << (fused ? " fused" : " generic") << ", tensor "
+              << k;
       }
     }
   }
 }
 
 // Note [bf16 gradients read as they are] (core/src/adamw.cpp): full_bf16 with fp32 masters
-// hands the core's adamw its bf16 gradients as they are; the weights and masters after three
-// updates are those of the generic path's widened copies (Forwarding), bit for bit, on every
-// kernel path, and the update makes no gradient copies.
+// hands the core's adamw its bf16 gradients as they are; the weights, masters and moments after
+// three updates are those of the generic path's widened copies (Forwarding), bit for bit, on
+// every kernel path, with fp32 and bf16 moments, and the update makes no gradient copies.
 TEST(Bf16Masters, AdamwReadsBf16GradientsWithTheWidenedCopysBits) {
   memory::install_cpu_tracker();
-  auto run = [](const char* isa, bool generic, int64_t* copies) {
-    at::manual_seed(5);
-    std::vector<at::Tensor> weights, grads;
-    for (int64_t n : {1000, 37, 4099}) {
-      weights.push_back((at::randn({n}) * 0.2).to(at::kBFloat16).requires_grad_(true));
-      for (int s = 0; s < 3; ++s) grads.push_back((at::randn({n}) * 0.05).to(at::kBFloat16));
+  for (const std::string state : {"fp32", "bf16"}) {
+    auto run = [&state](const char* isa, bool generic, int64_t* copies) {
+      at::manual_seed(5);
+      std::vector<at::Tensor> weights, grads;
+      for (int64_t n : {1000, 37, 4099}) {
+        weights.push_back((at::randn({n}) * 0.2).to(at::kBFloat16).requires_grad_(true));
+        for (int s = 0; s < 3; ++s) grads.push_back((at::randn({n}) * 0.05).to(at::kBFloat16));
+      }
+      setenv("LOOM_KERNEL_ISA", isa, 1);
+      std::unique_ptr<UpdateRule> rule = adamw(state);
+      if (generic) rule = std::make_unique<Forwarding>(std::move(rule));
+      rule->set_seed(kSeed);
+      StepDriverOptions options;
+      options.params = params_of(weights);
+      options.rule = rule.get();
+      options.weight_decay = 0.1;
+      auto driver = make_default_step_driver(options);
+      EXPECT_EQ(driver->master_bytes(), 4 * (1000 + 37 + 4099));
+      *copies = 0;
+      for (int64_t step = 1; step <= 3; ++step) {
+        for (size_t k = 0; k < weights.size(); ++k)
+          weights[k].mutable_grad() = grads[3 * k + step - 1];
+        const int64_t before = memory::cpu_stats().current_bytes;
+        memory::reset_cpu_peak();
+        driver->update(step, 1e-2);
+        *copies = std::max(*copies, memory::cpu_stats().peak_bytes - before);
+      }
+      unsetenv("LOOM_KERNEL_ISA");
+      std::vector<at::Tensor> out;
+      for (const auto& w : weights) out.push_back(w.detach().clone());
+      for (const auto& piece : driver->state_pieces()) out.push_back(piece.tensor.clone());
+      return out;
+    };
+    int64_t copies = 0;
+    const auto want = run("scalar", /*generic=*/true, &copies);
+    EXPECT_GE(copies, 4 * 4099);  // the widened gradients: the tracker sees copies when made
+    ASSERT_EQ(want.size(), 12u);  // weights; each tensor's exp_avg, exp_avg_sq and master
+    for (const char* isa : {"scalar", "avx2", "avx512"}) {
+      const cpu::KernelIsa wanted = std::string(isa) == "scalar" ? cpu::KernelIsa::scalar
+                                    : std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
+                                                                 : cpu::KernelIsa::avx512;
+      if (cpu::cpu_kernel_isa() < wanted) continue;
+      const auto got = run(isa, /*generic=*/false, &copies);
+      EXPECT_EQ(copies, 0) << state << " moments, " << isa;
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_TRUE(at::equal(got[k], want[k])) << state << " moments, " << isa << ", tensor " << k;
     }
-    setenv("LOOM_KERNEL_ISA", isa, 1);
-    std::unique_ptr<UpdateRule> rule = adamw();
-    if (generic) rule = std::make_unique<Forwarding>(std::move(rule));
-    StepDriverOptions options;
-    options.params = params_of(weights);
-    options.rule = rule.get();
-    options.weight_decay = 0.1;
-    auto driver = make_default_step_driver(options);
-    EXPECT_EQ(driver->master_bytes(), 4 * (1000 + 37 + 4099));
-    *copies = 0;
-    for (int64_t step = 1; step <= 3; ++step) {
-      for (size_t k = 0; k < weights.size(); ++k)
-        weights[k].mutable_grad() = grads[3 * k + step - 1];
-      const int64_t before = memory::cpu_stats().current_bytes;
-      memory::reset_cpu_peak();
-      driver->update(step, 1e-2);
-      *copies = std::max(*copies, memory::cpu_stats().peak_bytes - before);
-    }
-    unsetenv("LOOM_KERNEL_ISA");
-    std::vector<at::Tensor> out;
-    for (const auto& w : weights) out.push_back(w.detach().clone());
-    for (const auto& piece : driver->state_pieces())
-      if (piece.name.rfind("master/", 0) == 0) out.push_back(piece.tensor.clone());
-    return out;
-  };
-  int64_t copies = 0;
-  const auto want = run("scalar", /*generic=*/true, &copies);
-  EXPECT_GE(copies, 4 * 4099);  // the widened gradients: the tracker sees copies when made
-  ASSERT_EQ(want.size(), 6u);
-  for (const char* isa : {"scalar", "avx2", "avx512"}) {
-    const cpu::KernelIsa wanted = std::string(isa) == "scalar" ? cpu::KernelIsa::scalar
-                                  : std::string(isa) == "avx2" ? cpu::KernelIsa::avx2
-                                                               : cpu::KernelIsa::avx512;
-    if (cpu::cpu_kernel_isa() < wanted) continue;
-    const auto got = run(isa, /*generic=*/false, &copies);
-    EXPECT_EQ(copies, 0) << isa;
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t k = 0; k < got.size(); ++k)
-      EXPECT_TRUE(at::equal(got[k], want[k])) << isa << ", tensor " << k;
   }
 }
 
