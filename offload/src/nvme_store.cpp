@@ -268,17 +268,27 @@ SwapFile::SwapFile(const NvmeOptions& options, int64_t capacity) : impl_(std::ma
                 "' is not writable by this process: fix its permissions or name another folder");
   check_nvme_options(options);
   s.capacity = align_up(std::max<int64_t>(capacity, kAlignment));
-  s.file = (fs::path(options.path) /
-            detail::cat("loom-swap-", ::getpid(), "-", reinterpret_cast<uintptr_t>(this) % 100000,
-                        ".bin"))
-               .string();
-  s.fd = ::open(s.file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+  // Swap files are named by the pid and a process-wide count, not by the store's address: two
+  // stores of one process (two runs one after the other in one folder) had the same name when
+  // their addresses agreed modulo 100000, and O_EXCL refused the second ("File exists": a test
+  // that failed once in a CI run). A name an earlier process of the same pid left is skipped.
+  static std::atomic<uint64_t> stores_made{0};
+  const auto open_new = [&](int flags) {
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      s.file = (fs::path(options.path) /
+                detail::cat("loom-swap-", ::getpid(), "-", stores_made.fetch_add(1), ".bin"))
+                   .string();
+      s.fd = ::open(s.file.c_str(), flags, 0600);
+      if (s.fd >= 0 || errno != EEXIST) return;
+    }
+  };
+  open_new(O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC);
   if (s.fd < 0 && errno == EINVAL) {
     LOOM_CHECK_AS(ConfigError, !options.require_direct, "nvme_path '", options.path,
                   "' is on a file system without O_DIRECT (tmpfs?); name a folder on a real "
                   "disk");
     s.direct = false;
-    s.fd = ::open(s.file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    open_new(O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC);
     if (s.fd >= 0)
       log::warn("nvme_path '", options.path, "' has no O_DIRECT (tmpfs?): the ", options.what,
                 " goes through the page cache, which holds it in memory too; use a folder on "
