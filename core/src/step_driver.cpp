@@ -40,10 +40,11 @@ DefaultStepDriver::DefaultStepDriver(const StepDriverOptions& options)
     : rule_(*options.rule),
       weight_decay_(options.weight_decay),
       comm_(options.comm),
-      bf16_masters_(options.master_dtype == "bf16"),
-      fused_rule_(bf16_masters_ && takes_bf16_weights(*options.rule, options.seed)),
+      fused_rule_(options.master_dtype == "bf16" &&
+                  takes_bf16_weights(*options.rule, options.seed)),
       reads_bf16_grads_(takes_bf16_gradients(*options.rule)) {
-  LOOM_INTERNAL_ASSERT(options.master_dtype == "fp32" || bf16_masters_, "master_dtype '",
+  const bool bf16_masters = options.master_dtype == "bf16";
+  LOOM_INTERNAL_ASSERT(options.master_dtype == "fp32" || bf16_masters, "master_dtype '",
                        options.master_dtype, "'");
   at::NoGradGuard no_grad;
   for (auto& param : options.params) {
@@ -51,7 +52,7 @@ DefaultStepDriver::DefaultStepDriver(const StepDriverOptions& options)
     entry.param = param;
     at::Tensor data = param.tensor.detach();
     LOOM_INTERNAL_ASSERT(data.is_contiguous(), "parameter ", param.name, " is not contiguous");
-    entry.rounded = bf16_masters_ && data.scalar_type() == at::kBFloat16;
+    entry.rounded = bf16_masters && data.scalar_type() == at::kBFloat16;
     entry.separate_master = data.scalar_type() != at::kFloat && !entry.rounded;
     if (entry.rounded) entry.rounding_key = weight_rounding_key(options.seed, param.name);
     entry.master = entry.separate_master ? data.to(at::kFloat).view(-1)
@@ -192,9 +193,12 @@ void DefaultStepDriver::update(int64_t step, double lr) {
   update_params(items, step, lr);
 }
 
-bool DefaultStepDriver::fuses(const Entry& entry, const at::Tensor& grad) const {
-  return entry.rounded && fused_rule_ && entry.param.tensor.is_cpu() && grad.is_cpu() &&
-         grad.scalar_type() == at::kBFloat16 && grad.is_contiguous();
+void DefaultStepDriver::choose_path(Entry& entry, const at::Tensor& grad) const {
+  // The rule's kernels take a bf16 gradient as it is only on the CPU and contiguous.
+  const bool as_is = entry.param.tensor.is_cpu() && grad.is_cpu() &&
+                     grad.scalar_type() == at::kBFloat16 && grad.is_contiguous();
+  entry.fused = as_is && entry.rounded && fused_rule_;
+  entry.bf16_grad = as_is && !entry.rounded && reads_bf16_grads_;
 }
 
 void DefaultStepDriver::prepare(Entry& entry, const at::Tensor& grad) {
@@ -275,10 +279,7 @@ void DefaultStepDriver::update_params(const std::vector<std::pair<const Param*, 
       copy_bytes = 0;
     };
     for (auto& [entry, grad] : group) {
-      entry->fused = fuses(*entry, grad);
-      entry->bf16_grad = !entry->rounded && reads_bf16_grads_ && grad.is_cpu() &&
-                         grad.scalar_type() == at::kBFloat16 && grad.is_contiguous() &&
-                         entry->master.is_cpu();
+      choose_path(*entry, grad);
       const int64_t bytes = entry->fused || entry->bf16_grad ? 0
                                          : entry->param.tensor.numel() * 4 *
                                                ((grad.scalar_type() != at::kFloat) + entry->rounded);

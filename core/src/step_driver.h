@@ -81,7 +81,7 @@ class DefaultStepDriver final : public StepDriver {
     // param is an fp32 copy made for its update only, rounded back with `rounding_key`'s bits.
     bool rounded = false;
     uint64_t rounding_key = 0;
-    // This update hands the rule the bf16 weights and gradient themselves (fuses()).
+    // This update hands the rule the bf16 weights and gradient themselves (choose_path()).
     bool fused = false;
     // This update hands the rule the bf16 gradient as it is (its fp32 master stays the param).
     bool bf16_grad = false;
@@ -89,9 +89,10 @@ class DefaultStepDriver final : public StepDriver {
   };
   // One parameter's checkpoint pieces, aliasing its state, masters and (placed) weights.
   StatePieces pieces_of(const Entry& entry) const;
-  // Whether a rounded entry's update goes to the rule as bf16 (the core's adamw on the CPU, a
-  // contiguous bf16 gradient): no copies, one pass.
-  bool fuses(const Entry& entry, const at::Tensor& grad) const;
+  // Sets entry.fused and entry.bf16_grad for this update: whether the rule gets a rounded
+  // entry's bf16 weights and gradient themselves, or a masters entry's bf16 gradient as it is
+  // (the core's adamw on the CPU, a contiguous bf16 gradient): no copies.
+  void choose_path(Entry& entry, const at::Tensor& grad) const;
   // Before the rule runs on a batch: its fp32 gradient (a copy where the gradient is half) and,
   // for a rounded entry, its fp32 weights.
   static void prepare(Entry& entry, const at::Tensor& grad);
@@ -103,7 +104,6 @@ class DefaultStepDriver final : public StepDriver {
   const UpdateRule& rule_;
   double weight_decay_;
   Comm* comm_;
-  bool bf16_masters_;
   bool fused_rule_;  // the rule takes bf16 weights itself (takes_bf16_weights)
   bool reads_bf16_grads_;  // the rule takes bf16 gradients (takes_bf16_gradients)
   bool any_rows_placed_ = false;
