@@ -97,8 +97,9 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   LOOM_CHECK_AS(ConfigError, state_dtype == "fp32" || state_dtype == "bf16",
                 optimizer.where("state_dtype"), ": [optimizer] state_dtype '", state_dtype,
                 "' is unknown; use \"fp32\" (the default) or \"bf16\" (adamw)");
-  // Note [bf16 weights as their own masters] (step_driver.cpp): bf16 weights, and the core's
-  // driver, which alone can keep no masters.
+  // Note [bf16 weights as their own masters] (step_driver.cpp): bf16 weights. A plugin's step
+  // driver refuses what it cannot build itself (the zero plugin: offload), and one that keeps
+  // masters all the same is refused once it is made (make_step_driver).
   const std::string master_dtype = optimizer.get_string("master_dtype");
   LOOM_CHECK_AS(ConfigError, master_dtype == "fp32" || master_dtype == "bf16",
                 optimizer.where("master_dtype"), ": [optimizer] master_dtype '", master_dtype,
@@ -115,12 +116,6 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                                : "[precision] mode = \"" + mode + "\" keeps " +
                                      (mode == "full_fp16" ? "fp16" : "fp32") + " weights",
                   "; set [precision] mode = \"full_bf16\", or remove master_dtype");
-    if (const LoadedPlugin* driver = resolved_.table_plugin_in(Slot::step_driver))
-      throw ConfigError(detail::cat(
-          optimizer.where("master_dtype"), ": [optimizer] master_dtype = \"bf16\" is built for "
-          "the core's step driver (one process, or [ddp] data parallelism), but [", driver->name,
-          "] brings its own, which keeps fp32 masters (sharded or offloaded); remove "
-          "master_dtype, or use [ddp] instead of [", driver->name, "]"));
   }
   // LOOM_KERNEL_ISA is read by the kernels at every call; a bad value is refused here, before
   // the job writes anything, where the first step would refuse it after (Note [Kernel ISA cap]).

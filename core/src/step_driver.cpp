@@ -346,7 +346,7 @@ void DefaultStepDriver::load_state(StateReader& reader) {
     }
     if (entry.separate_master && !master_saved) {
       entry.master.copy_(entry.param.tensor.detach().view(-1));  // exact: bf16 into fp32
-      if (widened.empty()) widened = entry.param.name;
+      if (widened.empty()) widened = master;
     } else if (entry.separate_master && entry.param.global_shape.empty()) {
       // An unplaced parameter's weights are its masters' (a placed one read its own weights).
       entry.param.tensor.detach().copy_(entry.master.view(entry.param.tensor.sizes()));
@@ -362,17 +362,10 @@ void DefaultStepDriver::load_state(StateReader& reader) {
         reader.read(master, {c10::multiply_integers(param.global_shape)},
                     param.row_offset * (numel / param.tensor.size(0)), into);
       }
-      if (dropped.empty()) dropped = param.name;
+      if (dropped.empty()) dropped = master;
     }
   }
-  if (!dropped.empty())
-    log::warn("resume: ", reader.where(), " holds fp32 masters ('master/", dropped, "', ...), "
-              "and this job keeps none ([optimizer] master_dtype = \"bf16\"): the weights go on "
-              "from their bf16 values, the masters' extra bits dropped");
-  if (!widened.empty())
-    log::warn("resume: ", reader.where(), " holds no fp32 masters (saved with [optimizer] "
-              "master_dtype = \"bf16\"; first missing: 'master/", widened, "'): this job's masters "
-              "start from the bf16 weights");
+  warn_master_dtype_switch(reader, dropped, widened);
   check_nothing_unread(reader);
 }
 
@@ -429,6 +422,29 @@ NamedTensors whole_tensor_state_shapes(const UpdateRule& rule, const std::string
   return rule.init_state(segment);
 }
 
+void round_weights_to_bf16(const at::Tensor& from, at::Tensor& into, uint64_t seed,
+                           const std::string& name, int64_t step, int64_t offset) {
+  round_to_bf16_stochastic(from, into, weight_rounding_key(seed, name), step, offset);
+}
+
+void warn_master_dtype_switch(const StateReader& reader, const std::string& dropped,
+                              const std::string& widened) {
+  if (!dropped.empty())
+    log::warn("resume: ", reader.where(), " holds fp32 masters ('", dropped, "', ...), and this "
+              "job keeps none ([optimizer] master_dtype = \"bf16\"): the weights go on from "
+              "their bf16 values, the masters' extra bits dropped");
+  if (!widened.empty())
+    log::warn("resume: ", reader.where(), " holds no fp32 masters (saved with [optimizer] "
+              "master_dtype = \"bf16\"; first missing: '", widened, "'): this job's masters "
+              "start from the bf16 weights");
+}
+
+bool rule_takes_bf16_weights(const UpdateRule& rule, uint64_t seed) {
+  return takes_bf16_weights(rule, seed);
+}
+
+bool rule_reads_bf16_gradients(const UpdateRule& rule) { return takes_bf16_gradients(rule); }
+
 void check_nothing_unread(const StateReader& reader) {
   const auto left = reader.unread();
   LOOM_CHECK_AS(CheckpointError, left.empty(), reader.where(), " holds optimizer state '",
@@ -459,6 +475,13 @@ std::unique_ptr<StepDriver> make_step_driver(const ResolvedJob& job, std::vector
   if (!plugin) return make_default_step_driver(options);
   auto driver = plugin->plugin->create_step_driver(options, engine);
   LOOM_INTERNAL_ASSERT(driver, "plugin ", plugin->name, " made no step driver");
+  // Note [bf16 weights as their own masters]: a plugin's driver is given master_dtype; one that
+  // keeps masters all the same is refused here, before the run writes anything.
+  LOOM_CHECK_AS(ConfigError, options.master_dtype != "bf16" || driver->master_bytes() == 0,
+                opt.where("master_dtype"), ": [optimizer] master_dtype = \"bf16\" keeps no fp32 "
+                "masters, but the step driver ", driver->name(), " of [", plugin->name,
+                "] keeps ", driver->master_bytes(), " bytes of them on this rank; remove "
+                "master_dtype, or drop [", plugin->name, "] for the core's step driver");
   log::info("step driver ", driver->name(), " (plugin ", plugin->name, ")");
   return driver;
 }

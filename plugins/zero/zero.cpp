@@ -331,6 +331,23 @@ class Zero final : public loom::Plugin {
                     "and rebuilds them from the fp32 masters, but [precision] mode is ", mode,
                     "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
     }
+    // Note [ZeRO without masters] (loom/sharding/zero_driver.h): the offloaded stores keep
+    // fp32 masters beside the state, and offload_param rebuilds its shards from them.
+    const loom::ConfigSection* optimizer = job("optimizer");
+    if (optimizer && optimizer->get_string("master_dtype") == "bf16") {
+      const bool cuda = job("train")->get_string("device").rfind("cuda", 0) == 0;
+      const bool stores = offload_.device == "nvme" ||
+                          (offload_.device == "cpu" && (cuda || cpu_twin()));
+      LOOM_CHECK_AS(ConfigError, !stores,
+                    optimizer->where("master_dtype"), ": [optimizer] master_dtype = \"bf16\" "
+                    "keeps no fp32 masters, but [zero] offload_optimizer.device = \"",
+                    offload_.device, "\" (", where_offload_, ") keeps them beside the offloaded "
+                    "state; remove master_dtype, or leave offload_optimizer out");
+      LOOM_CHECK_AS(ConfigError, !offloads_params(cuda), optimizer->where("master_dtype"),
+                    ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, but [zero] "
+                    "offload_param (", where_offload_param_, ") rebuilds the weight shards from "
+                    "them; remove master_dtype, or leave offload_param out");
+    }
     // Note [Sharded initialization]: plugins that change the units once the model is built
     // need it whole. Left out, sharded_init is resolved off for this job (said at setup); set
     // true, it is refused.
@@ -801,10 +818,17 @@ class Zero final : public loom::Plugin {
     const double n = driver_ ? driver_->shard_group_size() : e.comm().world_size();
     const auto& params = e.params();
     const double w = params.empty() ? 4.0 : static_cast<double>(params.front().tensor.element_size());
-    const double m = w == 4.0 ? 0.0 : 4.0;
-    // The rule's state per element over all ranks (stage 0: every rank holds it all).
-    const double k = e.section("optimizer").get_string("name") == "adamw"
-                         ? 8.0
+    // fp32 masters beside half weights, unless bf16 weights are their own (Note [ZeRO without
+    // masters] in loom/sharding/zero_driver.h).
+    const auto& optimizer = e.section("optimizer");
+    const bool own_masters = optimizer.get_string("master_dtype") == "bf16" &&
+                             !params.empty() &&
+                             params.front().tensor.scalar_type() == at::kBFloat16;
+    const double m = w == 4.0 || own_masters ? 0.0 : 4.0;
+    // The rule's state per element over all ranks (stage 0: every rank holds it all): AdamW's
+    // two moments in fp32 or bf16 ([optimizer] state_dtype), any other rule's as it measures.
+    const double k = optimizer.get_string("name") == "adamw"
+                         ? (optimizer.get_string("state_dtype") == "bf16" ? 4.0 : 8.0)
                          : static_cast<double>(e.step_driver().state_bytes()) *
                                (stage_ == 0 ? 1.0 : n) / psi;
     double whole = 0;  // stage 3: elements kept whole

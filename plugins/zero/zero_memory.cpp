@@ -106,9 +106,12 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     r.applicable = false;
     return;
   }
-  // Note [bf16 weights as their own masters]: the core's driver alone keeps no masters.
+  // Note [ZeRO without masters] (loom/sharding/zero_driver.h): every stage keeps none (m is 0
+  // here, as for fp32 weights), but the offloaded stores and offload_param keep theirs and
+  // refuse master_dtype = "bf16"; "cpu" on a CPU run moves nothing and stays buildable.
   if (c.bf16_masters && r.labels["precision"] == "full_bf16" &&
-      (stage >= 1 || optimizer_device != "none" || offload_params))
+      (optimizer_device == "nvme" || (optimizer_device == "cpu" && !c.cpu_device) ||
+       param_device == "nvme" || (param_device == "cpu" && !c.cpu_device)))
     r.buildable = false;
   int buffer_count = c.buffer_count;
   if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())

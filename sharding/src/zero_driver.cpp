@@ -72,10 +72,24 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
                          p.name, "' is placed on some ranks only");
     tensors_.push_back({p.name, p.tensor.sizes().vec()});
   }
-  separate_master_ = weight_dtype_ != at::kFloat;
+  // Note [ZeRO without masters].
+  rounded_ = options.master_dtype == "bf16" && weight_dtype_ == at::kBFloat16;
+  separate_master_ = weight_dtype_ != at::kFloat && !rounded_;
+  seed_ = options.seed;
+  fused_rule_ = rounded_ && rule_takes_bf16_weights(rule_, seed_);
+  reads_bf16_grads_ = rule_reads_bf16_gradients(rule_);
+  // nvme: the swap file; cpu: host memory (Note [Host store]), a GPU run's ZeRO-Offload.
+  const bool offloaded = options_.offload.device == "nvme" || options_.offload.device == "cpu";
+  LOOM_CHECK_AS(ConfigError, !rounded_ || !offloaded, "[zero] offload_optimizer keeps fp32 "
+                "masters beside the offloaded state, but [optimizer] master_dtype = \"bf16\" "
+                "keeps none (Note [ZeRO without masters]); remove master_dtype, or leave "
+                "offload_optimizer out");
   if (options_.offload_param.device != "none") {  // Note [Offloaded parameters]
     LOOM_CHECK_AS(ConfigError, options_.stage == 3, "[zero] offload_param offloads stage 3's "
                   "weight shards; set [zero] stage = 3");
+    LOOM_CHECK_AS(ConfigError, !rounded_, "[zero] offload_param rebuilds the weight shards "
+                  "from fp32 masters, but [optimizer] master_dtype = \"bf16\" keeps none; remove "
+                  "master_dtype, or leave offload_param out");
     LOOM_CHECK_AS(ConfigError, separate_master_, "[zero] offload_param keeps half-precision "
                   "weight shards off the device and rebuilds them from the fp32 masters, but these "
                   "weights are ", c10::toString(weight_dtype_), "; use [precision] mode = "
@@ -115,8 +129,6 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
   group_of_.resize(params_.size());
   ready_.assign(params_.size(), false);
   at::NoGradGuard no_grad;
-  // nvme: the swap file; cpu: host memory (Note [Host store]), a GPU run's ZeRO-Offload.
-  const bool offloaded = options_.offload.device == "nvme" || options_.offload.device == "cpu";
   std::vector<offload::SwapSegment> swap_segments;
   for (size_t m = 0; m < members.size(); ++m) {
     const auto& list = members[m];
@@ -191,6 +203,14 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
       if (separate_master_) {
         segment.param = group.master.narrow(0, piece.chunk_offset, piece.numel);
         segment.param.copy_(flat);
+      } else if (rounded_) {
+        // Note [ZeRO without masters]: the rule makes its state from an fp32 copy that goes at
+        // once; the piece's fp32 weights exist only during its update.
+        segment.param = flat.to(at::kFloat);
+        segment.state = rule_.init_state(segment);
+        segment.param = at::Tensor();
+        group.segments.push_back(std::move(segment));
+        continue;
       } else if (group.sharded) {
         segment.param = group.unit.shard.narrow(0, piece.chunk_offset, piece.numel);  // in place
       } else {
@@ -267,7 +287,10 @@ std::string ZeroDriver::describe() const {
       << " flat group(s) cut at " << rule_.name() << "'s granularity, " << numel
       << " trainable elements, " << padded / world_ << " per rank (padding "
       << 100.0 * static_cast<double>(padded - numel) / static_cast<double>(std::max<int64_t>(1, numel))
-      << " %)" << (separate_master_ ? ", fp32 masters sharded" : "");
+      << " %)"
+      << (separate_master_ ? ", fp32 masters sharded"
+          : rounded_       ? ", no masters (bf16 weights rounded stochastically)"
+                           : "");
   if (swap_)
     out << "; masters and state " << (swap_->in_host_memory() ? "in host memory" : "on NVMe")
         << ": " << swap_->describe();

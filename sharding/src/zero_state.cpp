@@ -13,8 +13,9 @@
 namespace loom::sharding {
 
 void ZeroDriver::add_pieces(size_t g, size_t k, const Segment& segment, StatePieces& out) const {
-  const size_t index = groups_[g].plan.ranks[rank_][k].tensor;
-  const int64_t n = segment.param.numel(), numel = tensors_[index].numel();
+  const Piece& piece = groups_[g].plan.ranks[rank_][k];
+  const size_t index = piece.tensor;
+  const int64_t n = piece.numel, numel = tensors_[index].numel();
   for (const auto& [key, tensor] : segment.state) {
     const at::Tensor* whole = nullptr;
     for (const auto& [wkey, wtensor] : whole_state_[index])
@@ -75,6 +76,7 @@ StatePieces ZeroDriver::state_pieces() const {
 
 void ZeroDriver::load_state(StateReader& reader) {
   at::NoGradGuard no_grad;
+  std::string dropped, widened;  // the first master dropped, or made from the weights
   auto read = [&](const StatePiece& piece) {
     at::Tensor into = piece.tensor;
     reader.read(piece.name, piece.global_shape, piece.offset, into);
@@ -95,16 +97,38 @@ void ZeroDriver::load_state(StateReader& reader) {
     swap_->each([&](size_t i, Segment& segment) {
       StatePieces pieces;
       add_pieces(swapped_[i].first, swapped_[i].second, segment, pieces);
-      for (const auto& piece : pieces) read(piece);
+      for (const auto& piece : pieces) {
+        if (piece.name.rfind("master/", 0) == 0 && !reader.holds(piece.name)) {
+          // Note [ZeRO without masters]: from a run without masters, the master from the
+          // values kept in memory (the weights' own).
+          segment.param.copy_(values_of(i));
+          if (widened.empty()) widened = piece.name;
+          continue;
+        }
+        read(piece);
+      }
       if (swap_->separate_master(i)) values_of(i).copy_(segment.param);
       return true;
     });
   } else {
-    StatePieces pieces;
+    // Note [ZeRO without masters]: a job with masters resumed from a checkpoint without them
+    // starts each master from its weights (stage 3's shard was read above; the engine loaded
+    // the other parameters before this call): exact, bf16 into fp32.
     for (size_t g = 0; g < groups_.size(); ++g)
-      for (size_t k = 0; k < groups_[g].segments.size(); ++k)
+      for (size_t k = 0; k < groups_[g].segments.size(); ++k) {
+        StatePieces pieces;
         add_pieces(g, k, groups_[g].segments[k], pieces);
-    for (const auto& piece : pieces) read(piece);
+        for (const auto& piece : pieces) {
+          if (separate_master_ && piece.name.rfind("master/", 0) == 0 &&
+              !reader.holds(piece.name)) {
+            at::Tensor master = piece.tensor;
+            master.copy_(piece_weights(g, k));
+            if (widened.empty()) widened = piece.name;
+            continue;
+          }
+          read(piece);
+        }
+      }
   }
   // Pieces other ranks hold are theirs to read; anything no rank of this job has a place for
   // is an error on every rank.
@@ -112,12 +136,20 @@ void ZeroDriver::load_state(StateReader& reader) {
   for (size_t i = 0; i < params_.size(); ++i) {
     for (const auto& [key, tensor] : whole_state_[i])
       expected.insert("state/" + params_[i].name + "/" + key);
-    if (separate_master_) expected.insert("master/" + params_[i].name);
+    const std::string master = "master/" + params_[i].name;
+    if (separate_master_) expected.insert(master);
+    // Note [ZeRO without masters]: masters saved by a run that kept them are left unread: the
+    // weights go on from their bf16 values.
+    if (rounded_ && reader.holds(master)) {
+      expected.insert(master);
+      if (dropped.empty()) dropped = master;
+    }
   }
   for (const auto& name : reader.unread())
     LOOM_CHECK_AS(CheckpointError, expected.count(name), reader.where(),
                   " holds optimizer state '", name,
                   "' that this job has no place for; it belongs to another model or optimizer");
+  warn_master_dtype_switch(reader, dropped, widened);
   // The masters are the weights' truth: every rank's weights from the loaded chunks (stage 3's
   // chunks from the masters).
   if (separate_master_) all_gather_params();

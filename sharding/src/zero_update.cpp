@@ -12,28 +12,101 @@
 
 namespace loom::sharding {
 
+at::Tensor ZeroDriver::piece_weights(size_t g, size_t k) const {
+  const Group& group = groups_[g];
+  const Piece& piece = group.plan.ranks[rank_][k];
+  if (group.sharded) return group.unit.shard.narrow(0, piece.chunk_offset, piece.numel);
+  return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+}
+
+// Whether the rule reads group g's gradient chunk as it is: bf16 on the CPU, and a rule whose
+// kernels take it (the bf16 weights themselves without masters, or beside fp32 masters).
+static bool reads_as_is(const at::Tensor& grad, bool rounded, bool fused_rule,
+                        bool reads_bf16_grads) {
+  return grad.is_cpu() && grad.scalar_type() == at::kBFloat16 &&
+         (rounded ? fused_rule : reads_bf16_grads);
+}
+
 std::vector<ZeroDriver::Held> ZeroDriver::hold_pieces(const std::vector<size_t>& groups,
-                                                      std::vector<at::Tensor>& fp32_grads) {
+                                                      std::vector<at::Tensor>& fp32_grads,
+                                                      bool as_is) {
   std::vector<Held> held;
   for (size_t g : groups) {
     Group& group = groups_[g];
     LOOM_INTERNAL_ASSERT(group.grad.defined(), "ZeRO update without a reduced gradient");
-    at::Tensor grad = group.grad.scalar_type() == at::kFloat ? group.grad : group.grad.to(at::kFloat);
+    const bool kept = as_is && reads_as_is(group.grad, rounded_, fused_rule_, reads_bf16_grads_);
+    at::Tensor grad = group.grad.scalar_type() == at::kFloat || kept ? group.grad
+                                                                      : group.grad.to(at::kFloat);
     fp32_grads.push_back(grad);
     for (size_t k = 0; k < group.segments.size(); ++k) {
       // Segment k is this rank's piece k (the constructor made them in that order).
       const Piece& piece = group.plan.ranks[rank_][k];
       Segment& segment = group.segments[k];
       segment.grad = grad.narrow(0, piece.chunk_offset, piece.numel);
-      held.push_back({&segment, piece.tensor});
+      Held h{&segment, piece.tensor};
+      if (rounded_) {
+        h.weights = piece_weights(g, k);
+        h.fused = kept;  // a bf16 gradient kept only for a rule that takes the bf16 weights
+      }
+      held.push_back(std::move(h));
     }
   }
   return held;
 }
 
+void ZeroDriver::widen(const Held& h) const {
+  if (!rounded_) return;
+  h.segment->param = h.fused ? h.weights : h.weights.to(at::kFloat);
+}
+
+void ZeroDriver::round_back(const Held& h, int64_t step) const {
+  if (!rounded_) return;
+  if (!h.fused) {
+    at::Tensor into = h.weights;
+    round_weights_to_bf16(h.segment->param, into, seed_, h.segment->name, step,
+                          h.segment->offset);
+  }
+  h.segment->param = at::Tensor();
+}
+
+int64_t ZeroDriver::update_copy_bytes(size_t g, bool as_is) const {
+  const Group& group = groups_[g];
+  if (!group.grad.defined()) return 0;
+  const bool kept = as_is && reads_as_is(group.grad, rounded_, fused_rule_, reads_bf16_grads_);
+  const int64_t chunk = group.plan.chunk;
+  int64_t bytes = group.grad.scalar_type() == at::kFloat || kept ? 0 : chunk * 4;
+  if (rounded_ && !kept) bytes += chunk * 4;  // the widened weights
+  return bytes;
+}
+
 void ZeroDriver::update_groups(const std::vector<size_t>& groups, int64_t step, double lr) {
+  // Note [Update copies bounded] (core/src/step_driver.cpp): the fp32 copies of half gradients
+  // and (Note [ZeRO without masters]) of weights are made a few groups at a time, each batch's
+  // released before the next; a batch's results do not depend on its batching.
+  constexpr int64_t kUpdateCopyBytes = int64_t{128} << 20;
+  if (groups.size() > 1) {
+    int64_t total = 0;
+    for (size_t g : groups) total += update_copy_bytes(g, true);
+    if (total > kUpdateCopyBytes) {
+      std::vector<size_t> batch;
+      int64_t bytes = 0;
+      for (size_t g : groups) {
+        const int64_t more = update_copy_bytes(g, true);
+        if (!batch.empty() && bytes + more > kUpdateCopyBytes) {
+          update_groups(batch, step, lr);
+          batch.clear();
+          bytes = 0;
+        }
+        batch.push_back(g);
+        bytes += more;
+      }
+      if (!batch.empty()) update_groups(batch, step, lr);
+      return;
+    }
+  }
   std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
-  const std::vector<Held> held = hold_pieces(groups, fp32_grads);
+  const std::vector<Held> held = hold_pieces(groups, fp32_grads, /*as_is=*/true);
+  for (const Held& h : held) widen(h);
   // As the default driver: segments sharing lr and weight decay go to the rule together.
   std::map<std::pair<double, double>, std::vector<Segment*>> batches;
   for (const Held& h : held) {
@@ -47,7 +120,10 @@ void ZeroDriver::update_groups(const std::vector<size_t>& groups, int64_t step, 
     context.weight_decay = key.second;
     rule_.update_many(segments, context);
   }
-  for (const Held& h : held) h.segment->grad = at::Tensor();
+  for (const Held& h : held) {
+    round_back(h, step);
+    h.segment->grad = at::Tensor();
+  }
 }
 
 void ZeroDriver::run_rule(int64_t step, double lr) {
@@ -63,24 +139,31 @@ void ZeroDriver::run_rule(int64_t step, double lr) {
   // updated with its tensor's totals (UpdateRule::reduction_rounds).
   std::vector<at::Tensor> fp32_grads;  // keep the converted chunks alive during the update
   const std::vector<Held> held = hold_pieces(all, fp32_grads);
-  std::vector<Segment*> mine(params_.size(), nullptr);
-  for (const Held& h : held) mine[h.param] = h.segment;
+  std::vector<const Held*> mine(params_.size(), nullptr);
+  for (const Held& h : held) mine[h.param] = &h;
   std::vector<UpdateContext> contexts;
   for (size_t i = 0; i < params_.size(); ++i)
     contexts.push_back(update_context(params_[i], step, lr, weight_decay_));
   for (int round = 0; round < rounds; ++round) {
     std::vector<at::Tensor> accumulators;
     for (size_t i = 0; i < params_.size(); ++i) {
+      const Held* h = mine[i];
+      if (h) widen(*h);  // Note [ZeRO without masters]: one piece's fp32 weights at a time
       at::Tensor accumulator =
-          mine[i] ? rule_.make_accumulator(*mine[i], round) : empty_accumulator(i, round);
-      if (mine[i]) rule_.accumulate(*mine[i], contexts[i], round, accumulator);
+          h ? rule_.make_accumulator(*h->segment, round) : empty_accumulator(i, round);
+      if (h) rule_.accumulate(*h->segment, contexts[i], round, accumulator);
+      if (h && rounded_) h->segment->param = at::Tensor();  // read only: nothing to write back
       accumulators.push_back(accumulator);
     }
     reduce_accumulators(accumulators);
     for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
   }
-  for (const Held& h : held) rule_.update(*h.segment, contexts[h.param]);
-  for (const Held& h : held) h.segment->grad = at::Tensor();
+  for (const Held& h : held) {
+    widen(h);
+    rule_.update(*h.segment, contexts[h.param]);
+    round_back(h, step);
+    h.segment->grad = at::Tensor();
+  }
 }
 
 at::Tensor ZeroDriver::empty_accumulator(size_t index, int round) const {

@@ -387,9 +387,25 @@ TEST(Bf16Masters, RefusedWhereItCannotApply) {
                     "[precision] mode = \"fp32\" keeps fp32 weights", "mode = \"full_bf16\"");
   EXPECT_THROW_WITH(build({"precision.mode=\"full_fp16\"", "optimizer.master_dtype=\"bf16\""}),
                     ConfigError, "[precision] mode = \"full_fp16\" keeps fp16 weights");
-  const std::string zero = job_with_precision(dir.str()) + "\n[zero]\nstage = 1\n";
-  EXPECT_THROW_WITH(Trainer::from_text(zero, dir.path(), full_bf16("bf16"))->run(), ConfigError,
-                    "master_dtype = \"bf16\" is built for the core's step driver", "[zero]");
+  // Note [ZeRO without masters]: ZeRO's offloaded stores keep masters; named before the run.
+  const std::string swap = (dir.path() / "swap").string();
+  const std::string nvme = "{ device = \"nvme\", nvme_path = \"" + swap + "\" }";
+  const std::string zero = job_with_precision(dir.str()) + "\n[zero]\nstage = 3\n";
+  EXPECT_THROW_WITH(
+      Trainer::from_text(zero + "offload_optimizer = " + nvme + "\n", dir.path(), full_bf16("bf16"))
+          ->run(),
+      ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters", "offload_optimizer",
+      "remove master_dtype");
+  EXPECT_THROW_WITH(
+      Trainer::from_text(zero + "offload_param = " + nvme + "\n", dir.path(), full_bf16("bf16"))
+          ->run(),
+      ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters", "offload_param");
+  // A plugin's driver that keeps masters all the same is refused once made, naming it.
+  const std::string counting = job_with_precision(dir.str()) + "\n[plugins]\npath = \"" +
+                               LOOM_TEST_PLUGIN_DIR + "\"\n[counting_driver]\nkeep_masters = true\n";
+  EXPECT_THROW_WITH(Trainer::from_text(counting, dir.path(), full_bf16("bf16"))->run(),
+                    ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters",
+                    "counting(default)", "[counting_driver]");
   EXPECT_TRUE(test::list_files(dir.path()).empty());
 }
 

@@ -153,6 +153,43 @@ for stage in 1 2 3; do
     ok "bf16 weights, stage $stage == stage 0 on 2 ranks ($backend), accumulation $acc ($d)"
   else fail "bf16 stage $stage: ${d:-} $(tail -3 "$work/bf16-s$stage.log")"; fi
 done
+# --- Note [ZeRO without masters]: master_dtype = "bf16" keeps no fp32 masters at any stage; the
+# weights' stochastic rounding is keyed by name and element index, so stages 1-3 on 2 ranks write
+# stage 0's bits (the core's driver), with no master in any optimizer shard. A stage-2 run
+# resumed from checkpoint-$mid ends bitwise where it ended; resumed with fp32 masters it starts
+# them from the weights, and a masters checkpoint resumed without them drops them (warned): both
+# end within 2e-2 of the run that never switched (rounding apart; masters lost would be ~1).
+nm=("${bf16[@]}" --set 'optimizer.master_dtype="bf16"' --set train.gradient_accumulation_steps=1)
+ranks mpi 2 "$work/nm-s0" "${nm[@]}" --set zero.stage=0 || fail "no masters, stage 0: $(tail -3 "$work/nm-s0.log")"
+for stage in 1 2 3; do
+  backend=mpi; [ $stage -eq 3 ] && backend=gloo
+  if ranks $backend 2 "$work/nm-s$stage" "${nm[@]}" --set zero.stage=$stage --set train.save_steps=$mid &&
+     d=$(same_params "$work/nm-s0" "$work/nm-s$stage" 0) &&
+     ! for shard in "$work/nm-s$stage/checkpoint-$last"/optimizer-*.safetensors; do
+         safetensors_header "$shard"; done | grep -q 'master/'; then
+    ok "no masters (master_dtype = bf16), stage $stage == stage 0 on 2 ranks ($backend), bit for bit ($d)"
+  else fail "no masters stage $stage: ${d:-} $(grep -v '^\s*$' "$work/nm-s$stage.log" | tail -3)"; fi
+done
+mkdir -p "$work/nm-resume" && cp -r "$work/nm-s2/checkpoint-$mid" "$work/nm-resume/"
+if ranks mpi 2 "$work/nm-resume" "${nm[@]}" --set zero.stage=2 --set train.resume=latest &&
+   d=$(same_params "$work/nm-s2" "$work/nm-resume" 0); then
+  ok "no masters, stage 2: resumed from checkpoint-$mid == the uninterrupted run, bit for bit ($d)"
+else fail "no masters resume: ${d:-} $(grep -v '^\s*$' "$work/nm-resume.log" | tail -3)"; fi
+mkdir -p "$work/nm-widen" && cp -r "$work/nm-s2/checkpoint-$mid" "$work/nm-widen/"
+if ranks mpi 2 "$work/nm-widen" "${bf16[@]}" --set train.gradient_accumulation_steps=1 --set zero.stage=3 \
+     --set train.resume=latest --set train.save_steps=8 &&
+   grep -q 'holds no fp32 masters' "$work/nm-widen.log" &&
+   for shard in "$work/nm-widen/checkpoint-$last"/optimizer-*.safetensors; do
+     safetensors_header "$shard"; done | grep -q 'master/' &&
+   d=$(same_params "$work/nm-s2" "$work/nm-widen" 2e-2); then
+  ok "a no-masters checkpoint resumed at stage 3 with fp32 masters: masters start from the weights (warned; $d)"
+else fail "no masters -> masters: ${d:-} $(grep -v '^\s*$' "$work/nm-widen.log" | tail -3)"; fi
+mkdir -p "$work/nm-drop" && cp -r "$work/nm-widen/checkpoint-8" "$work/nm-drop/"
+if ranks mpi 2 "$work/nm-drop" "${nm[@]}" --set zero.stage=1 --set train.resume=latest &&
+   grep -q 'holds fp32 masters' "$work/nm-drop.log" &&
+   d=$(same_params "$work/nm-s2" "$work/nm-drop" 2e-2); then
+  ok "a masters checkpoint resumed at stage 1 without them: masters dropped (warned; $d)"
+else fail "masters -> no masters: ${d:-} $(grep -v '^\s*$' "$work/nm-drop.log" | tail -3)"; fi
 # --- stage 3 composes: fp16 with the loss scaler, activation checkpointing (the recompute
 # gathers the unit again), LoRA (only the adapters are trainable, so only they are sharded).
 # Without accumulation, as for bf16: the sums are then DDP's, bit for bit.
@@ -258,6 +295,14 @@ for n in 2 4; do
     done
   done
 done
+# Note [ZeRO without masters]: no masters and bf16 moments, K = 4 B (8 B/param over the ranks).
+out="$work/mem-nomasters-s3-n2"
+if ranks mpi 2 "$out" --set zero.stage=3 --set train.max_steps=1 --set model.n_embd=128 \
+     --set model.n_layer=4 --set 'precision.mode="full_bf16"' --set 'optimizer.master_dtype="bf16"' \
+     --set 'optimizer.state_dtype="bf16"' --set train.log_level=info && r=$(memory "$out") &&
+   "$python" -c "import sys; sys.exit(0 if abs($r - 1) <= 0.02 else 1)" && grep -q 'K = 4 B' "$out.log"; then
+  ok "stage 3, 2 ranks, bf16 weights without masters and bf16 moments: measured model state = ${r} x ZeRO's formula ($(grep -o 'by ZeRO.s formula ([^)]*)' "$out.log" | head -1 | cut -c18-))"
+else fail "memory without masters: ${r:-} $(tail -2 "$out.log")"; fi
 
 # --- a 4-rank stage-3 run checkpointed at step 4 resumes on 2 and on 3 ranks (same global
 # batch of 12)

@@ -347,6 +347,24 @@ with safe_open(sys.argv[1], "np") as f:
 PY
   ok "bf16 weights without masters: losses $losses, no masters in the checkpoint, 8 B/param"
 else fail "bf16 weights without masters: $(grep -v '^\s*$' "$work/bf16-no-masters.log" | tail -3)"; fi
+# ... and its ZeRO-3 command on 2 ranks: no masters in either rank's shard, the formula's bytes.
+if story bf16-no-masters-zero3 "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run examples/memory/bf16_no_masters.toml --set zero.stage=3" \
+     --ranks 2 "${tiny[@]}" --set train.log_level=info &&
+   losses=$(steps_ok bf16-no-masters-zero3 3) &&
+   grep -q "no masters (bf16 weights rounded stochastically)" "$work/bf16-no-masters-zero3.log" &&
+   grep -q "by ZeRO's formula (stage 3, N = 2, 2 B weights and grads, K = 4 B" "$work/bf16-no-masters-zero3.log" &&
+   "$python" - "$work/bf16-no-masters-zero3/checkpoint-3" <<'PY'; then
+import glob, sys
+from safetensors import safe_open
+shards = sorted(glob.glob(sys.argv[1] + "/optimizer-*-of-00002.safetensors"))
+assert len(shards) == 2, shards
+for shard in shards:
+    with safe_open(shard, "np") as f:
+        keys = list(f.keys())
+        assert keys and not [k for k in keys if k.startswith("master/")], keys
+PY
+  ok "bf16 weights without masters, ZeRO-3 on 2 ranks: losses $losses, no masters in either shard"
+else fail "bf16 weights without masters, ZeRO-3: $(grep -v '^\s*$' "$work/bf16-no-masters-zero3.log" | tail -3)"; fi
 
 # --- 19: 8-bit Adam: finite losses, the state's bytes in the log, and in the checkpoint each
 # tensor of at least min_8bit_size elements as uint8 codes with fp32 absmaxes (one per block),

@@ -4,7 +4,9 @@
 // gradient that went in. At stage 3, one unit's reduce-scatter in flight at a time (Note [Unit
 // buckets in flight]). One rank, with the tracking allocator counting every byte. And Note
 // [Updating chunks in backward]: with the update in backward, the weights, masters, state and
-// gradient norm of ranks run as threads are bitwise the normal step's.
+// gradient norm of ranks run as threads are bitwise the normal step's. Note [ZeRO without
+// masters]: bf16 weights with no fp32 masters at stages 1-3 on 2 ranks as threads are bitwise
+// the core's driver's in one process (adamw, lion, adafactor).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -17,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "loom/comm.h"
 #include "loom/error.h"
@@ -343,6 +346,8 @@ struct InBackwardCase {
   ZeroOptions zero;
   at::ScalarType dtype;
   int accumulation;
+  // Note [ZeRO without masters]: bf16 weights updated with no fp32 masters.
+  bool no_masters = false;
 };
 
 constexpr int kSteps = 3;
@@ -370,6 +375,11 @@ RankRun run_rank(Comm& comm, const InBackwardCase& c, bool in_backward) {
   options.comm = &comm;
   options.weight_decay = 0.1;
   options.params = odd_params(c.dtype);
+  if (c.no_masters) {
+    options.master_dtype = "bf16";
+    options.seed = 11;
+    rule->set_seed(11);
+  }
   ZeroDriver driver(options, c.zero);
   RankRun out;
   const double lr = 1e-2;
@@ -402,17 +412,19 @@ RankRun run_rank(Comm& comm, const InBackwardCase& c, bool in_backward) {
   return out;
 }
 
-// Every rank of `c` as a thread; their runs by rank.
-std::vector<RankRun> run_ranks(const InBackwardCase& c, bool in_backward) {
+// `rank(comm)` on `ranks` threads, each with its ThreadComm of one board; the results by rank
+// (a rank's exception rethrown once all are done).
+template <typename Run>
+auto on_threads(int ranks, const Run& rank) {
   auto board = std::make_shared<Board>();
-  std::vector<RankRun> runs(c.ranks);
-  std::vector<std::exception_ptr> errors(c.ranks);
+  std::vector<decltype(rank(std::declval<Comm&>()))> runs(ranks);
+  std::vector<std::exception_ptr> errors(ranks);
   std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
+  for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
       try {
-        ThreadComm comm(board, "world", r, c.ranks);
-        runs[r] = run_rank(comm, c, in_backward);
+        ThreadComm comm(board, "world", r, ranks);
+        runs[r] = rank(comm);
       } catch (...) {
         errors[r] = std::current_exception();
       }
@@ -421,6 +433,11 @@ std::vector<RankRun> run_ranks(const InBackwardCase& c, bool in_backward) {
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   return runs;
+}
+
+// Every rank of `c` as a thread; their runs by rank.
+std::vector<RankRun> run_ranks(const InBackwardCase& c, bool in_backward) {
+  return on_threads(c.ranks, [&](Comm& comm) { return run_rank(comm, c, in_backward); });
 }
 
 class UpdateInBackward : public ::testing::TestWithParam<InBackwardCase> {};
@@ -472,8 +489,149 @@ INSTANTIATE_TEST_SUITE_P(
         InBackwardCase{"stage2_bf16_accumulation2", 2, zero_options(2), at::kBFloat16, 2},
         // Note [Hybrid sharding]: each chunk updated once its sum across the groups lands.
         InBackwardCase{"stage2_bf16_hybrid_4_ranks", 4, zero_options(2, 2), at::kBFloat16, 2},
+        // Note [ZeRO without masters]: each chunk's bf16 weights rounded as they are updated.
+        InBackwardCase{"stage2_bf16_no_masters_accumulation2", 2, zero_options(2), at::kBFloat16,
+                       2, true},
         InBackwardCase{"stage1_fp32_hybrid_4_ranks", 4, zero_options(1, 2), at::kFloat, 1}),
     [](const ::testing::TestParamInfo<InBackwardCase>& info) {
+      return std::string(info.param.name);
+    });
+
+// ---- Note [ZeRO without masters], over ranks as threads ----
+
+constexpr uint64_t kSeed = 77;
+
+// What a run of kSteps leaves: the weights, and the checkpoint pieces' names.
+struct NoMasterRun {
+  std::vector<at::Tensor> weights;
+  std::vector<std::string> pieces;
+  int64_t master_bytes = -1;
+};
+
+// The gradient every rank feeds for parameter i at `step` (bf16, as full_bf16's backward).
+at::Tensor shared_grad(const Param& p, int64_t step, size_t i) {
+  at::Generator gen = at::detail::createCPUGenerator(step * 64 + static_cast<int64_t>(i));
+  return at::randn(p.tensor.sizes(), gen).to(at::kBFloat16);
+}
+
+std::unique_ptr<UpdateRule> seeded_rule(const std::string& name,
+                                        const std::map<std::string, test::RuleValue>& values) {
+  auto rule = test::make_rule(name, values);
+  rule->set_seed(kSeed);
+  return rule;
+}
+
+StepDriverOptions no_master_options(const UpdateRule& rule, Comm* comm) {
+  StepDriverOptions options;
+  options.rule = &rule;
+  options.comm = comm;
+  options.weight_decay = 0.1;
+  options.params = odd_params(at::kBFloat16);
+  options.master_dtype = "bf16";
+  options.seed = kSeed;
+  return options;
+}
+
+// The core's driver in one process, fed each step's shared gradients.
+NoMasterRun core_no_master_run(const std::string& rule_name,
+                               const std::map<std::string, test::RuleValue>& values) {
+  auto rule = seeded_rule(rule_name, values);
+  StepDriverOptions options = no_master_options(*rule, nullptr);
+  auto driver = make_default_step_driver(options);
+  for (int64_t step = 1; step <= kSteps; ++step) {
+    driver->zero_grad();
+    for (size_t i = 0; i < options.params.size(); ++i)
+      at::Tensor(options.params[i].tensor).mutable_grad() =
+          shared_grad(options.params[i], step, i);
+    driver->update(step, 1e-2);
+  }
+  NoMasterRun out;
+  for (const Param& p : options.params) out.weights.push_back(p.tensor.detach().clone());
+  for (const auto& piece : driver->state_pieces()) out.pieces.push_back(piece.name);
+  out.master_bytes = driver->master_bytes();
+  return out;
+}
+
+// ZeroDriver at `stage` on `ranks` threads, every rank fed the shared gradients (so their
+// average is each of them, exactly); stage 3 holds the parameters in two units.
+std::vector<NoMasterRun> zero_no_master_runs(const std::string& rule_name,
+                                             const std::map<std::string, test::RuleValue>& values,
+                                             int stage, int ranks) {
+  return on_threads(ranks, [&](Comm& comm) {
+    auto rule = seeded_rule(rule_name, values);
+    StepDriverOptions options = no_master_options(*rule, &comm);
+    int keys[2];
+    ZeroOptions zero = zero_options(stage);
+    if (stage == 3) zero.units = {{&keys[0], {0, 1, 2}}, {&keys[1], {3, 4, 5}}};
+    ZeroDriver driver(options, zero);
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      driver.zero_grad();
+      driver.begin_backward(true);
+      for (size_t i = options.params.size(); i-- > 0;) {
+        if (stage == 3 && (i == 5 || i == 2)) driver.gather_unit(&keys[i / 3], false);
+        const Param& p = options.params[i];
+        at::Tensor(p.tensor).mutable_grad() = shared_grad(p, step, i);
+        driver.grad_ready(p);
+      }
+      driver.finish_backward(true);
+      (void)driver.grad_norm_squared();
+      driver.update(step, 1e-2);
+    }
+    if (stage == 3) driver.gather_all_weights();
+    NoMasterRun out;
+    for (const Param& p : options.params) out.weights.push_back(p.tensor.detach().clone());
+    for (const auto& piece : driver.state_pieces()) out.pieces.push_back(piece.name);
+    out.master_bytes = driver.master_bytes();
+    EXPECT_NE(driver.describe().find("no masters"), std::string::npos) << driver.describe();
+    return out;
+  });
+}
+
+struct NoMasterCase {
+  const char* name;
+  const char* rule;
+  std::map<std::string, test::RuleValue> values;
+};
+
+class ZeroWithoutMasters : public ::testing::TestWithParam<NoMasterCase> {};
+
+// The weights' bits depend on the seed, the step, the name and each element's index in the
+// whole tensor, not on the cut: ZeRO stages 1-3 on 2 ranks write what the core's driver writes
+// in one process, and keep no masters.
+TEST_P(ZeroWithoutMasters, WritesTheCoreDriversBitsAtEveryStage) {
+  const NoMasterCase& c = GetParam();
+  const NoMasterRun want = core_no_master_run(c.rule, c.values);
+  EXPECT_EQ(want.master_bytes, 0);
+  const auto start = odd_params(at::kBFloat16);
+  for (int stage = 1; stage <= 3; ++stage) {
+    const auto runs = zero_no_master_runs(c.rule, c.values, stage, 2);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(runs[r].master_bytes, 0) << "stage " << stage << " rank " << r;
+      for (const auto& name : runs[r].pieces)
+        EXPECT_NE(name.rfind("master/", 0), 0u) << "stage " << stage << ": " << name;
+      ASSERT_EQ(runs[r].weights.size(), want.weights.size());
+      for (size_t i = 0; i < want.weights.size(); ++i) {
+        const at::Tensor& got = runs[r].weights[i];
+        EXPECT_FALSE(at::equal(got, start[i].tensor)) << "p" << i << " never updated";
+        EXPECT_TRUE(at::equal(got, want.weights[i]))
+            << "stage " << stage << " rank " << r << " p" << i;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, ZeroWithoutMasters,
+    ::testing::Values(
+        // The core's adamw: its own pass over the bf16 weights and gradients.
+        NoMasterCase{"adamw", "adamw", {}},
+        NoMasterCase{"adamw_bf16_state", "adamw", {{"state_dtype", std::string("bf16")}}},
+        // Any other elementwise rule: the fp32 copy, then the rounding pass.
+        NoMasterCase{"lion", "lion", {}},
+        // Whole-tensor sums across the ranks (Adafactor's factored second moment, summed in
+        // fp64: the pieces' order leaves no trace at this size).
+        NoMasterCase{"adafactor", "adafactor", {}}),
+    [](const ::testing::TestParamInfo<NoMasterCase>& info) {
       return std::string(info.param.name);
     });
 

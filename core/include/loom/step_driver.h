@@ -37,8 +37,8 @@ struct StepDriverOptions {
   // [optimizer] master_dtype: "fp32" keeps an fp32 master beside every parameter stored in
   // another dtype; "bf16" keeps none, and each bf16 weight is updated in fp32 and written back
   // rounded stochastically (Note [bf16 weights as their own masters] in core/src/
-  // step_driver.cpp). The core's driver offers both; a plugin's driver that cannot keep its
-  // weights as their own masters is refused it before the run (prepared_job).
+  // step_driver.cpp). The core's driver offers both, and the zero plugin's; a plugin driver that
+  // keeps masters anyway (master_bytes() > 0) is refused before the run writes anything.
   std::string master_dtype = "fp32";
   // [train] seed: the stream of that rounding, the same on every rank.
   uint64_t seed = 0;
@@ -101,6 +101,27 @@ NamedTensors whole_tensor_state_shapes(const UpdateRule& rule, const std::string
                                        const std::vector<int64_t>& shape, int group);
 // Checks after a load_state that the reader has nothing left (else a CheckpointError).
 void check_nothing_unread(const StateReader& reader);
+// Note [bf16 weights as their own masters] (core/src/step_driver.cpp), for a driver that keeps
+// no fp32 masters: writes `from` ((n) fp32, contiguous) into `into` ((n) bf16, contiguous, the
+// same device), element i rounded stochastically with the bits of element offset + i of
+// parameter `name`'s weights at update `step` under the run's `seed`. The core's driver rounds
+// with these bits, so a driver that updates pieces of a tensor (ZeRO's shards) writes the bits
+// the whole tensor's update writes.
+void round_weights_to_bf16(const at::Tensor& from, at::Tensor& into, uint64_t seed,
+                           const std::string& name, int64_t step, int64_t offset);
+// The warnings of a resume across a change of [optimizer] master_dtype: `dropped`, the first
+// "master/<param>" the checkpoint holds that this job keeps none of (its extra bits go);
+// `widened`, the first this job keeps that the checkpoint lacks (started from the weights).
+// Either may be empty: nothing to say of it.
+void warn_master_dtype_switch(const StateReader& reader, const std::string& dropped,
+                              const std::string& widened);
+// Whether `rule` updates a CPU segment whose param is the bf16 weights themselves and whose
+// grad is their bf16 gradient (both contiguous), writing its result into them rounded with
+// round_weights_to_bf16's bits in the same pass (the core's adamw, seeded with `seed`).
+bool rule_takes_bf16_weights(const UpdateRule& rule, uint64_t seed);
+// Whether `rule` reads a contiguous bf16 gradient of a contiguous fp32 CPU segment as it is,
+// with the bits of its fp32 widening (the core's adamw), so a driver need not widen it first.
+bool rule_reads_bf16_gradients(const UpdateRule& rule);
 // The squared global norm of `grads` (fp32 squares summed in fp64; on CUDA one multi-tensor norm
 // kernel): a 0-d fp64 tensor on the grads' device, so reading it is the caller's one host sync.
 // What an unsharded driver returns from grad_norm_squared(); zero for no grads.

@@ -1,6 +1,8 @@
 // Test plugin: fills Slot::step_driver with a driver that wraps the core's default one and
 // counts what the engine asks of it, so tests can check that a plugin's driver replaces the
-// default and is driven the documented way. It reports the counts as per-step metrics.
+// default and is driven the documented way. It reports the counts as per-step metrics. With
+// keep_masters = true it builds its inner driver with fp32 masters whatever the job's
+// master_dtype: a third-party driver that does not know the key, for the core's refusal.
 #include <memory>
 
 #include "loom/engine.h"
@@ -49,10 +51,17 @@ class CountingDriverPlugin final : public loom::Plugin {
   std::string name() const override { return "counting_driver"; }
   std::string description() const override { return "test: a step driver that counts calls"; }
   std::vector<loom::Slot> slots() const override { return {loom::Slot::step_driver}; }
-  std::vector<loom::Schema> schemas() const override { return {loom::Schema("counting_driver")}; }
+  std::vector<loom::Schema> schemas() const override {
+    loom::Schema s("counting_driver");
+    s.key_bool("keep_masters", false, "keep fp32 masters whatever [optimizer] master_dtype says");
+    return {s};
+  }
+  void configure(const loom::ConfigSection& t) override { keep_masters_ = t.get_bool("keep_masters"); }
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
                                                        loom::Engine&) override {
-    return std::make_unique<CountingDriver>(loom::make_default_step_driver(options), counts_);
+    loom::StepDriverOptions inner = options;
+    if (keep_masters_) inner.master_dtype = "fp32";
+    return std::make_unique<CountingDriver>(loom::make_default_step_driver(inner), counts_);
   }
   void attach(loom::Engine& engine) override {
     // after_update: the engine writes a step's metrics right after it.
@@ -66,6 +75,7 @@ class CountingDriverPlugin final : public loom::Plugin {
 
  private:
   std::shared_ptr<Counts> counts_ = std::make_shared<Counts>();
+  bool keep_masters_ = false;
 };
 
 }  // namespace

@@ -45,6 +45,19 @@
 // (the manifest lists a file per rank), so a resume at any world size or G reads the pieces as
 // it reads any other cut (Note [Resharding a run]).
 //
+// Note [ZeRO without masters]: with [optimizer] master_dtype = "bf16" and full_bf16's weights
+// (Note [bf16 weights as their own masters] in core/src/step_driver.cpp) no rank keeps an fp32
+// master shard: each piece's update widens its bf16 weights (the stage-3 shard, or the rank's
+// piece of the replicated parameter at stages 1-2) to fp32, runs the rule, and writes the result
+// back rounded stochastically with round_weights_to_bf16's bits, keyed by the parameter's name
+// and each element's index in the whole tensor, so every cut (stage, ranks, shard groups) writes
+// the bits of one process's update; on the CPU the core's adamw does it in its own pass
+// (rule_takes_bf16_weights). Stages 1-2 then all-gather the rank's pieces from the parameters,
+// as for fp32 weights. A rank holds 2 B/param of weights (stage 3: 2/N) and its state's share:
+// with bf16 moments 2 + (2 + 4)/N B/param at stage 2. The fp32 copies the update makes go a few
+// groups at a time (Note [Update copies bounded]). Offloaded state and offloaded weight shards
+// keep their masters: both refuse master_dtype = "bf16" by name.
+//
 // Note [Offloaded ZeRO]: with offload_optimizer on NVMe the rank's pieces are the segments of a
 // SegmentSwap (loom/offload/segment_swap.h): their fp32 masters and state live in the rank's
 // swap file and the update walks them through a few buffers (Note [Pipelined update]), the rule
@@ -286,10 +299,22 @@ class ZeroDriver final : public StepDriver {
   struct Held {  // a piece being updated, its gradient set
     Segment* segment;
     size_t param;
+    at::Tensor weights;  // Note [ZeRO without masters]: the bf16 weights the piece updates
+    bool fused = false;  // ... which the rule takes as they are (rule_takes_bf16_weights)
   };
-  // The rank's pieces of `groups` with their gradients (fp32 views of fp32_grads' chunks).
+  // The rank's pieces of `groups` with their gradients: fp32 views of fp32_grads' chunks, or
+  // with `as_is`, bf16 chunks the rule reads as they are (rule_reads_bf16_gradients).
   std::vector<Held> hold_pieces(const std::vector<size_t>& groups,
-                                std::vector<at::Tensor>& fp32_grads);
+                                std::vector<at::Tensor>& fp32_grads, bool as_is = false);
+  // Note [ZeRO without masters]: a held piece's fp32 weights made for the rule (or, fused, the
+  // bf16 weights themselves), and written back rounded after it.
+  void widen(const Held& h) const;
+  void round_back(const Held& h, int64_t step) const;
+  // Piece k of group g's weights in their own dtype: a view of the stage-3 shard, or of the
+  // parameter itself at stages 1-2.
+  at::Tensor piece_weights(size_t g, size_t k) const;
+  // The bytes of fp32 copies the update of group g makes (Note [Update copies bounded]).
+  int64_t update_copy_bytes(size_t g, bool as_is) const;
   void run_rule(int64_t step, double lr);
   // The rule over the pieces of `groups` (rules without reduction rounds), segments sharing lr
   // and weight decay batched together as the default driver does.
@@ -324,6 +349,13 @@ class ZeroDriver final : public StepDriver {
   at::ScalarType weight_dtype_;
   c10::Device device_{c10::kCPU};
   bool separate_master_ = false;
+  // Note [ZeRO without masters]: [optimizer] master_dtype = "bf16" with bf16 weights; the
+  // rounding's seed; whether the rule takes the bf16 weights (and gradients) as they are, or
+  // reads bf16 gradients beside fp32 masters.
+  bool rounded_ = false;
+  uint64_t seed_ = 0;
+  bool fused_rule_ = false;
+  bool reads_bf16_grads_ = false;
   std::vector<Group> groups_;
   std::vector<std::vector<Placement>> placements_;  // per parameter
   std::vector<size_t> group_of_;                    // per parameter
