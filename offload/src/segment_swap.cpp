@@ -31,6 +31,8 @@ SegmentSwap::SegmentSwap(const UpdateRule& rule, std::vector<SwapSegment> segmen
                                                    s.in_place.scalar_type() == at::kFloat &&
                                                    s.in_place.numel() == s.numel),
                          "segment ", s.name, ": in-place values must be fp32 CPU of its size");
+    LOOM_INTERNAL_ASSERT(!s.in_place.defined() || !s.no_master, "segment ", s.name,
+                         ": in place and without a master");
     // The piece's state shapes, from the rule on the meta device.
     Segment meta;
     meta.name = s.name;
@@ -38,7 +40,7 @@ SegmentSwap::SegmentSwap(const UpdateRule& rule, std::vector<SwapSegment> segmen
     meta.offset = s.offset;
     meta.group = s.group;
     meta.param = at::empty({s.numel}, at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
-    int64_t at_byte = s.in_place.defined() ? 0 : align_to(s.numel * 4, kTensorAlign);
+    int64_t at_byte = s.in_place.defined() || s.no_master ? 0 : align_to(s.numel * 4, kTensorAlign);
     for (auto& [key, tensor] : rule_.init_state(meta)) {
       Layout l{key, tensor.scalar_type(), tensor.sizes().vec(), at_byte,
                tensor.numel() * static_cast<int64_t>(tensor.element_size())};
@@ -91,9 +93,9 @@ Segment SegmentSwap::segment_over(const Entry& e, void* base) const {
   segment.offset = e.segment.offset;
   segment.group = e.segment.group;
   auto* bytes = static_cast<char*>(base);
-  segment.param = e.segment.in_place.defined()
-                      ? e.segment.in_place
-                      : at::from_blob(bytes, {e.segment.numel}, at::TensorOptions().dtype(at::kFloat));
+  if (e.segment.in_place.defined()) segment.param = e.segment.in_place;
+  else if (!e.segment.no_master)
+    segment.param = at::from_blob(bytes, {e.segment.numel}, at::TensorOptions().dtype(at::kFloat));
   for (const auto& l : e.state)
     segment.state.emplace_back(
         l.key, at::from_blob(bytes + l.offset, l.shape, at::TensorOptions().dtype(l.dtype)));
@@ -106,7 +108,8 @@ void SegmentSwap::initialise(size_t i, const at::Tensor& values) {
   const Entry& e = segments_.at(i);
   void* base = host_base_ ? host_base_ + e.region : buffers_[0].data();
   Segment segment = segment_over(e, base);
-  if (!e.segment.in_place.defined()) segment.param.copy_(values.reshape(-1));
+  if (e.segment.no_master) segment.param = values.reshape(-1).to(at::kCPU, at::kFloat);
+  else if (!e.segment.in_place.defined()) segment.param.copy_(values.reshape(-1));
   for (auto& [key, tensor] : rule_.init_state(segment)) segment.state_at(key).copy_(tensor);
   if (!host_base_) file_->wait(file_->write(e.region, base));
 }
@@ -212,6 +215,8 @@ Segment SegmentSwap::meta_segment(size_t i) const {
 
 at::Tensor SegmentSwap::read(size_t i, const std::string& key) const {
   const Entry& e = segments_.at(i);
+  LOOM_INTERNAL_ASSERT(!key.empty() || separate_master(i), "segment ", e.segment.name,
+                       " keeps no master in the store to read");
   if (host_base_) {
     const Segment segment = segment_over(e, host_base_ + e.region);
     return (key.empty() ? segment.param : segment.state_at(key)).clone();

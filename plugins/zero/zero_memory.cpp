@@ -106,12 +106,13 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     r.applicable = false;
     return;
   }
-  // Note [ZeRO without masters] (loom/sharding/zero_driver.h): every stage keeps none (m is 0
-  // here, as for fp32 weights), but the offloaded stores and offload_param keep theirs and
-  // refuse master_dtype = "bf16"; "cpu" on a CPU run moves nothing and stays buildable.
-  if (c.bf16_masters && r.labels["precision"] == "full_bf16" &&
-      (optimizer_device == "nvme" || (optimizer_device == "cpu" && !c.cpu_device) ||
-       param_device == "nvme" || (param_device == "cpu" && !c.cpu_device)))
+  // Note [ZeRO without masters] (loom/sharding/zero_driver.h): stages 1-3 keep none (m is 0
+  // here, as for fp32 weights), offloaded or not; stage 0's offloaded driver and offload_param
+  // keep theirs and refuse master_dtype = "bf16" ("cpu" on a CPU run moves nothing).
+  const bool own_masters = c.bf16_masters && r.labels["precision"] == "full_bf16";
+  const bool moves_state = optimizer_device == "nvme" || (optimizer_device == "cpu" && !c.cpu_device);
+  if (own_masters && ((moves_state && stage == 0) || param_device == "nvme" ||
+                      (param_device == "cpu" && !c.cpu_device)))
     r.buildable = false;
   int buffer_count = c.buffer_count;
   if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())
@@ -195,7 +196,7 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     // beside the weights. The host store (Note [Host store]) keeps it as the swap file does.
     r.buffers += (stage == 3 ? c.trainable - unit_params : c.trainable) * w / N;
   }
-  if (state_offloaded && m <= 0 && !c.cpu_device) {
+  if (state_offloaded && m <= 0 && !own_masters && !c.cpu_device) {
     // fp32 weights on a GPU: the CPU updates a copy of them where the state lives (a CPU run
     // updates its fp32 weights in place), an fp32 master in all but name.
     r.masters += (stage >= 1 ? c.trainable / N : c.trainable) * 4;
@@ -204,8 +205,9 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     const double state = r.masters + r.optimizer;
     if (optimizer_device == "nvme") {
       r.to_nvme += state;
-      // Each buffer holds the largest tensor's share: its fp32 master and its state.
-      double share = c.largest_tensor_params * (4 + k);
+      // Each buffer holds the largest tensor's share: its fp32 master and its state (the state
+      // alone without masters).
+      double share = c.largest_tensor_params * ((own_masters ? 0 : 4) + k);
       if (stage >= 1) share /= N;
       r.host_buffers += buffer_count * share;
     } else {

@@ -80,10 +80,6 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
   reads_bf16_grads_ = rule_reads_bf16_gradients(rule_);
   // nvme: the swap file; cpu: host memory (Note [Host store]), a GPU run's ZeRO-Offload.
   const bool offloaded = options_.offload.device == "nvme" || options_.offload.device == "cpu";
-  LOOM_CHECK_AS(ConfigError, !rounded_ || !offloaded, "[zero] offload_optimizer keeps fp32 "
-                "masters beside the offloaded state, but [optimizer] master_dtype = \"bf16\" "
-                "keeps none (Note [ZeRO without masters]); remove master_dtype, or leave "
-                "offload_optimizer out");
   if (options_.offload_param.device != "none") {  // Note [Offloaded parameters]
     LOOM_CHECK_AS(ConfigError, options_.stage == 3, "[zero] offload_param offloads stage 3's "
                   "weight shards; set [zero] stage = 3");
@@ -192,9 +188,12 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
         swapped.offset = segment.offset;
         swapped.numel = piece.numel;
         swapped.group = segment.group;
-        if (!separate_master_ && device_.is_cpu())
+        if (!separate_master_ && !rounded_ && device_.is_cpu())
           swapped.in_place =
               group.sharded ? group.unit.shard.narrow(0, piece.chunk_offset, piece.numel) : flat;
+        // Note [ZeRO without masters]: the file holds the state alone; the walk widens the
+        // weights where they are (the shard, or the parameter) and rounds them back there.
+        swapped.no_master = rounded_;
         swap_segments.push_back(std::move(swapped));
         swapped_.emplace_back(groups_.size(), group.segments.size());
         group.segments.push_back(std::move(segment));

@@ -217,6 +217,23 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     const Piece& piece = piece_of(i);
     segment.grad = grads[swapped_[i].first].narrow(0, piece.chunk_offset, piece.numel);
   };
+  // Note [ZeRO without masters]: segment i's fp32 weights for the rule (on the CPU, where the
+  // walk's buffers are), and written back rounded into the weights wherever they live.
+  auto widen_swapped = [&](size_t i, Segment& segment) {
+    if (rounded_) segment.param = values_of(i).to(at::kCPU, at::kFloat).contiguous();
+  };
+  auto round_swapped = [&](size_t i, Segment& segment, int64_t at_step) {
+    if (!rounded_) return;
+    at::Tensor weights = values_of(i);
+    if (weights.is_cpu()) {
+      round_weights_to_bf16(segment.param, weights, seed_, segment.name, at_step, segment.offset);
+    } else {
+      at::Tensor rounded = at::empty(segment.param.sizes(), segment.param.options().dtype(at::kBFloat16));
+      round_weights_to_bf16(segment.param, rounded, seed_, segment.name, at_step, segment.offset);
+      weights.copy_(rounded);
+    }
+    segment.param = at::Tensor();
+  };
   size_t open_group = groups_.size();  // offload_param: the group whose shard is being filled
   auto store = [&](size_t i, const Segment& segment) {
     if (!swap_->separate_master(i)) return;
@@ -237,8 +254,10 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
   if (rule_.reduction_rounds() == 0) {
     swap_->walk([&](size_t i, Segment& segment) {
       with_grad(i, segment);
+      widen_swapped(i, segment);
       const UpdateContext& context = contexts[piece_of(i).tensor];
       rule_.update_many({&segment}, context);
+      round_swapped(i, segment, step);
       store(i, segment);
       return true;
     });
@@ -248,6 +267,7 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     std::vector<at::Tensor> accumulators(params_.size());
     swap_->walk([&](size_t i, Segment& segment) {  // reading only
       with_grad(i, segment);
+      widen_swapped(i, segment);
       const size_t index = piece_of(i).tensor;
       accumulators[index] = rule_.make_accumulator(segment, round);
       rule_.accumulate(segment, contexts[index], round, accumulators[index]);
@@ -260,7 +280,9 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
   }
   swap_->walk([&](size_t i, Segment& segment) {
     with_grad(i, segment);
+    widen_swapped(i, segment);
     rule_.update(segment, contexts[piece_of(i).tensor]);
+    round_swapped(i, segment, step);
     store(i, segment);
     return true;
   });

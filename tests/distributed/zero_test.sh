@@ -440,6 +440,8 @@ for rule in adamw adafactor adam8bit; do
 done
 offload_case "bf16 stage 3" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
   --set train.gradient_accumulation_steps=1
+# Note [ZeRO without masters]: bf16 weights without masters, the file holding the state alone.
+offload_case "no masters stage 3" gloo "$work/nm-s3" "${nm[@]}" --set zero.stage=3 --set train.save_steps=$mid
 # ... and the units' weight shards on NVMe too (Note [Offloaded parameters]).
 offload_case "bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}" --set zero.stage=3 \
   --set train.gradient_accumulation_steps=1 \
@@ -456,6 +458,7 @@ sets=(${rule_sets[adam8bit]})
 offload_case "in host memory, adam8bit stage 2" gloo "$work/adam8bit-s2-n2" "${sets[@]}" --set zero.stage=2
 offload_case "in host memory, bf16 stage 3 with offload_param" gloo "$work/bf16-s3" "${bf16[@]}" \
   --set zero.stage=3 --set train.gradient_accumulation_steps=1 --set "zero.offload_param={device=\"cpu\"}"
+offload_case "in host memory, no masters stage 2" mpi "$work/nm-s2" "${nm[@]}" --set zero.stage=2 --set train.save_steps=$mid
 unset LOOM_OFFLOAD_CPU_STORE
 
 # [train] auto_find_batch_size on 2 ranks: each rank probes alone (Note [Solo probes]) and both

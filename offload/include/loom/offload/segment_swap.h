@@ -64,6 +64,10 @@ struct SwapSegment {
   // fp32 CPU values updated in place (they are their own master), or undefined: the segment's
   // fp32 master is kept in the swap file with its state.
   at::Tensor in_place;
+  // bf16 weights that are their own masters (Note [ZeRO without masters] in
+  // loom/sharding/zero_driver.h): the file holds the state alone, and a visited segment has no
+  // param; the visitor gives it the widened weights and rounds them back itself.
+  bool no_master = false;
 };
 
 class SegmentSwap {
@@ -77,9 +81,12 @@ class SegmentSwap {
   SegmentSwap& operator=(const SegmentSwap&) = delete;
 
   size_t size() const { return segments_.size(); }
-  bool separate_master(size_t i) const { return !segments_[i].segment.in_place.defined(); }
+  bool separate_master(size_t i) const {
+    return !segments_[i].segment.in_place.defined() && !segments_[i].segment.no_master;
+  }
   // Writes segment i's first master (from `values`, any dtype or device; ignored for in-place
-  // segments) and the rule's initial state.
+  // segments, and read only for its shape for one without a master) and the rule's initial
+  // state.
   void initialise(size_t i, const at::Tensor& values);
 
   // Note [Pipelined update]: visits every segment in order, its param and state views of a

@@ -55,8 +55,12 @@
 // (rule_takes_bf16_weights). Stages 1-2 then all-gather the rank's pieces from the parameters,
 // as for fp32 weights. A rank holds 2 B/param of weights (stage 3: 2/N) and its state's share:
 // with bf16 moments 2 + (2 + 4)/N B/param at stage 2. The fp32 copies the update makes go a few
-// groups at a time (Note [Update copies bounded]). Offloaded state and offloaded weight shards
-// keep their masters: both refuse master_dtype = "bf16" by name.
+// groups at a time (Note [Update copies bounded]). With offload_optimizer the store holds the
+// state alone (SwapSegment::no_master): the walk widens each piece's weights where they live (the
+// shard, or the parameter; on a GPU run copied to the host) and rounds them back there, so the
+// swap file moves 8 B/param each way with fp32 moments where masters made it 12, 4 with bf16
+// moments. offload_param rebuilds its shards from fp32 masters and refuses master_dtype = "bf16"
+// by name.
 //
 // Note [Offloaded ZeRO]: with offload_optimizer on NVMe the rank's pieces are the segments of a
 // SegmentSwap (loom/offload/segment_swap.h): their fp32 masters and state live in the rank's
