@@ -27,7 +27,9 @@
 // refuses it; an unknown top-level key is a warning.
 //
 // DeepSpeed's "bf16" keeps the weights in bf16 with fp32 masters in the optimizer: loom's
-// [precision] mode = "full_bf16" (not the Trainer's bf16, which is autocast); "fp16" likewise
+// [precision] mode = "full_bf16" (not the Trainer's bf16, which is autocast); its
+// bf16_master_weights_and_grads and bf16_optimizer_states are [optimizer] master_dtype and
+// state_dtype = "bf16"; "fp16" likewise
 // is "full_fp16" with DeepSpeed's dynamic loss scaler (hysteresis and a floor included). Its
 // schedulers are loom schedules of their own (ds_warmup_lr, ds_warmup_decay_lr,
 // ds_warmup_cosine_lr: schedule.cpp) that give DeepSpeed's rate at every update.
@@ -417,8 +419,23 @@ class Mapper {
     if (ds.contains(bf16_key) && ds[bf16_key].is_object()) {
       for (const auto& [key, value] : ds[bf16_key].items()) {
         if (key == "enabled") continue;
-        if (key == "bf16_master_weights_and_grads" && switched_on(value))
-          refuse(bf16_key + "." + key, "loom keeps fp32 masters for bf16 weights");
+        // DeepSpeed's low-precision options (its PR 7700): no fp32 masters (loom's bf16 weights
+        // are their own: Note [bf16 weights as their own masters]; DeepSpeed keeps a bf16 copy
+        // beside them) and bf16 moments (Note [Stochastic rounding of the state]).
+        const std::map<std::string, std::string> low_precision = {
+            {"bf16_master_weights_and_grads", "master_dtype"},
+            {"bf16_optimizer_states", "state_dtype"}};
+        if (const auto found = low_precision.find(key); found != low_precision.end()) {
+          const bool on =
+              std::get<bool>(converted(bf16_key + "." + key, value, Kind::Bool).value);
+          LOOM_CHECK_AS(ConfigError, !on || bf16, where(bf16_key + "." + key),
+                        " = true keeps bf16 state for bf16 weights, but ", bf16_key,
+                        " is not enabled; enable it, or remove the key");
+          put(bf16_key + "." + key, ConfigValue{std::string(on ? "bf16" : "fp32"),
+                                                where(bf16_key + "." + key)},
+              "optimizer", found->second, "", on ? "true" : "false");
+          continue;
+        }
         warn(bf16_key + "." + key, "loom's full_bf16 has no such switch");
       }
     }

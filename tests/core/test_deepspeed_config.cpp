@@ -150,6 +150,26 @@ TEST(DeepSpeedConfig, Zero3WithCpuOffloadIsTheLoomKeyedJob) {
                                "sub_group_size changes nothing in loom"});
 }
 
+// DeepSpeed's low-precision options (its bf16_master_weight example's bf16_full.json, less its
+// torch_autocast, which loom refuses beside bf16 weights): bf16_master_weights_and_grads and
+// bf16_optimizer_states are [optimizer] master_dtype and state_dtype = "bf16" (Note [ZeRO
+// without masters]); the same job and bytes as loom's own keys at stage 3.
+TEST(DeepSpeedConfig, Bf16MasterWeightsAndOptimizerStatesAreLoomsBf16Keys) {
+  TempDir a, b;
+  write(a / "ds.json", R"({"bf16": {"enabled": true, "bf16_master_weights_and_grads": true,
+                                   "bf16_optimizer_states": true},
+                          "zero_optimization": {"stage": 3, "reduce_bucket_size": 1e5}})");
+  const std::string own_tables =
+      "[precision]\nmode = \"full_bf16\"\n[optimizer]\nmaster_dtype = \"bf16\"\n"
+      "state_dtype = \"bf16\"\n[zero]\nstage = 3\nreduce_bucket_size = 1e5\n";
+  expect_same_job_and_weights(job((a / "out").string(), "deepspeed = \"ds.json\"\n", ""),
+                              job((b / "out").string(), "", own_tables), a.path(), b.path(),
+                              {"bf16.bf16_master_weights_and_grads = true -> [optimizer] "
+                               "master_dtype = \"bf16\"",
+                               "bf16.bf16_optimizer_states = true -> [optimizer] state_dtype = "
+                               "\"bf16\""});
+}
+
 // MiCS's shard groups are [zero] shard_group_size (Note [Hybrid sharding]); one rank here, a
 // group of 1 (tests/distributed/hsdp_test.sh runs the groups on 4 ranks).
 TEST(DeepSpeedConfig, MicsShardSizeIsTheShardGroupSize) {
@@ -318,6 +338,9 @@ TEST(DeepSpeedConfig, BadFilesAndWhatLoomLacksAreErrorsNamingTheKey) {
   refused(R"({"bf16": {"enabled": false}})", "bf16 = true\n",
           {"bf16.enabled = false but the job's [train] bf16 = true"});
   refused(R"({"wandb": {"enabled": true}})", "", {"ds.json: wandb: loom cannot do this"});
+  refused(R"({"bf16": {"enabled": false, "bf16_master_weights_and_grads": true}})", "",
+          {"bf16.bf16_master_weights_and_grads = true keeps bf16 state for bf16 weights, but bf16 "
+           "is not enabled"});
   refused("[1, 2]", "", {"a DeepSpeed config is a JSON object"});
   std::filesystem::remove(dir / "ds.json");
   try {

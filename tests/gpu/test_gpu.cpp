@@ -741,14 +741,21 @@ TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
   LOOM_REQUIRE_GPU();
   one_rank_env();
   // One rank holds every chunk: stage 1's sharded masters and state, stage 2's gradient shards
-  // and stage 3's gathered and released unit weights must change no bit of the arithmetic.
-  for (int stage : {1, 2, 3}) {
-    SCOPED_TRACE("stage " + std::to_string(stage));
-    expect_trains_bitwise_alike("\n[distributed]\nbackend = \"nccl\"\n\n[zero]\nstage = " +
-                                    std::to_string(stage) +
-                                    "\nstage3_param_persistence_threshold = 0\n",
-                                {"train.device=cuda", "train.max_steps=3"});
-  }
+  // and stage 3's gathered and released unit weights must change no bit of the arithmetic; nor,
+  // without masters (Note [ZeRO without masters]), each piece's widened weights rounded back by
+  // the CUDA kernel keyed by the whole tensor's index.
+  const std::vector<std::string> no_masters = {"precision.mode=\"full_bf16\"",
+                                               "optimizer.master_dtype=\"bf16\""};
+  for (const bool masters : {true, false})
+    for (int stage : {1, 2, 3}) {
+      SCOPED_TRACE("stage " + std::to_string(stage) + (masters ? "" : " without masters"));
+      std::vector<std::string> set = {"train.device=cuda", "train.max_steps=3"};
+      if (!masters) set.insert(set.end(), no_masters.begin(), no_masters.end());
+      expect_trains_bitwise_alike("\n[distributed]\nbackend = \"nccl\"\n\n[zero]\nstage = " +
+                                      std::to_string(stage) +
+                                      "\nstage3_param_persistence_threshold = 0\n",
+                                  set);
+    }
 }
 
 // ---- bad input ----
@@ -756,14 +763,17 @@ TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
 // ZeRO-Offload on a GPU: the fp32 masters and AdamW's state in page-locked host memory
 // (device = "cpu", Note [Host store]) or on NVMe, the update on the CPU, the weights copied back
 // in bf16. Follows the same job kept on the GPU (CPU and GPU AdamW round alike but for
-// rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1).
+// rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1). At stage 2
+// also without masters (Note [ZeRO without masters]: the state alone in the store, the weights
+// widened on the host and rounded back there, then copied to the GPU).
 TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
   LOOM_REQUIRE_GPU();
-  const std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
-  for (const std::string stage : {"0", "2"}) {
+  for (const std::string stage : {"0", "2", "2 without masters"}) {
     SCOPED_TRACE("stage " + stage);
+    std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
+    if (stage.size() > 1) set.push_back("optimizer.master_dtype=\"bf16\"");
     TempDir memory_dir, host_dir, nvme_dir, swap;
-    const std::string zero = "\n[zero]\nstage = " + stage + "\n";
+    const std::string zero = "\n[zero]\nstage = " + stage.substr(0, 1) + "\n";
     const TrainRun memory = train(tiny_gpt_job(memory_dir.str()) + zero, memory_dir, set);
     const TrainRun host = train(
         tiny_gpt_job(host_dir.str()) + zero + "offload_optimizer = { device = \"cpu\" }\n",

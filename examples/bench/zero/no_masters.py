@@ -1,13 +1,14 @@
 """ZeRO without fp32 masters (issue 39, Note [ZeRO without masters] in
 sharding/include/loom/sharding/zero_driver.h): GPT-2 124M's shape (12 x 768, vocabulary 50257,
 tied head, no dropout) in full_bf16 on 2 ranks over gloo, one intra-op thread each, batch 4 x 256
-tokens per rank, AdamW (lr 1e-4, no clipping), at [zero] stage 2 and 3, three sides each:
-fp32 masters (master_dtype = "fp32"), none (master_dtype = "bf16"), and none with bf16 moments
-(state_dtype = "bf16" too: 8 B/param over the ranks). The sides rotate, round by round; a run's
-step time is the median of its steps after the first; the memory columns are rank 0's: its
-model state after the first update (the memory tracker; the plugin's zero_model_state_measured
-_bytes), the tracked peak and the peak RSS.
-usage: .venv/bin/python examples/bench/zero/no_masters.py [--rounds 3] [--steps 4] [--stages 2,3]"""
+tokens per rank, AdamW (lr 1e-4, no clipping), at [zero] stage 3 in memory and stage 2 with the
+optimizer state offloaded to NVMe (--nvme FOLDER), three sides each: fp32 masters (master_dtype
+= "fp32"), none (master_dtype = "bf16"), and none with bf16 moments (state_dtype = "bf16" too:
+8 B/param over the ranks). The runs rotate, round by round; a run's step time is the median of
+its steps after the first (the offloaded update's time and the swap file's bytes read per step
+likewise); the memory columns are rank 0's: its model state after the first update (the memory
+tracker; the plugin's zero_model_state_measured_bytes), the tracked peak and the peak RSS.
+usage: .venv/bin/python examples/bench/zero/no_masters.py [--rounds 3] [--steps 4] [--nvme DIR]"""
 import argparse
 import os
 import statistics
@@ -25,13 +26,18 @@ SIDES = [
 ]
 
 
-def run(stage, steps, sets):
+def run(stage, steps, sets, nvme):
+    if nvme:
+        sets = [*sets, f'zero.offload_optimizer={{device="nvme", nvme_path="{nvme}"}}']
     rows = run_loom(JOB, [f"train.max_steps={steps}", f"zero.stage={stage}", "train.num_threads=1",
                           'precision.mode="full_bf16"', f"train.per_device_train_batch_size={BATCH}",
                           f"model.vocab_size={VOCAB}", f"model.n_positions={SEQ}",
                           f"data.seq_len={SEQ}", f"data.vocab_high={VOCAB}",
                           "train.max_grad_norm=0", *sets], RANKS, "gloo")
-    return {"step": statistics.median(r["step_time_s"] for r in rows[1:]),
+    kept = rows[1:]
+    return {"step": statistics.median(r["step_time_s"] for r in kept),
+            "update": statistics.median(r.get("offload_update_s", 0.0) for r in kept),
+            "read": statistics.median(r.get("offload_bytes_read", 0.0) for r in kept),
             "state": rows[0]["zero_model_state_measured_bytes"],
             "peak": max(r["mem_peak_bytes"] for r in rows),
             "rss": max(r["rss_peak_bytes"] for r in rows)}
@@ -41,37 +47,42 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--stages", default="2,3")
+    p.add_argument("--nvme", default="", help="a folder for the swap files (no NVMe rows without)")
     args = p.parse_args()
-    stages = [int(s) for s in args.stages.split(",")]
-    runs = {(stage, k): [] for stage in stages for k in range(len(SIDES))}
+    places = [(3, "")] + ([(2, os.path.abspath(args.nvme))] if args.nvme else [])
+    order = [(place, k) for place in range(len(places)) for k in range(len(SIDES))]
+    runs = {key: [] for key in order}
     for r in range(args.rounds):
-        order = [(stage, k) for stage in stages for k in range(len(SIDES))]
         shift = r % len(order)
-        for stage, k in order[shift:] + order[:shift]:
-            result = run(stage, args.steps, SIDES[k][1])
-            runs[(stage, k)].append(result)
-            print(f"round {r} stage {stage} {SIDES[k][0]}: {result}", file=sys.stderr, flush=True)
+        for place, k in order[shift:] + order[:shift]:
+            stage, nvme = places[place]
+            result = run(stage, args.steps, SIDES[k][1], nvme)
+            runs[(place, k)].append(result)
+            print(f"round {r} stage {stage}{' nvme' if nvme else ''} {SIDES[k][0]}: {result}",
+                  file=sys.stderr, flush=True)
     mib = 1 << 20
+    med = statistics.median
     print(f"Machine: {cpu_name()}; {args.rounds} rounds of {args.steps} steps, 2 ranks x 1 thread "
           f"(gloo), GPT-2 124M full_bf16, batch {BATCH} x {SEQ} per rank\n")
-    print("| stage | side | step (s) | vs fp32 masters | rank 0 model state (MiB) | tracked peak "
-          "(MiB) | peak RSS (GiB) |")
-    print("|---|---|---|---|---|---|---|")
-    for stage in stages:
-        base = statistics.median(x["step"] for x in runs[(stage, 0)])
+    print("| stage | side | step (s) | vs fp32 masters | offloaded update (s) | swap file read "
+          "per step (MiB) | rank 0 model state (MiB) | tracked peak (MiB) | peak RSS (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for place, (stage, nvme) in enumerate(places):
+        base = med(x["step"] for x in runs[(place, 0)])
         for k, (name, _) in enumerate(SIDES):
-            xs = runs[(stage, k)]
-            step = statistics.median(x["step"] for x in xs)
-            print(f"| {stage} | {name} | {step:.3f} | {step / base:.3f}x | "
-                  f"{statistics.median(x['state'] for x in xs) / mib:.0f} | "
-                  f"{statistics.median(x['peak'] for x in xs) / mib:.0f} | "
-                  f"{statistics.median(x['rss'] for x in xs) / (1 << 30):.2f} |")
+            xs = runs[(place, k)]
+            step = med(x["step"] for x in xs)
+            off = f"{med(x['update'] for x in xs):.3f} | {med(x['read'] for x in xs) / mib:.0f}" \
+                if nvme else "— | —"
+            print(f"| {stage}{', NVMe' if nvme else ''} | {name} | {step:.3f} | "
+                  f"{step / base:.3f}x | {off} | {med(x['state'] for x in xs) / mib:.0f} | "
+                  f"{med(x['peak'] for x in xs) / mib:.0f} | "
+                  f"{med(x['rss'] for x in xs) / (1 << 30):.2f} |")
     print("\nPer-run step times (s), in round order:")
-    for stage in stages:
+    for place, (stage, nvme) in enumerate(places):
         for k, (name, _) in enumerate(SIDES):
-            print(f"- stage {stage}, {name}: " +
-                  ", ".join(f"{x['step']:.3f}" for x in runs[(stage, k)]))
+            print(f"- stage {stage}{', NVMe' if nvme else ''}, {name}: " +
+                  ", ".join(f"{x['step']:.3f}" for x in runs[(place, k)]))
 
 
 if __name__ == "__main__":
