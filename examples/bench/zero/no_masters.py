@@ -38,7 +38,8 @@ def run(stage, steps, sets, nvme):
     return {"step": statistics.median(r["step_time_s"] for r in kept),
             "update": statistics.median(r.get("offload_update_s", 0.0) for r in kept),
             "read": statistics.median(r.get("offload_bytes_read", 0.0) for r in kept),
-            "state": rows[0]["zero_model_state_measured_bytes"],
+            # Not reported with offloaded state (outside the formula's memory).
+            "state": rows[0].get("zero_model_state_measured_bytes", 0.0),
             "peak": max(r["mem_peak_bytes"] for r in rows),
             "rss": max(r["rss_peak_bytes"] for r in rows)}
 
@@ -74,8 +75,10 @@ def main():
             step = med(x["step"] for x in xs)
             off = f"{med(x['update'] for x in xs):.3f} | {med(x['read'] for x in xs) / mib:.0f}" \
                 if nvme else "— | —"
+            state = med(x["state"] for x in xs)
+            state = f"{state / mib:.0f}" if state else "—"
             print(f"| {stage}{', NVMe' if nvme else ''} | {name} | {step:.3f} | "
-                  f"{step / base:.3f}x | {off} | {med(x['state'] for x in xs) / mib:.0f} | "
+                  f"{step / base:.3f}x | {off} | {state} | "
                   f"{med(x['peak'] for x in xs) / mib:.0f} | "
                   f"{med(x['rss'] for x in xs) / (1 << 30):.2f} |")
     print("\nPer-run step times (s), in round order:")
