@@ -215,6 +215,17 @@ if story deepspeed3 "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run
    [ -f "$work/deepspeed3/checkpoint-3/optimizer-00001-of-00002.safetensors" ]; then
   ok "DeepSpeed file, ZeRO-3 on 2 ranks: losses $losses, a shard per rank"
 else fail "DeepSpeed ZeRO-3: $(grep -v '^\s*$' "$work/deepspeed3.log" | tail -3)"; fi
+# ... and DeepSpeed's low-precision keys: loom's master_dtype and state_dtype, no masters saved.
+if story deepspeed3lp "build/bin/loom-launch --nproc-per-node 2 build/bin/loom run examples/deepspeed/job.toml --deepspeed examples/deepspeed/ds_zero3_bf16_low_precision.json" \
+     "${tiny[@]}" "${shard_all[@]}" --set train.log_level=info &&
+   losses=$(steps_ok deepspeed3lp 3) &&
+   grep -qF 'bf16.bf16_master_weights_and_grads = true -> [optimizer] master_dtype = "bf16"' "$work/deepspeed3lp.log" &&
+   grep -qF 'bf16.bf16_optimizer_states = true -> [optimizer] state_dtype = "bf16"' "$work/deepspeed3lp.log" &&
+   grep -q "by ZeRO's formula (stage 3, N = 2, 2 B weights and grads, K = 4 B" "$work/deepspeed3lp.log" &&
+   ! for shard in "$work/deepspeed3lp/checkpoint-3"/optimizer-*.safetensors; do
+       safetensors_header "$shard"; done | grep -q 'master/'; then
+  ok "DeepSpeed file with bf16 master weights and optimizer states, ZeRO-3 on 2 ranks: losses $losses, no masters, K = 4 B"
+else fail "DeepSpeed low precision: $(grep -v '^\s*$' "$work/deepspeed3lp.log" | tail -3)"; fi
 
 # --- 10: activation checkpointing, full on the first units and attention on the others, as
 # written (dropout 0.1 and all) but first = 1 of the tiny model's 2 units: the log names the
