@@ -422,7 +422,7 @@ class Mapper {
         // DeepSpeed's low-precision options (its PR 7700): no fp32 masters (loom's bf16 weights
         // are their own: Note [bf16 weights as their own masters]; DeepSpeed keeps a bf16 copy
         // beside them) and bf16 moments (Note [Stochastic rounding of the state]).
-        const std::map<std::string, std::string> low_precision = {
+        static const std::map<std::string, std::string> low_precision = {
             {"bf16_master_weights_and_grads", "master_dtype"},
             {"bf16_optimizer_states", "state_dtype"}};
         if (const auto found = low_precision.find(key); found != low_precision.end()) {

@@ -81,6 +81,18 @@ void ZeroDriver::load_state(StateReader& reader) {
     at::Tensor into = piece.tensor;
     reader.read(piece.name, piece.global_shape, piece.offset, into);
   };
+  // Note [ZeRO without masters]: a job with masters resumed from a checkpoint without them
+  // starts each master from its piece's weights (stage 3's shard was read above; the engine
+  // loaded the other parameters before this call): exact, bf16 into fp32.
+  auto read_or_widen = [&](const StatePiece& piece, const at::Tensor& weights) {
+    if (piece.name.rfind("master/", 0) == 0 && !reader.holds(piece.name)) {
+      at::Tensor master = piece.tensor;
+      master.copy_(weights);
+      if (widened.empty()) widened = piece.name;
+      return;
+    }
+    read(piece);
+  };
   // Stage 3's weight pieces first (into shards read back from the file with offload_param):
   // the masters, where the weights have them, then overwrite the shards with their own values,
   // as all_gather_params does.
@@ -97,37 +109,18 @@ void ZeroDriver::load_state(StateReader& reader) {
     swap_->each([&](size_t i, Segment& segment) {
       StatePieces pieces;
       add_pieces(swapped_[i].first, swapped_[i].second, segment, pieces);
-      for (const auto& piece : pieces) {
-        if (piece.name.rfind("master/", 0) == 0 && !reader.holds(piece.name)) {
-          // Note [ZeRO without masters]: from a run without masters, the master from the
-          // values kept in memory (the weights' own).
-          segment.param.copy_(values_of(i));
-          if (widened.empty()) widened = piece.name;
-          continue;
-        }
-        read(piece);
-      }
+      const at::Tensor weights = values_of(i);
+      for (const auto& piece : pieces) read_or_widen(piece, weights);
       if (swap_->separate_master(i)) values_of(i).copy_(segment.param);
       return true;
     });
   } else {
-    // Note [ZeRO without masters]: a job with masters resumed from a checkpoint without them
-    // starts each master from its weights (stage 3's shard was read above; the engine loaded
-    // the other parameters before this call): exact, bf16 into fp32.
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t k = 0; k < groups_[g].segments.size(); ++k) {
         StatePieces pieces;
         add_pieces(g, k, groups_[g].segments[k], pieces);
-        for (const auto& piece : pieces) {
-          if (separate_master_ && piece.name.rfind("master/", 0) == 0 &&
-              !reader.holds(piece.name)) {
-            at::Tensor master = piece.tensor;
-            master.copy_(piece_weights(g, k));
-            if (widened.empty()) widened = piece.name;
-            continue;
-          }
-          read(piece);
-        }
+        const at::Tensor weights = piece_weights(g, k);
+        for (const auto& piece : pieces) read_or_widen(piece, weights);
       }
   }
   // Pieces other ranks hold are theirs to read; anything no rank of this job has a place for

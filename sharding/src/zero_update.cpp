@@ -19,12 +19,9 @@ at::Tensor ZeroDriver::piece_weights(size_t g, size_t k) const {
   return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
 }
 
-// Whether the rule reads group g's gradient chunk as it is: bf16 on the CPU, and a rule whose
-// kernels take it (the bf16 weights themselves without masters, or beside fp32 masters).
-static bool reads_as_is(const at::Tensor& grad, bool rounded, bool fused_rule,
-                        bool reads_bf16_grads) {
+bool ZeroDriver::reads_as_is(const at::Tensor& grad) const {
   return grad.is_cpu() && grad.scalar_type() == at::kBFloat16 &&
-         (rounded ? fused_rule : reads_bf16_grads);
+         (rounded_ ? fused_rule_ : reads_bf16_grads_);
 }
 
 std::vector<ZeroDriver::Held> ZeroDriver::hold_pieces(const std::vector<size_t>& groups,
@@ -34,7 +31,7 @@ std::vector<ZeroDriver::Held> ZeroDriver::hold_pieces(const std::vector<size_t>&
   for (size_t g : groups) {
     Group& group = groups_[g];
     LOOM_INTERNAL_ASSERT(group.grad.defined(), "ZeRO update without a reduced gradient");
-    const bool kept = as_is && reads_as_is(group.grad, rounded_, fused_rule_, reads_bf16_grads_);
+    const bool kept = as_is && reads_as_is(group.grad);
     at::Tensor grad = group.grad.scalar_type() == at::kFloat || kept ? group.grad
                                                                       : group.grad.to(at::kFloat);
     fp32_grads.push_back(grad);
@@ -61,18 +58,25 @@ void ZeroDriver::widen(const Held& h) const {
 
 void ZeroDriver::round_back(const Held& h, int64_t step) const {
   if (!rounded_) return;
-  if (!h.fused) {
-    at::Tensor into = h.weights;
-    round_weights_to_bf16(h.segment->param, into, seed_, h.segment->name, step,
-                          h.segment->offset);
-  }
+  if (!h.fused) write_rounded(*h.segment, h.weights, step);
   h.segment->param = at::Tensor();
 }
 
-int64_t ZeroDriver::update_copy_bytes(size_t g, bool as_is) const {
+void ZeroDriver::write_rounded(const Segment& segment, at::Tensor weights, int64_t step) const {
+  if (weights.device() == segment.param.device()) {
+    round_weights_to_bf16(segment.param, weights, seed_, segment.name, step, segment.offset);
+    return;
+  }
+  // The offloaded walk's fp32 weights are on the host, a GPU run's weights on the device.
+  at::Tensor rounded = at::empty(segment.param.sizes(), segment.param.options().dtype(at::kBFloat16));
+  round_weights_to_bf16(segment.param, rounded, seed_, segment.name, step, segment.offset);
+  weights.copy_(rounded);
+}
+
+int64_t ZeroDriver::update_copy_bytes(size_t g) const {
   const Group& group = groups_[g];
   if (!group.grad.defined()) return 0;
-  const bool kept = as_is && reads_as_is(group.grad, rounded_, fused_rule_, reads_bf16_grads_);
+  const bool kept = reads_as_is(group.grad);
   const int64_t chunk = group.plan.chunk;
   int64_t bytes = group.grad.scalar_type() == at::kFloat || kept ? 0 : chunk * 4;
   if (rounded_ && !kept) bytes += chunk * 4;  // the widened weights
@@ -85,22 +89,19 @@ void ZeroDriver::update_groups(const std::vector<size_t>& groups, int64_t step, 
   // released before the next; a batch's results do not depend on its batching.
   constexpr int64_t kUpdateCopyBytes = int64_t{128} << 20;
   if (groups.size() > 1) {
-    int64_t total = 0;
-    for (size_t g : groups) total += update_copy_bytes(g, true);
-    if (total > kUpdateCopyBytes) {
-      std::vector<size_t> batch;
-      int64_t bytes = 0;
-      for (size_t g : groups) {
-        const int64_t more = update_copy_bytes(g, true);
-        if (!batch.empty() && bytes + more > kUpdateCopyBytes) {
-          update_groups(batch, step, lr);
-          batch.clear();
-          bytes = 0;
-        }
-        batch.push_back(g);
-        bytes += more;
+    std::vector<std::vector<size_t>> batches(1);
+    int64_t bytes = 0;
+    for (size_t g : groups) {
+      const int64_t more = update_copy_bytes(g);
+      if (!batches.back().empty() && bytes + more > kUpdateCopyBytes) {
+        batches.emplace_back();
+        bytes = 0;
       }
-      if (!batch.empty()) update_groups(batch, step, lr);
+      batches.back().push_back(g);
+      bytes += more;
+    }
+    if (batches.size() > 1) {  // else all of them in one batch, below
+      for (const auto& batch : batches) update_groups(batch, step, lr);
       return;
     }
   }
@@ -194,10 +195,11 @@ void ZeroDriver::reduce_accumulators(std::vector<at::Tensor>& accumulators) {
 at::Tensor ZeroDriver::values_of(size_t i) const {
   const auto [g, k] = swapped_[i];
   const Group& group = groups_[g];
-  const Piece& piece = group.plan.ranks[rank_][k];
-  if (group.sharded) return group.unit.shard.narrow(0, piece.chunk_offset, piece.numel);
-  if (group.values.defined()) return group.values.narrow(0, piece.chunk_offset, piece.numel);
-  return params_[piece.tensor].tensor.detach().view(-1).narrow(0, piece.offset, piece.numel);
+  if (group.values.defined()) {  // made only for groups stage 3 does not shard
+    const Piece& piece = group.plan.ranks[rank_][k];
+    return group.values.narrow(0, piece.chunk_offset, piece.numel);
+  }
+  return piece_weights(g, k);
 }
 
 // Note [Offloaded ZeRO]: the same rule calls as run_rule, one segment at a time as the walk
@@ -220,18 +222,11 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
   // Note [ZeRO without masters]: segment i's fp32 weights for the rule (on the CPU, where the
   // walk's buffers are), and written back rounded into the weights wherever they live.
   auto widen_swapped = [&](size_t i, Segment& segment) {
-    if (rounded_) segment.param = values_of(i).to(at::kCPU, at::kFloat).contiguous();
+    if (rounded_) segment.param = values_of(i).to(at::kCPU, at::kFloat);
   };
   auto round_swapped = [&](size_t i, Segment& segment, int64_t at_step) {
     if (!rounded_) return;
-    at::Tensor weights = values_of(i);
-    if (weights.is_cpu()) {
-      round_weights_to_bf16(segment.param, weights, seed_, segment.name, at_step, segment.offset);
-    } else {
-      at::Tensor rounded = at::empty(segment.param.sizes(), segment.param.options().dtype(at::kBFloat16));
-      round_weights_to_bf16(segment.param, rounded, seed_, segment.name, at_step, segment.offset);
-      weights.copy_(rounded);
-    }
+    write_rounded(segment, values_of(i), at_step);
     segment.param = at::Tensor();
   };
   size_t open_group = groups_.size();  // offload_param: the group whose shard is being filled

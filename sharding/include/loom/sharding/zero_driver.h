@@ -314,11 +314,17 @@ class ZeroDriver final : public StepDriver {
   // bf16 weights themselves), and written back rounded after it.
   void widen(const Held& h) const;
   void round_back(const Held& h, int64_t step) const;
+  // segment.param (fp32, on the device or, in the offloaded walk, the host) rounded into
+  // `weights` (bf16, wherever they live) with round_weights_to_bf16's bits.
+  void write_rounded(const Segment& segment, at::Tensor weights, int64_t step) const;
+  // Whether the rule reads this gradient chunk as it is: bf16 on the CPU, and a rule whose
+  // kernels take it (the bf16 weights themselves without masters, or beside fp32 masters).
+  bool reads_as_is(const at::Tensor& grad) const;
   // Piece k of group g's weights in their own dtype: a view of the stage-3 shard, or of the
   // parameter itself at stages 1-2.
   at::Tensor piece_weights(size_t g, size_t k) const;
   // The bytes of fp32 copies the update of group g makes (Note [Update copies bounded]).
-  int64_t update_copy_bytes(size_t g, bool as_is) const;
+  int64_t update_copy_bytes(size_t g) const;
   void run_rule(int64_t step, double lr);
   // The rule over the pieces of `groups` (rules without reduction rounds), segments sharing lr
   // and weight decay batched together as the default driver does.
