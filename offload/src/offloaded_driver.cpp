@@ -24,9 +24,11 @@ class OffloadedDriver final : public OffloadedStepDriver {
       : params_(options.params),
         rule_(*options.rule),
         weight_decay_(options.weight_decay),
+        seed_(options.seed),
+        fused_rule_(options.master_dtype == "bf16" && rule_takes_bf16_weights(rule_, seed_)),
         delayed_(offload.delayed_update) {
     std::vector<SwapSegment> segments;
-    bool masters = false;
+    bool masters = false, rounded = false;
     for (const auto& param : params_) {
       const at::Tensor data = param.tensor.detach();
       LOOM_INTERNAL_ASSERT(data.is_contiguous(), "parameter ", param.name, " is not contiguous");
@@ -36,8 +38,12 @@ class OffloadedDriver final : public OffloadedStepDriver {
       s.numel = data.numel();
       s.group = param.group;
       // fp32 CPU weights are their own masters, updated in place; not while forward reads
-      // them during a delayed update (Note [Delayed update]).
-      if (data.scalar_type() == at::kFloat && data.is_cpu() && !delayed_) s.in_place = data.view(-1);
+      // them during a delayed update (Note [Delayed update]). bf16 weights are their own with
+      // master_dtype = "bf16" (Note [Offloaded without masters]): the store holds the state
+      // alone.
+      rounded_.push_back(options.master_dtype == "bf16" && data.scalar_type() == at::kBFloat16);
+      if (rounded_.back()) s.no_master = rounded = true;
+      else if (data.scalar_type() == at::kFloat && data.is_cpu() && !delayed_) s.in_place = data.view(-1);
       else masters = true;
       segments.push_back(std::move(s));
     }
@@ -55,6 +61,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
         new_weights_.push_back(at::empty(w.sizes(), w.options().device(at::kCPU).pinned_memory(pin)));
         host_bytes_ += grad_copies_.back().nbytes() + new_weights_.back().nbytes();
       }
+      fill_new_weights();
       updated_.assign(params_.size(), 0);
     }
     // Note [Overlapped update]: the host store, updated where it lives as gradients land.
@@ -79,7 +86,8 @@ class OffloadedDriver final : public OffloadedStepDriver {
     }
     log::info("offload: optimizer state", masters ? " and fp32 masters" : "", " of ",
               params_.size(), " tensors ", swap_->in_host_memory() ? "in host memory" : "on NVMe",
-              ": ", swap_->describe(),
+              rounded ? " (bf16 weights as their own masters: none kept)" : "", ": ",
+              swap_->describe(),
               delayed_ ? "; each update runs one step late, overlapping the next step's forward "
                          "and backward (delayed_update)"
               : overlap_ ? "; each tensor's gradient copied to host memory as it is final, its "
@@ -165,8 +173,16 @@ class OffloadedDriver final : public OffloadedStepDriver {
       const Param& p = params_[i];
       const at::Tensor& grad = p.tensor.grad();
       if (!grad.defined()) return false;  // unused this step: its state stays as it is on disk
+      const UpdateContext context = update_context(p, step, lr, weight_decay_);
+      if (rounded_[i]) {  // Note [Offloaded without masters]: widened from the weights
+        const at::Tensor weights = p.tensor.detach().view(-1);
+        const at::Tensor host = weights.is_cpu() ? weights : weights.to(at::kCPU);
+        update_rounded(segment, host, grad.reshape(-1).to(at::kCPU), context);
+        if (!weights.is_cpu()) weights.copy_(host);
+        return true;
+      }
       segment.grad = grad.reshape(-1).to(at::kCPU, at::kFloat);
-      rule_.update_many({&segment}, update_context(p, step, lr, weight_decay_));
+      rule_.update_many({&segment}, context);
       if (swap_->separate_master(i)) p.tensor.detach().copy_(segment.param.view(p.tensor.sizes()));
       return true;
     });
@@ -197,7 +213,10 @@ class OffloadedDriver final : public OffloadedStepDriver {
       for (const auto& [key, tensor] : meta.state)
         out.push_back({"state/" + meta.name + "/" + key, tensor, tensor.sizes().vec(), 0, {},
                        [swap, i, key = key] { return swap->read(i, key); }});
-      if (swap->separate_master(i))
+      // fp32 weights equal their copy in the store after every applied update (a delayed
+      // one is applied before a save): the weights file holds them, bit for bit, as an
+      // in-memory run's checkpoint does.
+      if (swap->separate_master(i) && params_[i].tensor.scalar_type() != at::kFloat)
         out.push_back({"master/" + meta.name, meta.param, {meta.param.numel()}, 0, {},
                        [swap, i] { return swap->read(i, ""); }});
     }
@@ -209,16 +228,30 @@ class OffloadedDriver final : public OffloadedStepDriver {
     wait();  // the loaded masters are the weights: nothing of the run before stays in flight
     if (io_) io_->wait();
     std::fill(updated_.begin(), updated_.end(), 0);
+    // Note [Offloaded without masters]: masters saved by a run that kept them, or none by one
+    // that did not (nor for fp32 weights, which are their own: state_pieces).
+    std::string dropped, widened;
     swap_->each([&](size_t i, Segment& segment) {
       for (auto& [key, tensor] : segment.state)
         reader.read("state/" + segment.name + "/" + key, tensor.sizes().vec(), 0, tensor);
-      if (swap_->separate_master(i)) {
-        reader.read("master/" + segment.name, {segment.param.numel()}, 0, segment.param);
-        const at::Tensor& weight = params_[i].tensor;
-        weight.detach().copy_(segment.param.view(weight.sizes()));
+      const std::string master = "master/" + segment.name;
+      const at::Tensor weight = params_[i].tensor.detach();
+      if (swap_->separate_master(i) && reader.holds(master)) {
+        reader.read(master, {segment.param.numel()}, 0, segment.param);
+        weight.copy_(segment.param.view(weight.sizes()));
+      } else if (swap_->separate_master(i)) {
+        segment.param.copy_(weight.view(-1));  // exact: the weights into fp32
+        if (weight.scalar_type() != at::kFloat && widened.empty()) widened = master;
+      } else if (reader.holds(master)) {
+        // Read (so nothing is left unread) and dropped: the weights go on from their values.
+        at::Tensor into = at::empty({weight.numel()}, at::TensorOptions().dtype(at::kFloat));
+        reader.read(master, {into.numel()}, 0, into);
+        if (rounded_[i] && dropped.empty()) dropped = master;
       }
       return true;
     });
+    if (delayed_) fill_new_weights();  // the next update starts from the loaded weights
+    warn_master_dtype_switch(reader, dropped, widened);
     check_nothing_unread(reader);
   }
   // What stays in memory: the staging buffers (the state itself is on NVMe), and with
@@ -244,6 +277,10 @@ class OffloadedDriver final : public OffloadedStepDriver {
     norms_[i] = squared_norm({grad});
     landing_[i] = 1;
     io_->post(copies_->start(landed_[i], grad));
+    // Note [Offloaded without masters]: a GPU's bf16 weights come to the host to be updated;
+    // backward reads them no more (their gradient is final), and forward not before update().
+    if (rounded_[i] && copies_->on_device())
+      io_->post(copies_->start(staged_[i], params_[i].tensor.detach().view(-1)));
   }
   // Gradients no grad_final handed over (one that only an earlier micro-step made): landed now.
   void finish_landing() {
@@ -257,6 +294,13 @@ class OffloadedDriver final : public OffloadedStepDriver {
   // host to device on the side stream, which update() joins into the compute stream).
   void update_segment(size_t i, const UpdateContext& context) {
     Segment segment = swap_->host_segment(i);
+    if (rounded_[i]) {  // Note [Offloaded without masters]
+      const at::Tensor weight = params_[i].tensor.detach().view(-1);
+      if (!copies_->on_device()) return update_rounded(segment, weight, landed_[i], context);
+      update_rounded(segment, staged_[i], landed_[i], context);  // landed beside the gradient
+      copies_->start(weight, staged_[i]);
+      return;
+    }
     segment.grad = landed_[i].to(at::kFloat);
     rule_.update_many({&segment}, context);
     if (!swap_->separate_master(i)) return;  // fp32 CPU weights: updated in place
@@ -326,6 +370,10 @@ class OffloadedDriver final : public OffloadedStepDriver {
         at::NoGradGuard no_grad;
         swap_->walk([&](size_t i, Segment& segment) {
           if (!updated_[i]) return false;
+          if (rounded_[i]) {  // Note [Offloaded without masters]: the host copy is the truth
+            update_rounded(segment, new_weights_[i].view(-1), grad_copies_[i], contexts[i]);
+            return true;
+          }
           segment.grad = grad_copies_[i];
           rule_.update_many({&segment}, contexts[i]);
           new_weights_[i].copy_(segment.param.view(new_weights_[i].sizes()));
@@ -335,6 +383,35 @@ class OffloadedDriver final : public OffloadedStepDriver {
         worker_error_ = std::current_exception();
       }
     });
+  }
+
+  // Note [Offloaded without masters]: a segment's update on bf16 weights that are their own
+  // masters, `weights` on the host (flat: the model's own on a CPU run, a host copy of them on
+  // a GPU's), `grad` on the host in any dtype; the result written into `weights` rounded
+  // stochastically with the core's bits (offset 0: the segment is the whole tensor), or by the
+  // rule in its own pass where it takes bf16 weights and the gradient is bf16.
+  void update_rounded(Segment& segment, const at::Tensor& weights, const at::Tensor& grad,
+                      const UpdateContext& context) const {
+    if (fused_rule_ && grad.scalar_type() == at::kBFloat16 && grad.is_contiguous()) {
+      segment.param = weights;
+      segment.grad = grad.view(-1);
+      rule_.update_many({&segment}, context);
+    } else {
+      segment.param = weights.to(at::kFloat);
+      segment.grad = grad.reshape(-1).to(at::kFloat);
+      rule_.update_many({&segment}, context);
+      at::Tensor into = weights;
+      round_weights_to_bf16(segment.param, into, seed_, segment.name, context.step, 0);
+    }
+    segment.param = at::Tensor();
+    segment.grad = at::Tensor();
+  }
+  // Note [Delayed update]: without masters the host copy of the weights is what the next
+  // update starts from, so it begins (and after a load, begins again) as the weights.
+  void fill_new_weights() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (rounded_[i]) new_weights_[i].copy_(params_[i].tensor.detach());
   }
 
   // Waits for the update in flight (its error raised here, on the training thread).
@@ -353,6 +430,10 @@ class OffloadedDriver final : public OffloadedStepDriver {
   std::vector<Param> params_;
   const UpdateRule& rule_;
   double weight_decay_;
+  // Note [Offloaded without masters]
+  uint64_t seed_;
+  bool fused_rule_;
+  std::vector<char> rounded_;  // per parameter: bf16 weights that are their own masters
   std::unique_ptr<SegmentSwap> swap_;
   // Note [Delayed update]
   bool delayed_ = false;

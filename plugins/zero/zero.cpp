@@ -331,18 +331,12 @@ class Zero final : public loom::Plugin {
                     "and rebuilds them from the fp32 masters, but [precision] mode is ", mode,
                     "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
     }
-    // Note [ZeRO without masters] (loom/sharding/zero_driver.h): stage 0's offloaded driver
-    // keeps fp32 masters beside the state, and offload_param rebuilds its shards from them.
+    // Note [ZeRO without masters] (loom/sharding/zero_driver.h): offload_param rebuilds its
+    // shards from fp32 masters. (Stage 0's offloaded driver keeps none either: Note
+    // [Offloaded without masters] in loom/offload/offloaded_driver.h.)
     const loom::ConfigSection* optimizer = job("optimizer");
     if (optimizer && optimizer->get_string("master_dtype") == "bf16") {
       const bool cuda = job("train")->get_string("device").rfind("cuda", 0) == 0;
-      const bool stores = offload_.device == "nvme" ||
-                          (offload_.device == "cpu" && (cuda || cpu_twin()));
-      LOOM_CHECK_AS(ConfigError, !stores || stage_ >= 1, optimizer->where("master_dtype"),
-                    ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, but [zero] "
-                    "stage 0 with offload_optimizer.device = \"", offload_.device, "\" (",
-                    where_offload_, ") keeps them beside the offloaded state; use stage = 1, 2 "
-                    "or 3 (which offload the state alone), or remove master_dtype");
       LOOM_CHECK_AS(ConfigError, !offloads_params(cuda), optimizer->where("master_dtype"),
                     ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, but [zero] "
                     "offload_param (", where_offload_param_, ") rebuilds the weight shards from "

@@ -106,13 +106,12 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
     r.applicable = false;
     return;
   }
-  // Note [ZeRO without masters] (loom/sharding/zero_driver.h): stages 1-3 keep none (m is 0
-  // here, as for fp32 weights), offloaded or not; stage 0's offloaded driver and offload_param
-  // keep theirs and refuse master_dtype = "bf16" ("cpu" on a CPU run moves nothing).
+  // Note [ZeRO without masters] (loom/sharding/zero_driver.h) and Note [Offloaded without
+  // masters] (loom/offload/offloaded_driver.h): every stage keeps none (m is 0 here, as for
+  // fp32 weights), offloaded or not; offload_param keeps its and refuses master_dtype = "bf16"
+  // ("cpu" on a CPU run moves nothing).
   const bool own_masters = c.bf16_masters && r.labels["precision"] == "full_bf16";
-  const bool moves_state = optimizer_device == "nvme" || (optimizer_device == "cpu" && !c.cpu_device);
-  if (own_masters && ((moves_state && stage == 0) || param_device == "nvme" ||
-                      (param_device == "cpu" && !c.cpu_device)))
+  if (own_masters && (param_device == "nvme" || (param_device == "cpu" && !c.cpu_device)))
     r.buildable = false;
   int buffer_count = c.buffer_count;
   if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())
@@ -217,16 +216,18 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   if (state_to_host && stage == 0) {
     // Note [Overlapped update] and Note [Delayed update] (loom/offload/offloaded_driver.h): the
     // unsharded host store lands each gradient in a host copy and stages each updated weight
-    // for its way back to the GPU, both in the weights' dtype (unless overlap_update = false
-    // without the delayed update: then the update reads the gradients after backward).
+    // for its way back to the GPU (without masters, its way to the host first), both in the
+    // weights' dtype (unless overlap_update = false without the delayed update: then the
+    // update reads the gradients after backward).
     const ConfigValue* o = t.get("offload_optimizer");
     auto flag = [o](const char* key, bool otherwise) {
       const ConfigValue* v = o && o->is_table() ? o->find(key) : nullptr;
       const auto* b = v ? std::get_if<bool>(&v->value) : nullptr;
       return b ? *b : otherwise;
     };
-    if (flag("delayed_update", false) || flag("overlap_update", true))
-      r.host_buffers += 2 * c.trainable * w;
+    // The delayed update's gradient copies are fp32 (its walk's rule reads them as they are).
+    if (flag("delayed_update", false)) r.host_buffers += (4 + w) * c.trainable;
+    else if (flag("overlap_update", true)) r.host_buffers += 2 * c.trainable * w;
   }
   if (shards_move) {
     // Note [Offloaded parameters]: the units' shards live in the file or the host arena between

@@ -378,9 +378,9 @@ TEST(Estimate, JobEstimateIsWithinTenPercentOfTheMeasuredPeak) {
 // [optimizer] master_dtype = "bf16" (Note [bf16 weights as their own masters]): the job's
 // full_bf16 row holds no masters and is within the same 10 % of the peak the job measures; its
 // other precisions' probes run with masters' default (which they need); the full_bf16 rows of
-// every ZeRO stage keep none (Note [ZeRO without masters]), offloaded or not, and stage 0's
-// offloaded rows (not "cpu" on a CPU run, which moves nothing) are marked as not buildable (its
-// offloaded driver keeps masters).
+// every ZeRO stage keep none (Note [ZeRO without masters], Note [Offloaded without masters]),
+// offloaded or not, and the rows offloading stage 3's weight shards (not "cpu+p" on a CPU run,
+// which moves nothing) are marked as not buildable (offload_param rebuilds them from masters).
 TEST(Estimate, Bf16MastersJobRowHasNoMastersAndMatchesItsPeak) {
   TempDir dir;
   const std::filesystem::path job = dir.path() / "job.toml";
@@ -392,9 +392,9 @@ TEST(Estimate, Bf16MastersJobRowHasNoMastersAndMatchesItsPeak) {
   for (const auto& r : report.rows) {
     if (r.precision != Precision::full_bf16) continue;
     EXPECT_EQ(r.masters, 0) << "stage " << r.stage;
-    const bool moves = r.offload != Offload::none &&
-                       !(report.device == "cpu" && r.offload == Offload::cpu);
-    EXPECT_EQ(r.buildable, !(moves && r.stage == 0)) << "stage " << r.stage;
+    const bool moves_shards = r.offload == Offload::nvme_params ||
+                              (report.device != "cpu" && r.offload == Offload::cpu_params);
+    EXPECT_EQ(r.buildable, !moves_shards) << "stage " << r.stage << " " << to_string(r.offload);
     if (r.stage == 0 && r.offload == Offload::none) mine = &r;
   }
   ASSERT_NE(mine, nullptr);
@@ -441,6 +441,9 @@ TEST(Estimate, ZeroAndOffloadEstimatesAreWithinTenPercentOfTheMeasuredPeak) {
       // swap file holds the state alone.
       {3, Offload::none, all_sharded, {}, 25.0 * (1 << 20), {"optimizer.master_dtype=\"bf16\""}},
       {2, Offload::nvme, "offload_optimizer = " + nvme + "\n", {}, 25.0 * (1 << 20),
+       {"optimizer.master_dtype=\"bf16\""}},
+      // Note [Offloaded without masters]: stage 0's swap file too.
+      {0, Offload::nvme, "offload_optimizer = " + nvme + "\n", {}, 25.0 * (1 << 20),
        {"optimizer.master_dtype=\"bf16\""}},
   };
   for (const Case& c : cases) {

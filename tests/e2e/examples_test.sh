@@ -376,6 +376,18 @@ for shard in shards:
 PY
   ok "bf16 weights without masters, ZeRO-3 on 2 ranks: losses $losses, no masters in either shard"
 else fail "bf16 weights without masters, ZeRO-3: $(grep -v '^\s*$' "$work/bf16-no-masters-zero3.log" | tail -3)"; fi
+# ... and its file's one-GPU offload at stage 0, on NVMe so that this CPU moves the state: the
+# store holds the moments alone, the swap file gone after.
+no_masters_swap=$work/no-masters-swap
+mkdir -p "$no_masters_swap"
+if story bf16-no-masters-nvme "build/bin/loom run examples/memory/bf16_no_masters.toml" "${tiny[@]}" \
+     --set train.log_level=info --set zero.stage=0 \
+     --set "zero.offload_optimizer={device=\"nvme\", nvme_path=\"$no_masters_swap\"}" &&
+   losses=$(steps_ok bf16-no-masters-nvme 3 offload_bytes_read) &&
+   grep -q "offload: optimizer state of .* (bf16 weights as their own masters: none kept)" "$work/bf16-no-masters-nvme.log" &&
+   [ -z "$(ls -A "$no_masters_swap")" ]; then
+  ok "bf16 weights without masters, stage 0 on NVMe: losses $losses, the moments alone in the swap file"
+else fail "bf16 weights without masters, stage 0 on NVMe: $(grep -v '^\s*$' "$work/bf16-no-masters-nvme.log" | tail -3)"; fi
 
 # --- 19: 8-bit Adam: finite losses, the state's bytes in the log, and in the checkpoint each
 # tensor of at least min_8bit_size elements as uint8 codes with fp32 absmaxes (one per block),

@@ -763,12 +763,13 @@ TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
 // ZeRO-Offload on a GPU: the fp32 masters and AdamW's state in page-locked host memory
 // (device = "cpu", Note [Host store]) or on NVMe, the update on the CPU, the weights copied back
 // in bf16. Follows the same job kept on the GPU (CPU and GPU AdamW round alike but for
-// rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1). At stage 2
-// also without masters (Note [ZeRO without masters]: the state alone in the store, the weights
-// widened on the host and rounded back there, then copied to the GPU).
+// rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1). At stages 0
+// and 2 also without masters (Note [ZeRO without masters], Note [Offloaded without masters]:
+// the state alone in the store, the weights widened on the host and rounded back there, then
+// copied to the GPU).
 TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
   LOOM_REQUIRE_GPU();
-  for (const std::string stage : {"0", "2", "2 without masters"}) {
+  for (const std::string stage : {"0", "2", "0 without masters", "2 without masters"}) {
     SCOPED_TRACE("stage " + stage);
     std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
     if (stage.size() > 1) set.push_back("optimizer.master_dtype=\"bf16\"");
@@ -815,14 +816,16 @@ TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
 // stream, the compute stream joined once — is bitwise the same host store updating after
 // backward (overlap_update = false: the same CPU kernels on the same bits, so any missing wait
 // on a stream or event shows as a difference), with every tensor updated during backward, on
-// one GPU and with gradient accumulation.
+// one GPU and with gradient accumulation; and without masters (Note [Offloaded without
+// masters]: each tensor's weights come to the host beside its gradient on the side stream).
 TEST(Gpu, OverlappedHostStoreUpdateIsBitwiseTheUpdateAfterBackward) {
   LOOM_REQUIRE_GPU();
-  for (const std::string accumulation : {"1", "2"}) {
+  for (const std::string accumulation : {"1", "2", "1 without masters"}) {
     SCOPED_TRACE("gradient_accumulation_steps = " + accumulation);
-    const std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\"",
-                                          "train.max_grad_norm=0",
-                                          "train.gradient_accumulation_steps=" + accumulation};
+    std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\"",
+                                    "train.max_grad_norm=0",
+                                    "train.gradient_accumulation_steps=" + accumulation.substr(0, 1)};
+    if (accumulation.size() > 1) set.push_back("optimizer.master_dtype=\"bf16\"");
     TempDir after_dir, overlap_dir;
     const std::string zero = "\n[zero]\nstage = 0\n";
     const TrainRun after = train(tiny_gpt_job(after_dir.str()) + zero +

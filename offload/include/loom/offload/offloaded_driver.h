@@ -63,6 +63,23 @@ namespace loom::offload {
 // false` runs the host store's update after backward as before (for comparison; and a way
 // around the GPU half, whose test passes on an H200). Stages 1-3 (ZeRO's driver with its
 // pieces in the host store) do not overlap yet: they update after their reduce-scatters.
+//
+// Note [Offloaded without masters]: with [optimizer] master_dtype = "bf16" ([precision] mode =
+// "full_bf16") the bf16 weights are their own masters here too (Note [bf16 weights as their own
+// masters] in core/src/step_driver.cpp): the store holds each tensor's optimizer state alone
+// (SwapSegment::no_master), 4 B/param less on NVMe or in host memory and 4 B/param less moved
+// each way per step, which for one GPU and a big model is most of what the host holds (12 ->
+// 8 B/param with fp32 moments, 4 with bf16 ones). Each update widens the weights where the
+// CPU can read them — the model's own on a CPU run; on a GPU a host copy, brought over beside
+// the gradient (the overlapped update), or the whole tensor before its walk — runs the rule on
+// them and writes them back rounded stochastically with the core's bits (the [train] seed, the
+// step, the name, each element's index), so the weights are bitwise the in-memory run's
+// without masters. The delayed update keeps its host copy of the weights as the truth instead:
+// update k starts from update k-1's weights (there, not in the model, which forward is reading)
+// and synchronize() copies them in as before. A checkpoint holds no masters; a resume from one
+// that has them drops them, and a job with masters resumed from one without starts them from
+// the weights, each warned. fp32 weights' copies in the store are their weights exactly after
+// every applied update, so no checkpoint saves them either (an in-memory run reads it).
 class OffloadedStepDriver : public StepDriver {
  public:
   virtual const OffloadStats& last_stats() const = 0;
