@@ -331,16 +331,22 @@ class Zero final : public loom::Plugin {
                     "and rebuilds them from the fp32 masters, but [precision] mode is ", mode,
                     "; use [precision] mode = \"full_bf16\" (or \"full_fp16\")");
     }
-    // Note [ZeRO without masters] (loom/sharding/zero_driver.h): offload_param rebuilds its
-    // shards from fp32 masters. (Stage 0's offloaded driver keeps none either: Note
-    // [Offloaded without masters] in loom/offload/offloaded_driver.h.)
+    // Note [ZeRO without masters] (loom/sharding/zero_driver.h): without masters, offload_param's
+    // shards are updated where they live by the walk over the offloaded optimizer state.
     const loom::ConfigSection* optimizer = job("optimizer");
     if (optimizer && optimizer->get_string("master_dtype") == "bf16") {
       const bool cuda = job("train")->get_string("device").rfind("cuda", 0) == 0;
-      LOOM_CHECK_AS(ConfigError, !offloads_params(cuda), optimizer->where("master_dtype"),
-                    ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, but [zero] "
-                    "offload_param (", where_offload_param_, ") rebuilds the weight shards from "
-                    "them; remove master_dtype, or leave offload_param out");
+      const bool stores = offload_.device == "nvme" ||
+                          (offload_.device == "cpu" && (cuda || cpu_twin()));
+      LOOM_CHECK_AS(ConfigError, !offloads_params(cuda) || stores, optimizer->where("master_dtype"),
+                    ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, so [zero] "
+                    "offload_param (", where_offload_param_, ") updates each weight shard where "
+                    "it lives, in the walk over the offloaded optimizer state, but "
+                    "offload_optimizer ",
+                    offload_.device == "none" ? std::string("is not set")
+                                              : "(\"cpu\") moves nothing on a CPU run",
+                    "; set offload_optimizer = { device = \"",
+                    cuda ? "cpu" : "nvme", "\", ... } too, or remove master_dtype");
     }
     // Note [Sharded initialization]: plugins that change the units once the model is built
     // need it whole. Left out, sharded_init is resolved off for this job (said at setup); set
@@ -419,7 +425,14 @@ class Zero final : public loom::Plugin {
         loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
                         offload_.nvme.path, ")");
       } else {
-        loom::log::info("zero: stage ", stage_, ", optimizer state and fp32 masters offloaded to ",
+        // Note [ZeRO without masters]: bf16 weights that are their own masters keep none there.
+        const bool masters = !(engine.section("optimizer").get_string("master_dtype") == "bf16" &&
+                               !options.params.empty() &&
+                               options.params.front().tensor.scalar_type() == at::kBFloat16);
+        loom::log::info("zero: stage ", stage_, ", optimizer state",
+                        masters ? " and fp32 masters" : " (no fp32 masters: the bf16 weights are "
+                                                        "their own)",
+                        " offloaded to ",
                         offload_.pin_memory && engine.device().is_cuda() ? "page-locked " : "",
                         "host memory; the update runs on the CPU");
       }

@@ -100,19 +100,17 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
                             offload + " row counts the masters and optimizer state on " +
                             param_device + " too");
   }
-  // offload_param drops the weight shards from memory only where the fp32 masters are the
-  // truth (half weights): with fp32 weights nothing could go.
-  if (offload_params && (stage != 3 || r.master_bytes <= 0)) {
+  // Note [ZeRO without masters] (loom/sharding/zero_driver.h) and Note [Offloaded without
+  // masters] (loom/offload/offloaded_driver.h): every stage keeps none (m is 0 here, as for
+  // fp32 weights), offloaded or not, offload_param too (its row offloads the state as well,
+  // whose walk updates the shards where they live).
+  const bool own_masters = c.bf16_masters && r.labels["precision"] == "full_bf16";
+  // offload_param drops the half-precision weight shards from memory (the fp32 masters, or the
+  // shards themselves without masters, are the truth): with fp32 weights nothing could go.
+  if (offload_params && (stage != 3 || (r.master_bytes <= 0 && !own_masters))) {
     r.applicable = false;
     return;
   }
-  // Note [ZeRO without masters] (loom/sharding/zero_driver.h) and Note [Offloaded without
-  // masters] (loom/offload/offloaded_driver.h): every stage keeps none (m is 0 here, as for
-  // fp32 weights), offloaded or not; offload_param keeps its and refuses master_dtype = "bf16"
-  // ("cpu" on a CPU run moves nothing).
-  const bool own_masters = c.bf16_masters && r.labels["precision"] == "full_bf16";
-  if (own_masters && (param_device == "nvme" || (param_device == "cpu" && !c.cpu_device)))
-    r.buildable = false;
   int buffer_count = c.buffer_count;
   if (const ConfigValue* o = t.get("offload_optimizer"); o && o->is_table())
     if (const ConfigValue* n = o->find("buffer_count"))

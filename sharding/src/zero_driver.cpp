@@ -83,13 +83,17 @@ ZeroDriver::ZeroDriver(const StepDriverOptions& options, ZeroOptions zero)
   if (options_.offload_param.device != "none") {  // Note [Offloaded parameters]
     LOOM_CHECK_AS(ConfigError, options_.stage == 3, "[zero] offload_param offloads stage 3's "
                   "weight shards; set [zero] stage = 3");
-    LOOM_CHECK_AS(ConfigError, !rounded_, "[zero] offload_param rebuilds the weight shards "
-                  "from fp32 masters, but [optimizer] master_dtype = \"bf16\" keeps none; remove "
-                  "master_dtype, or leave offload_param out");
-    LOOM_CHECK_AS(ConfigError, separate_master_, "[zero] offload_param keeps half-precision "
-                  "weight shards off the device and rebuilds them from the fp32 masters, but these "
-                  "weights are ", c10::toString(weight_dtype_), "; use [precision] mode = "
-                  "\"full_bf16\" (or \"full_fp16\")");
+    // Note [ZeRO without masters]: without masters the walk over the offloaded state updates
+    // each shard where it lives; with the state in memory nothing would bring it there.
+    LOOM_CHECK_AS(ConfigError, !rounded_ || offloaded, "[zero] offload_param with [optimizer] "
+                  "master_dtype = \"bf16\" updates each weight shard where it lives, in the walk "
+                  "over the offloaded optimizer state, but offload_optimizer is not set; set "
+                  "offload_optimizer = { device = \"cpu\" } (or \"nvme\") too, or remove "
+                  "master_dtype");
+    LOOM_CHECK_AS(ConfigError, separate_master_ || rounded_, "[zero] offload_param keeps "
+                  "half-precision weight shards off the device and rebuilds them from the fp32 "
+                  "masters, but these weights are ", c10::toString(weight_dtype_), "; use "
+                  "[precision] mode = \"full_bf16\" (or \"full_fp16\")");
     LOOM_CHECK_AS(ConfigError, device_.is_cpu() || device_.is_cuda(), "[zero] offload_param on ",
                   device_.str(), " is not built (the shards travel to a CUDA device or stay on "
                   "the CPU); train on a CUDA device or the CPU, or leave offload_param out");
@@ -291,7 +295,8 @@ std::string ZeroDriver::describe() const {
           : rounded_       ? ", no masters (bf16 weights rounded stochastically)"
                            : "");
   if (swap_)
-    out << "; masters and state " << (swap_->in_host_memory() ? "in host memory" : "on NVMe")
+    out << (separate_master_ ? "; masters and state " : "; state ")
+        << (swap_->in_host_memory() ? "in host memory" : "on NVMe")
         << ": " << swap_->describe();
   if (options_.stage == 3)
     out << "; weights sharded in " << unit_order_.size() << " unit(s), "

@@ -219,28 +219,46 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     const Piece& piece = piece_of(i);
     segment.grad = grads[swapped_[i].first].narrow(0, piece.chunk_offset, piece.numel);
   };
+  // Note [Offloaded parameters]: the unit whose shard the updating walk is in, resident (read
+  // from its home without masters, fresh to be rebuilt whole from them); the last unit's goes
+  // home as soon as the walk leaves it.
+  size_t open_group = groups_.size();
+  auto open_shard = [&](size_t i, bool read) {
+    const size_t g = swapped_[i].first;
+    if (!param_file_ || !groups_[g].sharded || open_group == g) return;
+    if (open_group < groups_.size()) param_file_->flush(groups_[open_group].unit);
+    open_group = g;
+    param_file_->make_resident(groups_[g].unit, read);
+  };
+  // A reading walk's view of segment i's weights: with offload_param a copy of its unit's
+  // shard, read once per unit, so nothing becomes resident that no write will send home.
+  size_t read_group = groups_.size();
+  at::Tensor read_shard;
+  auto reading_values = [&](size_t i) {
+    const size_t g = swapped_[i].first;
+    if (!param_file_ || !groups_[g].sharded || groups_[g].unit.shard.defined()) return values_of(i);
+    if (read_group != g) {
+      read_shard = param_file_->read(groups_[g].unit);
+      read_group = g;
+    }
+    return read_shard.narrow(0, piece_of(i).chunk_offset, piece_of(i).numel);
+  };
   // Note [ZeRO without masters]: segment i's fp32 weights for the rule (on the CPU, where the
-  // walk's buffers are), and written back rounded into the weights wherever they live.
-  auto widen_swapped = [&](size_t i, Segment& segment) {
-    if (rounded_) segment.param = values_of(i).to(at::kCPU, at::kFloat);
+  // walk's buffers are), and written back rounded into the weights wherever they live (with
+  // offload_param, the unit's resident shard).
+  auto widen_swapped = [&](size_t i, Segment& segment, bool updating) {
+    if (!rounded_) return;
+    if (updating) open_shard(i, /*read=*/true);
+    segment.param = (updating ? values_of(i) : reading_values(i)).to(at::kCPU, at::kFloat);
   };
   auto round_swapped = [&](size_t i, Segment& segment, int64_t at_step) {
     if (!rounded_) return;
     write_rounded(segment, values_of(i), at_step);
     segment.param = at::Tensor();
   };
-  size_t open_group = groups_.size();  // offload_param: the group whose shard is being filled
   auto store = [&](size_t i, const Segment& segment) {
     if (!swap_->separate_master(i)) return;
-    const size_t g = swapped_[i].first;
-    if (param_file_ && groups_[g].sharded) {
-      // Note [Offloaded parameters]: the shard is rebuilt whole from the masters; the last
-      // unit's goes to the file as soon as the walk leaves it.
-      if (open_group != g && open_group < groups_.size())
-        param_file_->flush(groups_[open_group].unit);
-      open_group = g;
-      param_file_->make_resident(groups_[g].unit, /*read=*/false);
-    }
+    open_shard(i, /*read=*/false);
     values_of(i).copy_(segment.param);
   };
   std::vector<UpdateContext> contexts;
@@ -249,7 +267,7 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
   if (rule_.reduction_rounds() == 0) {
     swap_->walk([&](size_t i, Segment& segment) {
       with_grad(i, segment);
-      widen_swapped(i, segment);
+      widen_swapped(i, segment, /*updating=*/true);
       const UpdateContext& context = contexts[piece_of(i).tensor];
       rule_.update_many({&segment}, context);
       round_swapped(i, segment, step);
@@ -262,7 +280,7 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     std::vector<at::Tensor> accumulators(params_.size());
     swap_->walk([&](size_t i, Segment& segment) {  // reading only
       with_grad(i, segment);
-      widen_swapped(i, segment);
+      widen_swapped(i, segment, /*updating=*/false);
       const size_t index = piece_of(i).tensor;
       accumulators[index] = rule_.make_accumulator(segment, round);
       rule_.accumulate(segment, contexts[index], round, accumulators[index]);
@@ -275,7 +293,7 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
   }
   swap_->walk([&](size_t i, Segment& segment) {
     with_grad(i, segment);
-    widen_swapped(i, segment);
+    widen_swapped(i, segment, /*updating=*/true);
     rule_.update(segment, contexts[piece_of(i).tensor]);
     round_swapped(i, segment, step);
     store(i, segment);

@@ -387,15 +387,16 @@ TEST(Bf16Masters, RefusedWhereItCannotApply) {
                     "[precision] mode = \"fp32\" keeps fp32 weights", "mode = \"full_bf16\"");
   EXPECT_THROW_WITH(build({"precision.mode=\"full_fp16\"", "optimizer.master_dtype=\"bf16\""}),
                     ConfigError, "[precision] mode = \"full_fp16\" keeps fp16 weights");
-  // Note [ZeRO without masters]: offload_param rebuilds its shards from masters; named before
-  // the run.
+  // Note [ZeRO without masters]: offload_param's shards are updated by the walk over the
+  // offloaded state, which must be there; named before the run.
   const std::string swap = (dir.path() / "swap").string();
   const std::string nvme = "{ device = \"nvme\", nvme_path = \"" + swap + "\" }";
   const std::string zero = job_with_precision(dir.str()) + "\n[zero]\nstage = 3\n";
   EXPECT_THROW_WITH(
       Trainer::from_text(zero + "offload_param = " + nvme + "\n", dir.path(), full_bf16("bf16"))
           ->run(),
-      ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters", "offload_param");
+      ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters", "offload_param",
+      "offload_optimizer is not set");
   // A plugin's driver that keeps masters all the same is refused once made, naming it.
   const std::string counting = job_with_precision(dir.str()) + "\n[plugins]\npath = \"" +
                                LOOM_TEST_PLUGIN_DIR + "\"\n[counting_driver]\nkeep_masters = true\n";

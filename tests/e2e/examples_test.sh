@@ -450,6 +450,19 @@ if story gpu-offload "build/bin/loom run examples/offload/one_gpu_llama_1b.toml"
    grep -q "optimizer state and fp32 masters offloaded to host memory" "$work/gpu-offload.log"; then
   ok "one GPU, weights and optimizer in host memory, its CPU twin: losses $losses"
 else fail "one GPU offload twin: $(grep -v '^\s*$' "$work/gpu-offload.log" | tail -3)"; fi
+# ... and without fp32 masters, as the file's comment offers: the shards updated where they live.
+if story gpu-offload-no-masters "build/bin/loom run examples/offload/one_gpu_llama_1b.toml" \
+     --set 'train.device="cpu"' --set train.max_steps=3 --set train.per_device_train_batch_size=2 \
+     --set train.save_steps=0 --set train.logging_steps=1 --set train.progress_bar=false \
+     --set train.log_level=info --set data.seq_len=32 --set model.hidden_size=32 \
+     --set model.intermediate_size=64 --set model.num_hidden_layers=2 \
+     --set model.num_attention_heads=2 --set model.num_key_value_heads=1 \
+     --set zero.stage3_param_persistence_threshold=0 --set 'optimizer.master_dtype="bf16"' &&
+   losses=$(steps_ok gpu-offload-no-masters 3 offload_param_reads_ahead) &&
+   grep -q "optimizer state (no fp32 masters: the bf16 weights are their own) offloaded to host memory" \
+     "$work/gpu-offload-no-masters.log"; then
+  ok "one GPU offload twin without fp32 masters: losses $losses"
+else fail "one GPU offload twin without masters: $(grep -v '^\s*$' "$work/gpu-offload-no-masters.log" | tail -3)"; fi
 unset LOOM_OFFLOAD_CPU_STORE
 
 echo "$passed passed, $failed failed in $((SECONDS - start)) s"

@@ -766,22 +766,28 @@ TEST(Gpu, ZeroStagesOverNcclTrainBitwiseLikeTheDefaultDriver) {
 // rare ties). Its CPU twin is bitwise (tests/offload, LOOM_OFFLOAD_CPU_STORE=1). At stages 0
 // and 2 also without masters (Note [ZeRO without masters], Note [Offloaded without masters]:
 // the state alone in the store, the weights widened on the host and rounded back there, then
-// copied to the GPU).
+// copied to the GPU), and at stage 3 with the weight shards offloaded too (updated in host
+// memory where they live, fetched to the GPU for their gathers).
 TEST(Gpu, OptimizerStateOffloadedToHostMemoryOrNvmeFollowsTheGpuRun) {
   LOOM_REQUIRE_GPU();
-  for (const std::string stage : {"0", "2", "0 without masters", "2 without masters"}) {
+  for (const std::string stage :
+       {"0", "2", "0 without masters", "2 without masters", "3 without masters, shards too"}) {
     SCOPED_TRACE("stage " + stage);
     std::vector<std::string> set = {"train.device=cuda", "precision.mode=\"full_bf16\""};
     if (stage.size() > 1) set.push_back("optimizer.master_dtype=\"bf16\"");
     TempDir memory_dir, host_dir, nvme_dir, swap;
-    const std::string zero = "\n[zero]\nstage = " + stage.substr(0, 1) + "\n";
+    std::string zero = "\n[zero]\nstage = " + stage.substr(0, 1) + "\n";
+    // The weight shards offloaded beside the state: updated where they live (host memory).
+    const bool shards = stage.find("shards") != std::string::npos;
+    if (shards) zero += "stage3_param_persistence_threshold = 0\n";
     const TrainRun memory = train(tiny_gpt_job(memory_dir.str()) + zero, memory_dir, set);
+    const std::string nvme_at = "{ device = \"nvme\", nvme_path = \"" + swap.str() + "\" }";
     const TrainRun host = train(
-        tiny_gpt_job(host_dir.str()) + zero + "offload_optimizer = { device = \"cpu\" }\n",
+        tiny_gpt_job(host_dir.str()) + zero + "offload_optimizer = { device = \"cpu\" }\n" +
+            (shards ? "offload_param = { device = \"cpu\" }\n" : ""),
         host_dir, set);
-    const TrainRun nvme = train(tiny_gpt_job(nvme_dir.str()) + zero +
-                                    "offload_optimizer = { device = \"nvme\", nvme_path = \"" +
-                                    swap.str() + "\" }\n",
+    const TrainRun nvme = train(tiny_gpt_job(nvme_dir.str()) + zero + "offload_optimizer = " +
+                                    nvme_at + "\n" + (shards ? "offload_param = " + nvme_at + "\n" : ""),
                                 nvme_dir, set);
     for (const TrainRun* run : {&host, &nvme}) {
       ASSERT_EQ(run->losses.size(), memory.losses.size());

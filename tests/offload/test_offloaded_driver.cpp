@@ -642,6 +642,68 @@ TEST(Offload, ParameterShardsOnNvmeTrainBitwiseLikeMemory) {
   expect_bitwise(whole, resumed);
 }
 
+// Note [ZeRO without masters] with offload_param: stage 3's bf16 shards are their own masters,
+// updated where they live by the walk over the offloaded state (read, widened, rounded back,
+// sent home): bitwise stage 3 in memory without masters, on NVMe (the CPU's unstaged path) and
+// in host stores staged as on a GPU (the twin), for adamw and adafactor (whose reading walks
+// read each unit's shard once and leave none resident); no shard stays in memory between
+// steps; a resume is bitwise; without an offloaded optimizer state it is refused by name.
+TEST(Offload, ParameterShardsWithoutMastersTrainBitwiseLikeMemory) {
+  const std::string bf16 = "\n[precision]\nmode = \"full_bf16\"\n";
+  const std::string stage3 = "stage = 3\nstage3_param_persistence_threshold = 0\n";
+  auto on_nvme = [&](const std::string& folder) {
+    return stage3 + "offload_param = { device = \"nvme\", nvme_path = \"" + folder +
+           "\", block_size = 8192, queue_depth = 2 }\n" + offload(folder);
+  };
+  const std::string in_host =
+      stage3 + "offload_param = { device = \"cpu\" }\noffload_optimizer = { device = \"cpu\" }\n";
+  // Trains `zero`, checks no shard stays resident between steps and every unit was read ahead
+  // twice a step; the final weights.
+  auto run = [&](const std::string& rule, const std::string& zero, const fs::path& dir,
+                 const std::string& train_extra = "") {
+    auto trainer = Trainer::from_text(
+        with_master_dtype(job(dir.string(), rule, zero, train_extra) + bf16, "bf16"), dir);
+    trainer->setup();
+    trainer->step();
+    EXPECT_EQ(trainer->engine().step_driver().sharded_weight_bytes(), 0)
+        << "weight shards stayed in memory between steps";
+    trainer->run();
+    for (const auto& line : metric_lines(dir))
+      EXPECT_NE(line.find("\"offload_param_reads_ahead\":4"), std::string::npos) << line;
+    std::map<std::string, at::Tensor> weights;
+    for (const auto& item : trainer->engine().model().named_parameters(true))
+      weights[item.key()] = item.value().detach().to(at::kFloat).clone();
+    return weights;
+  };
+  for (const std::string rule : {"adamw", "adafactor"}) {
+    SCOPED_TRACE(rule);
+    TempDir memory_dir, nvme_dir, host_dir, swap;
+    const auto memory =
+        trained(with_master_dtype(job(memory_dir.str(), rule, stage3) + bf16, "bf16"),
+                memory_dir.path());
+    expect_bitwise(memory, run(rule, on_nvme(swap.str()), nvme_dir.path()));
+    EXPECT_TRUE(fs::is_empty(swap.path())) << "a swap file outlived the run";
+    TwinScope twin;
+    expect_bitwise(memory, run(rule, in_host, host_dir.path()));
+  }
+  TempDir whole_dir, resumed_dir, swap;
+  const auto whole = run("adamw", on_nvme(swap.str()), whole_dir.path(), "save_steps = 3\n");
+  expect_no_masters(whole_dir / "checkpoint-6");
+  const auto resumed = run("adamw", on_nvme(swap.str()), resumed_dir.path(),
+                           "resume = \"" + (whole_dir / "checkpoint-3").string() + "\"\n");
+  expect_bitwise(whole, resumed);
+  TempDir refused_dir;
+  EXPECT_THROW_WITH(
+      Trainer::from_text(
+          with_master_dtype(job(refused_dir.str(), "adamw",
+                                stage3 + "offload_param = { device = \"nvme\", nvme_path = \"" +
+                                    swap.str() + "\" }\n") + bf16, "bf16"),
+          refused_dir.path())
+          ->setup(),
+      ConfigError, "master_dtype", "offload_param", "offload_optimizer is not set");
+  EXPECT_TRUE(test::list_files(refused_dir.path()).empty());
+}
+
 // Note [Delayed update]: the driver equals a reference written out here that applies each
 // update one step late — step k's gradients taken at the weights of update k-2 and applied to
 // masters that already hold update k-1 — bit for bit, for fp32 and bf16 weights, in the host

@@ -26,7 +26,8 @@
 //     of the ranks' tags (a host read of its stream) is what tells the host the copy is done,
 //     so the device copy and the staging buffer are freed after it.
 // The update rebuilds each unit's shard from its fp32 masters (they are the truth: nothing is
-// read). Masters on the host (offload_optimizer) fill the host form directly; masters on the
+// read); without masters (Note [ZeRO without masters] in zero_driver.h) the shard is the truth,
+// made resident from its home and rounded into by the offloaded state's walk. Masters on the host (offload_optimizer) fill the host form directly; masters on the
 // device (staged, no offload_optimizer) are cast to the weights' dtype there and copied
 // device-to-host on the copy stream into the host form ("nvme": a staging buffer that the
 // worker then writes to the file), the worker landing them in order while the next unit's

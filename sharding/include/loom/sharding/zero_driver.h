@@ -59,8 +59,11 @@
 // state alone (SwapSegment::no_master): the walk widens each piece's weights where they live (the
 // shard, or the parameter; on a GPU run copied to the host) and rounds them back there, so the
 // swap file moves 8 B/param each way with fp32 moments where masters made it 12, 4 with bf16
-// moments. offload_param rebuilds its shards from fp32 masters and refuses master_dtype = "bf16"
-// by name.
+// moments. With offload_param too the walk makes each unit's shard resident from its home (read,
+// not rebuilt from masters), widens and rounds its pieces there and sends it home as it leaves
+// the unit; the walks that only read (adafactor's sums) read each unit's shard once, resident
+// nowhere. Without offload_optimizer nothing would bring the state to the shards: refused by
+// name.
 //
 // Note [Offloaded ZeRO]: with offload_optimizer on NVMe the rank's pieces are the segments of a
 // SegmentSwap (loom/offload/segment_swap.h): their fp32 masters and state live in the rank's
