@@ -14,6 +14,7 @@
 #include "adamw.h"
 #include "resolve.h"
 #include "stochastic_rounding.h"
+#include "grad_scale.h"
 #include "sum_of_squares.h"
 
 namespace loom {
@@ -167,8 +168,11 @@ std::vector<at::Tensor> DefaultStepDriver::grads() { return defined_grads(); }
 
 void DefaultStepDriver::scale_grads(double factor) {
   at::NoGradGuard no_grad;
-  auto all = defined_grads();
-  if (!all.empty()) at::_foreach_mul_(all, factor);
+  scale_gradients(defined_grads(), factor);
+}
+
+void scale_gradients(const std::vector<at::Tensor>& grads, double factor) {
+  scale_in_place(grads, factor);
 }
 
 UpdateContext update_context(const Param& param, int64_t step, double lr,

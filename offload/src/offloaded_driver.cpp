@@ -135,8 +135,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
     at::NoGradGuard no_grad;
     LOOM_INTERNAL_ASSERT(!overlap_ || !early_, "scale_grads after the overlapped update started "
                          "during backward (the zero plugin starts it only without clipping)");
-    auto all = grads();
-    if (!all.empty()) at::_foreach_mul_(all, factor);
+    scale_gradients(grads(), factor);
   }
 
   bool overlaps_backward() const override { return overlap_; }

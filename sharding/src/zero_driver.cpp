@@ -370,8 +370,7 @@ at::Tensor ZeroDriver::grad_norm_squared() {
 
 void ZeroDriver::scale_grads(double factor) {
   at::NoGradGuard no_grad;
-  auto all = grads();
-  if (!all.empty()) at::_foreach_mul_(all, factor);
+  scale_gradients(grads(), factor);
 }
 
 // ---- update ----

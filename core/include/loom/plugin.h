@@ -28,7 +28,7 @@
 // built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
 // fails when the headers change while this number does not (core/sdk_digests.txt records
 // the digest of each version).
-#define LOOM_PLUGIN_API_VERSION 30u
+#define LOOM_PLUGIN_API_VERSION 31u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)

@@ -126,6 +126,11 @@ bool rule_reads_bf16_gradients(const UpdateRule& rule);
 // kernel): a 0-d fp64 tensor on the grads' device, so reading it is the caller's one host sync.
 // What an unsharded driver returns from grad_norm_squared(); zero for no grads.
 at::Tensor squared_norm(const std::vector<at::Tensor>& grads);
+// Multiplies every tensor of `grads` in place by `factor` (the clipping factor): the bits of
+// at::_foreach_mul_(grads, factor), fp32 and bf16 CPU tensors in one threaded pass over all of
+// them (Note [Gradient scale in one pass], core/src/grad_scale.cpp). What a driver's
+// scale_grads() runs.
+void scale_gradients(const std::vector<at::Tensor>& grads, double factor);
 
 class StepDriver {
  public:
