@@ -98,8 +98,10 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
                 optimizer.where("state_dtype"), ": [optimizer] state_dtype '", state_dtype,
                 "' is unknown; use \"fp32\" (the default) or \"bf16\" (adamw)");
   // Note [bf16 weights as their own masters] (step_driver.cpp): bf16 weights. A plugin's step
-  // driver refuses what it cannot build itself (the zero plugin: offload), and one that keeps
-  // masters all the same is refused once it is made (make_step_driver).
+  // driver must say it keeps no masters (Plugin::keeps_no_masters, checked below with the
+  // plugins) and refuses what it cannot build itself (the zero plugin: offload_param without
+  // offload_optimizer); one that keeps masters all the same is refused once it is made
+  // (make_step_driver).
   const std::string master_dtype = optimizer.get_string("master_dtype");
   LOOM_CHECK_AS(ConfigError, master_dtype == "fp32" || master_dtype == "bf16",
                 optimizer.where("master_dtype"), ": [optimizer] master_dtype '", master_dtype,
@@ -171,6 +173,14 @@ PreparedJob::PreparedJob(Job job, Purpose purpose)
   tables.update_rule = rule_.get();
   for (auto* plugin : resolved_.table_plugins)
     plugin->plugin->validate(plugin->name, section(plugin->name), tables);
+  if (master_dtype == "bf16")
+    if (const LoadedPlugin* driver = resolved_.table_plugin_in(Slot::step_driver))
+      LOOM_CHECK_AS(ConfigError, driver->plugin->keeps_no_masters(section(driver->name)),
+                    optimizer.where("master_dtype"), ": [optimizer] master_dtype = \"bf16\" keeps "
+                    "no fp32 masters, but [", driver->name, "] gives the job a step driver that "
+                    "does not say it can keep none (plugin ", driver->name, ": "
+                    "Plugin::keeps_no_masters); remove master_dtype, or drop [", driver->name,
+                    "] for the core's step driver");
   if (purpose_ == Purpose::train) check_output_dir();
 }
 

@@ -95,6 +95,8 @@ std::unique_ptr<StepDriver> Plugin::create_step_driver(const StepDriverOptions&,
                                   "create_step_driver"));
 }
 
+bool Plugin::keeps_no_masters(const ConfigSection&) const { return false; }
+
 Engine::~Engine() = default;
 UpdateRule::~UpdateRule() = default;
 Work::~Work() = default;

@@ -375,6 +375,10 @@ class Zero final : public loom::Plugin {
     }
   }
 
+  // Note [ZeRO without masters], Note [Offloaded without masters]: every driver it makes keeps
+  // none under master_dtype = "bf16" (what it cannot build, validate refuses).
+  bool keeps_no_masters(const loom::ConfigSection&) const override { return true; }
+
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
                                                        loom::Engine& engine) override {
     // Note [Hybrid sharding]: the world size is known from here on.

@@ -375,7 +375,8 @@ TEST(Bf16Masters, ResumeMaySwitchMasterDtype) {
 }
 
 // Refused by name before anything is written: an unknown dtype, weights that are not bf16, a
-// driver that keeps its own masters.
+// plugin's driver that does not say it keeps none (when the job is read), one that keeps its
+// own masters all the same (once made).
 TEST(Bf16Masters, RefusedWhereItCannotApply) {
   TempDir dir;
   auto build = [&](const std::vector<std::string>& set) {
@@ -397,10 +398,18 @@ TEST(Bf16Masters, RefusedWhereItCannotApply) {
           ->run(),
       ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters", "offload_param",
       "offload_optimizer is not set");
-  // A plugin's driver that keeps masters all the same is refused once made, naming it.
+  // A plugin's step driver that does not say it keeps none (Plugin::keeps_no_masters) is refused
+  // when the job is read, as `loom check` reads it; one that says so and keeps masters all the
+  // same is refused once made, naming it.
   const std::string counting = job_with_precision(dir.str()) + "\n[plugins]\npath = \"" +
-                               LOOM_TEST_PLUGIN_DIR + "\"\n[counting_driver]\nkeep_masters = true\n";
-  EXPECT_THROW_WITH(Trainer::from_text(counting, dir.path(), full_bf16("bf16"))->run(),
+                               LOOM_TEST_PLUGIN_DIR + "\"\n[counting_driver]\n";
+  EXPECT_THROW_WITH(Trainer::from_text(counting + "says_no_masters = false\n", dir.path(),
+                                       full_bf16("bf16")),
+                    ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters",
+                    "[counting_driver] gives the job a step driver that does not say it can keep "
+                    "none", "Plugin::keeps_no_masters");
+  EXPECT_THROW_WITH(Trainer::from_text(counting + "keep_masters = true\n", dir.path(),
+                                       full_bf16("bf16"))->run(),
                     ConfigError, "master_dtype = \"bf16\" keeps no fp32 masters",
                     "counting(default)", "[counting_driver]");
   EXPECT_TRUE(test::list_files(dir.path()).empty());

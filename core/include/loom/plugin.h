@@ -28,7 +28,7 @@
 // built against other headers is refused before it loads; and a test (tests/core/sdk_digest.sh)
 // fails when the headers change while this number does not (core/sdk_digests.txt records
 // the digest of each version).
-#define LOOM_PLUGIN_API_VERSION 31u
+#define LOOM_PLUGIN_API_VERSION 32u
 
 #define LOOM_STR2(x) #x
 #define LOOM_STR(x) LOOM_STR2(x)
@@ -165,6 +165,13 @@ class Plugin {
   // params_ready, with the trainable parameters, the rule and the Comm (see loom/step_driver.h).
   virtual std::unique_ptr<StepDriver> create_step_driver(const StepDriverOptions& options,
                                                          Engine& engine);
+  // A plugin that fills Slot::step_driver: whether the driver it makes for its validated `table`
+  // keeps no fp32 masters under [optimizer] master_dtype = "bf16" (the bf16 weights as their own
+  // masters, Note [bf16 weights as their own masters]; loom/step_driver.h has the SDK calls that
+  // build it). Default false: `loom check` and `loom run` alike refuse master_dtype = "bf16"
+  // with the plugin's table, naming both, before anything is built. A driver that says true and
+  // keeps masters all the same is refused once made (its master_bytes()).
+  virtual bool keeps_no_masters(const ConfigSection& table) const;
 };
 
 }  // namespace loom

@@ -54,9 +54,14 @@ class CountingDriverPlugin final : public loom::Plugin {
   std::vector<loom::Schema> schemas() const override {
     loom::Schema s("counting_driver");
     s.key_bool("keep_masters", false, "keep fp32 masters whatever [optimizer] master_dtype says");
+    s.key_bool("says_no_masters", true, "what keeps_no_masters() answers (true even when "
+                                        "keep_masters: the core's check once the driver is made)");
     return {s};
   }
   void configure(const loom::ConfigSection& t) override { keep_masters_ = t.get_bool("keep_masters"); }
+  bool keeps_no_masters(const loom::ConfigSection& t) const override {
+    return t.get_bool("says_no_masters");
+  }
   std::unique_ptr<loom::StepDriver> create_step_driver(const loom::StepDriverOptions& options,
                                                        loom::Engine&) override {
     loom::StepDriverOptions inner = options;
