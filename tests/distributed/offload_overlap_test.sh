@@ -5,7 +5,9 @@
 # bucket is waited for; after 6 steps the weights are bitwise the in-memory stage 0 run's, for
 # adamw in fp32 without clipping (every tensor's update started before update(): the
 # offload_updated_in_backward metric), adafactor in bf16 with clipping (none started early: the
-# update waits for the norm) and adam8bit in bf16 without clipping.
+# update waits for the norm), adam8bit in bf16 without clipping, and adamw in bf16 without fp32
+# masters ([optimizer] master_dtype = "bf16": Note [Offloaded without masters], each tensor's
+# bf16 weights rounded into where they are as its averaged gradient lands).
 # usage: offload_overlap_test.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 # shellcheck source=testlib.sh
@@ -31,13 +33,14 @@ print(" ".join(sorted({str(int(json.loads(l)["offload_updated_in_backward"])) fo
 }
 export LOOM_OFFLOAD_CPU_STORE=1
 host=(--set 'zero.offload_optimizer={ device = "cpu" }')
-for case in "adamw fp32 0" "adafactor full_bf16 1.0" "adam8bit full_bf16 0"; do
-  read -r rule mode clip <<<"$case"
+for case in "adamw fp32 0" "adafactor full_bf16 1.0" "adam8bit full_bf16 0" "adamw full_bf16 0 bf16"; do
+  read -r rule mode clip masters <<<"$case"
   sets=(--set "optimizer.name=\"$rule\"" --set "train.max_grad_norm=$clip")
+  [ -n "$masters" ] && sets+=(--set "optimizer.master_dtype=\"$masters\"")
   [ "$rule" != adafactor ] && sets+=(--set optimizer.eps=1e-5)
   [ "$rule" = adam8bit ] && sets+=(--set optimizer.block_size=64 --set optimizer.min_8bit_size=256)
   [ "$mode" != fp32 ] && sets+=(--set "precision.mode=\"$mode\"")
-  name=$rule-$mode
+  name=$rule-$mode${masters:+-masters-$masters}
   expected=$tensors
   [ "$clip" != 0 ] && expected=0
   d="" counts=""
@@ -45,7 +48,7 @@ for case in "adamw fp32 0" "adafactor full_bf16 1.0" "adam8bit full_bf16 0"; do
      counts=$(early_counts "$work/$name-host") && [ "$counts" = "$expected" ] &&
      d=$("$python" "$src/tests/support/tensors.py" compare "$work/$name-memory/checkpoint-6/model.safetensors" \
          "$work/$name-host/checkpoint-6/model.safetensors" 0) && [[ $d == *bitwise* ]]; then
-    ok "2 ranks, $rule, $mode, max_grad_norm $clip: overlapped host store bitwise in memory ($d; $counts tensors updated during backward)"
+    ok "2 ranks, $rule, $mode${masters:+ (master_dtype $masters)}, max_grad_norm $clip: overlapped host store bitwise in memory ($d; $counts tensors updated during backward)"
   else fail "2 ranks, $rule, $mode, max_grad_norm $clip: ${d:-} updated early: '${counts:-}' (expected $expected) $(tail -n 3 "$work/$name-host.log" "$work/$name-memory.log")"; fi
 done
 
