@@ -63,6 +63,7 @@ void scale_in_place(const std::vector<at::Tensor>& grads, double factor) {
       continue;
     }
     const bool bf16 = type == at::kBFloat16;
+    grad.unsafeGetTensorImpl()->bump_version();  // an in-place change, as mul_ counts it
     char* base = static_cast<char*>(grad.data_ptr());
     const int64_t size = bf16 ? 2 : 4;
     for (int64_t at = 0; at < grad.numel(); at += kChunk)

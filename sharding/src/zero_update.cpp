@@ -291,6 +291,7 @@ void ZeroDriver::run_rule_offloaded(int64_t step, double lr) {
     reduce_accumulators(accumulators);
     for (size_t i = 0; i < params_.size(); ++i) contexts[i].totals.push_back(accumulators[i]);
   }
+  read_shard = at::Tensor();  // the reading walks' last copy, not kept through the update
   swap_->walk([&](size_t i, Segment& segment) {
     with_grad(i, segment);
     widen_swapped(i, segment, /*updating=*/true);

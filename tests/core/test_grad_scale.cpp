@@ -54,8 +54,10 @@ TEST(GradScale, BitsAreForeachMulsForFp32AndBf16AtAnyThreadCount) {
           mine.push_back(g.clone());
           atens.push_back(g.clone());
         }
+        const int64_t version = mine.back()._version();
         scale_gradients(mine, factor);
         at::_foreach_mul_(atens, factor);
+        EXPECT_GT(mine.back()._version(), version) << "an in-place change not counted";
         for (size_t i = 0; i < grads.size(); ++i) {
           // Bits, not values: -0.0 == 0.0 would pass a value comparison.
           const at::Tensor a = dtype == at::kFloat ? mine[i].view(at::kInt) : mine[i].view(at::kShort);
