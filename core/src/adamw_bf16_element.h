@@ -63,6 +63,13 @@ LOOM_HOST_DEVICE float float_of(uint32_t bits) {
 
 LOOM_HOST_DEVICE float bf16_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
 
+// f rounded to the nearest bf16, ties to even (c10::BFloat16's rounding); NaN -> 0x7FC0.
+LOOM_HOST_DEVICE uint16_t float_to_bf16_nearest(float f) {
+  const uint32_t bits = bits_of(f);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
 // f rounded to bf16 up with probability equal to its distance from the bf16 below; NaN quieted.
 LOOM_HOST_DEVICE uint16_t float_to_bf16_stochastic(float f, uint32_t random16) {
   const uint32_t bits = bits_of(f);

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <vector>
 
+#include "adamw_bf16_element.h"
 #include "loom/kernel_isa.h"
 
 namespace loom::nn::detail {
@@ -40,13 +41,10 @@ LOOM_INLINE float load(const float* p, int64_t i) { return p[i]; }
 LOOM_INLINE float load(const uint16_t* p, int64_t i) {
   return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
 }
-LOOM_INLINE uint16_t bf16_bits(float f) {  // nearest even; NaN -> 0x7FC0
-  const uint32_t b = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-}
 LOOM_INLINE void store(float* p, int64_t i, float v) { p[i] = v; }
-LOOM_INLINE void store(uint16_t* p, int64_t i, float v) { p[i] = bf16_bits(v); }
+LOOM_INLINE void store(uint16_t* p, int64_t i, float v) {
+  p[i] = adamw_bf16::float_to_bf16_nearest(v);
+}
 // The exponential's clamp, [-87, 88] (so 2^n stays a normal float), as values the compiler
 // cannot see: with constants it folded e^-87 and e^88 and computed SwiGLU's quotient for all
 // three cases in every lane, g / (1 + e^88) a subnormal whose microcode assist made the loop

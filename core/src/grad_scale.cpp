@@ -5,7 +5,6 @@
 #include <ATen/ops/_foreach_mul.h>
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 
 #include "adamw_bf16_element.h"
@@ -29,12 +28,6 @@ namespace {
 // non-finite norm stops the run first); a NaN would still come out as a NaN.
 constexpr int64_t kChunk = int64_t{1} << 16;
 
-inline uint16_t bf16_nearest(float f) {
-  const uint32_t b = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-}
-
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void scale_fp32(float* __restrict x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * factor;
@@ -42,7 +35,8 @@ void scale_fp32(float* __restrict x, int64_t n, float factor) {
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void scale_bf16(uint16_t* __restrict x, int64_t n, float factor) {
-  for (int64_t i = 0; i < n; ++i) x[i] = bf16_nearest(adamw_bf16::bf16_to_float(x[i]) * factor);
+  for (int64_t i = 0; i < n; ++i)
+    x[i] = adamw_bf16::float_to_bf16_nearest(adamw_bf16::bf16_to_float(x[i]) * factor);
 }
 
 struct Chunk {
@@ -70,7 +64,7 @@ void scale_in_place(const std::vector<at::Tensor>& grads, double factor) {
       chunks.push_back({base + at * size, std::min(kChunk, grad.numel() - at), bf16});
   }
   const float f = static_cast<float>(factor);
-  const float f_bf16 = adamw_bf16::bf16_to_float(bf16_nearest(f));
+  const float f_bf16 = adamw_bf16::bf16_to_float(adamw_bf16::float_to_bf16_nearest(f));
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const Chunk& chunk = chunks[c];

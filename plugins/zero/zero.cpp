@@ -336,9 +336,8 @@ class Zero final : public loom::Plugin {
     const loom::ConfigSection* optimizer = job("optimizer");
     if (optimizer && optimizer->get_string("master_dtype") == "bf16") {
       const bool cuda = job("train")->get_string("device").rfind("cuda", 0) == 0;
-      const bool stores = offload_.device == "nvme" ||
-                          (offload_.device == "cpu" && (cuda || cpu_twin()));
-      LOOM_CHECK_AS(ConfigError, !offloads_params(cuda) || stores, optimizer->where("master_dtype"),
+      LOOM_CHECK_AS(ConfigError, !offloads_params(cuda) || offloads_state(cuda),
+                    optimizer->where("master_dtype"),
                     ": [optimizer] master_dtype = \"bf16\" keeps no fp32 masters, so [zero] "
                     "offload_param (", where_offload_param_, ") updates each weight shard where "
                     "it lives, in the walk over the offloaded optimizer state, but "
@@ -418,8 +417,7 @@ class Zero final : public loom::Plugin {
     // Note [Host store]: device = "cpu" is ZeRO-Offload for a GPU run. On a CPU run the state
     // is in host memory already, so it changes nothing, unless LOOM_OFFLOAD_CPU_STORE=1: the
     // tests run the GPU path's host store on the CPU that way (its CPU twin).
-    offload_active_ = offload_.device == "nvme" ||
-                      (offload_.device == "cpu" && (!engine.device().is_cpu() || cpu_twin()));
+    offload_active_ = offloads_state(!engine.device().is_cpu());
     if (offload_.device == "cpu" && !offload_active_) {
       loom::log::info("zero: offload_optimizer.device = \"cpu\" on a CPU run: the state is in "
                       "CPU memory already; nothing changes");
@@ -429,13 +427,10 @@ class Zero final : public loom::Plugin {
         loom::log::info("zero: stage ", stage_, ", optimizer state offloaded to NVMe (",
                         offload_.nvme.path, ")");
       } else {
-        // Note [ZeRO without masters]: bf16 weights that are their own masters keep none there.
-        const bool masters = !(engine.section("optimizer").get_string("master_dtype") == "bf16" &&
-                               !options.params.empty() &&
-                               options.params.front().tensor.scalar_type() == at::kBFloat16);
         loom::log::info("zero: stage ", stage_, ", optimizer state",
-                        masters ? " and fp32 masters" : " (no fp32 masters: the bf16 weights are "
-                                                        "their own)",
+                        bf16_own_masters(engine.section("optimizer"), options.params)
+                            ? " (no fp32 masters: the bf16 weights are their own)"
+                            : " and fp32 masters",
                         " offloaded to ",
                         offload_.pin_memory && engine.device().is_cuda() ? "page-locked " : "",
                         "host memory; the update runs on the CPU");
@@ -832,10 +827,7 @@ class Zero final : public loom::Plugin {
     // fp32 masters beside half weights, unless bf16 weights are their own (Note [ZeRO without
     // masters] in loom/sharding/zero_driver.h).
     const auto& optimizer = e.section("optimizer");
-    const bool own_masters = optimizer.get_string("master_dtype") == "bf16" &&
-                             !params.empty() &&
-                             params.front().tensor.scalar_type() == at::kBFloat16;
-    const double m = w == 4.0 || own_masters ? 0.0 : 4.0;
+    const double m = w == 4.0 || bf16_own_masters(optimizer, params) ? 0.0 : 4.0;
     // The rule's state per element over all ranks (stage 0: every rank holds it all): AdamW's
     // two moments in fp32 or bf16 ([optimizer] state_dtype), any other rule's as it measures.
     const double k = optimizer.get_string("name") == "adamw"
@@ -892,6 +884,17 @@ class Zero final : public loom::Plugin {
     return {static_cast<int64_t>(bytes + frozen), text.str()};
   }
 
+  // Note [ZeRO without masters]: whether the job's bf16 weights are their own masters.
+  static bool bf16_own_masters(const loom::ConfigSection& optimizer,
+                               const std::vector<loom::Param>& params) {
+    return optimizer.get_string("master_dtype") == "bf16" && !params.empty() &&
+           params.front().tensor.scalar_type() == at::kBFloat16;
+  }
+  // Whether offload_optimizer moves the optimizer state: "nvme" always; "cpu" on a GPU, and on
+  // a CPU run under LOOM_OFFLOAD_CPU_STORE=1 (Note [Host store]: its CPU twin).
+  bool offloads_state(bool on_gpu) const {
+    return offload_.device == "nvme" || (offload_.device == "cpu" && (on_gpu || cpu_twin()));
+  }
   // Whether offload_param moves the units' shards: "nvme" always; "cpu" on a GPU, and on a CPU
   // run under LOOM_OFFLOAD_CPU_STORE=1 (Note [Parameter offload twin] in shard_file.h).
   bool offloads_params(bool on_gpu) const {
