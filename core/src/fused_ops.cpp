@@ -38,9 +38,7 @@ namespace {
 #define LOOM_INLINE __attribute__((always_inline)) inline
 
 LOOM_INLINE float load(const float* p, int64_t i) { return p[i]; }
-LOOM_INLINE float load(const uint16_t* p, int64_t i) {
-  return std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
-}
+LOOM_INLINE float load(const uint16_t* p, int64_t i) { return adamw_bf16::bf16_to_float(p[i]); }
 LOOM_INLINE void store(float* p, int64_t i, float v) { p[i] = v; }
 LOOM_INLINE void store(uint16_t* p, int64_t i, float v) {
   p[i] = adamw_bf16::float_to_bf16_nearest(v);

@@ -52,12 +52,15 @@ class OffloadedDriver final : public OffloadedStepDriver {
     swap_ = std::make_unique<SegmentSwap>(rule_, std::move(segments), store);
     for (size_t i = 0; i < params_.size(); ++i) swap_->initialise(i, params_[i].tensor.detach());
     if (delayed_) {
-      // Host copies of a step's gradients and of its update's weights, page-locked for a GPU.
+      // Host copies of a step's gradients and of its update's weights, page-locked for a GPU,
+      // both in the weights' dtype (a gradient's, as autograd makes it): bf16 gradients cost
+      // 2 B/param here, not 4, and widening them to fp32 is exact, so the walk widens each
+      // segment's copy only as the rule reads it (the core's adamw reads bf16 as it is).
       const bool pin = store.pin_memory;
       for (const auto& p : params_) {
         const at::Tensor& w = p.tensor;
-        grad_copies_.push_back(at::empty({w.numel()}, w.options().device(at::kCPU)
-                                                          .dtype(at::kFloat).pinned_memory(pin)));
+        grad_copies_.push_back(
+            at::empty({w.numel()}, w.options().device(at::kCPU).pinned_memory(pin)));
         new_weights_.push_back(at::empty(w.sizes(), w.options().device(at::kCPU).pinned_memory(pin)));
         host_bytes_ += grad_copies_.back().nbytes() + new_weights_.back().nbytes();
       }
@@ -373,7 +376,7 @@ class OffloadedDriver final : public OffloadedStepDriver {
             update_rounded(segment, new_weights_[i].view(-1), grad_copies_[i], contexts[i]);
             return true;
           }
-          segment.grad = grad_copies_[i];
+          segment.grad = grad_copies_[i].to(at::kFloat);  // a no-op for fp32
           rule_.update_many({&segment}, contexts[i]);
           new_weights_[i].copy_(segment.param.view(new_weights_[i].sizes()));
           return true;

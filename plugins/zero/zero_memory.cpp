@@ -214,18 +214,18 @@ void declare_memory(const ConfigSection& t, const memory::MemoryContext& c,
   if (state_to_host && stage == 0) {
     // Note [Overlapped update] and Note [Delayed update] (loom/offload/offloaded_driver.h): the
     // unsharded host store lands each gradient in a host copy and stages each updated weight
-    // for its way back to the GPU (without masters, its way to the host first), both in the
-    // weights' dtype (unless overlap_update = false without the delayed update: then the
-    // update reads the gradients after backward).
+    // for its way back to the GPU (without masters, its way to the host first); the delayed
+    // update keeps a copy of each (its gradients and its new weights), all in the weights'
+    // dtype (unless overlap_update = false without the delayed update: then the update reads
+    // the gradients after backward).
     const ConfigValue* o = t.get("offload_optimizer");
     auto flag = [o](const char* key, bool otherwise) {
       const ConfigValue* v = o && o->is_table() ? o->find(key) : nullptr;
       const auto* b = v ? std::get_if<bool>(&v->value) : nullptr;
       return b ? *b : otherwise;
     };
-    // The delayed update's gradient copies are fp32 (its walk's rule reads them as they are).
-    if (flag("delayed_update", false)) r.host_buffers += (4 + w) * c.trainable;
-    else if (flag("overlap_update", true)) r.host_buffers += 2 * c.trainable * w;
+    if (flag("delayed_update", false) || flag("overlap_update", true))
+      r.host_buffers += 2 * c.trainable * w;
   }
   if (shards_move) {
     // Note [Offloaded parameters]: the units' shards live in the file or the host arena between

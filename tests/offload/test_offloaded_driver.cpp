@@ -353,6 +353,16 @@ TEST(Offload, DelayedUpdateWithoutMastersAppliesEachUpdateOneStepLate) {
       at::Tensor w = w0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
       const offload::OffloadOptions offload = delayed_store(device, swap.str());
       auto driver = offload::make_offloaded_step_driver(options_for(w, b), offload);
+      if (device == "nvme") {
+        // The delayed update's own host copies, a step's gradients and its update's weights,
+        // are both bf16 like the weights: 2 + 2 B per parameter beside the same store.
+        TempDir plain_swap;
+        offload::OffloadOptions plain = delayed_store(device, plain_swap.str());
+        plain.delayed_update = false;
+        at::Tensor pw = w0.clone().requires_grad_(true), pb = b0.clone().requires_grad_(true);
+        const auto undelayed = offload::make_offloaded_step_driver(options_for(pw, pb), plain);
+        EXPECT_EQ(driver->state_bytes() - undelayed->state_bytes(), (2 + 2) * (16 * 8 + 8));
+      }
       // The reference: the model's weights (rw, rb) trail the core driver's own (mw, mb) by one
       // update; each step's gradients, taken at rw and rb before they catch up, go to mw, mb.
       at::Tensor rw = w0.clone().requires_grad_(true), rb = b0.clone().requires_grad_(true);

@@ -26,7 +26,8 @@ namespace loom::offload {
 // (DeepSpeed measured ZeRO-Offload's GPU utilisation gain from it), at the cost of one step
 // of gradient staleness (harmless after the first few dozen steps, DeepSpeed reports; this
 // driver runs no update late for the first step either — there is none before it) and
-// memory for one copy of the gradients and one of the weights on the host. Clipping, the
+// memory for one copy of the gradients and one of the weights on the host, both in the
+// weights' dtype (bf16 gradients are widened only as the rule reads each segment). Clipping, the
 // schedule's learning rate and fp16's overflow skip are decided when update(k) is called, on
 // step k's own gradients, so they delay as they are. synchronize() waits for the update in
 // flight and applies it: the zero plugin calls it when a checkpoint is saved and when the
