@@ -9,6 +9,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <mutex>
@@ -137,9 +141,24 @@ AdamWBf16GradKernel adamw_bf16_grad_kernel() {
 // The same AdamW step as adamw_kernel over bf16 moments (raw bf16 bits in m and v), for
 // elements first_index.. of the whole tensor, all with one rounding key. An always-inlined body
 // that each ISA's copy below vectorises for itself; no FMA contraction (-ffp-contract=off), so
-// every copy, and torch's separate ops in the tests' reference, round alike.
+// every copy, and torch's separate ops in the tests' reference, round alike. (The AVX2 copy is
+// written out by hand below: Note [bf16 moments in AVX2 by hand].)
 // p, g: (n) fp32; m, v: (n) bf16 bits. In runs of 32 elements (a cache line of each bf16
 // array, two of each fp32 one), prefetched ahead as adamw_kernel's.
+// The lines a run of 32 elements from i reads, asked for kPrefetchAhead elements ahead (always
+// inlined: Note [Streams prefetched ahead] in loom/prefetch.h on copies that lose them).
+template <typename G>
+__attribute__((always_inline)) inline void prefetch_bf16_run(const float* p, const G* g,
+                                                             const uint16_t* m, const uint16_t* v,
+                                                             int64_t i) {
+  cpu::prefetch_ahead(p + i);
+  cpu::prefetch_ahead(p + i + 16);
+  cpu::prefetch_ahead(g + i);
+  cpu::prefetch_ahead(g + i + 16);
+  cpu::prefetch_ahead(m + i);
+  cpu::prefetch_ahead(v + i);
+}
+
 template <typename G>
 __attribute__((always_inline)) inline void adamw_bf16_body(
     float* __restrict p, const G* __restrict g, uint16_t* __restrict m,
@@ -147,12 +166,7 @@ __attribute__((always_inline)) inline void adamw_bf16_body(
     uint32_t key_hi) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    cpu::prefetch_ahead(p + i);
-    cpu::prefetch_ahead(p + i + 16);
-    cpu::prefetch_ahead(g + i);
-    cpu::prefetch_ahead(g + i + 16);
-    cpu::prefetch_ahead(m + i);
-    cpu::prefetch_ahead(v + i);
+    prefetch_bf16_run(p, g, m, v, i);
     for (int64_t k = i; k < i + 32; ++k)
       adamw_bf16::update(p, g, m, v, k, c, first_index, key_lo, key_hi);
   }
@@ -172,11 +186,102 @@ __attribute__((target("arch=x86-64-v4"))) void adamw_bf16_avx512(
     uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
   adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
 }
+// Note [bf16 moments in AVX2 by hand]: GCC's AVX2 copy of adamw_bf16_body took ~100
+// instructions per 8 elements (the index in 64-bit lanes, each 16-bit result masked before its
+// pack, four permutes to pack them), 0.46x torch's fused AdamW at one thread on the AVX2-only
+// AMD EPYC of issue 39. Written out here: the index in 32-bit lanes (it is taken mod 2^32
+// anyway), lowbias32 twice on 8 lanes, each moment's 16 results packed with one packus (they
+// are in [0, 65535], so it never saturates) and one permute. Every operation is the element
+// code's in its order (no FMA: this file has -ffp-contract=off, and intrinsics contract
+// nothing), so the bits are adamw_bf16::update's (OptimBf16State.IsaPathsAndTensorOpsGiveIdenticalBits).
+__attribute__((target("avx2"), always_inline)) inline __m256i lowbias32_8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7FEB352Du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+// float_to_bf16_stochastic on 8 lanes, each result in the low 16 bits of its lane.
+__attribute__((target("avx2"), always_inline)) inline __m256i bf16_stochastic_8(__m256 f,
+                                                                                 __m256i random16) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, random16), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+// Two vectors of 16-bit results (lanes 0-7, 8-15) stored as 16 bf16 in order.
+__attribute__((target("avx2"), always_inline)) inline void store_bf16_16(uint16_t* out, __m256i lo,
+                                                                         __m256i hi) {
+  const __m256i packed = _mm256_packus_epi32(lo, hi);  // per 128-bit half: lo 4, hi 4
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permute4x64_epi64(packed, 0xD8));  // lo 0-7, hi 8-15
+}
+__attribute__((target("avx2"), always_inline)) inline __m256 widen_bf16_8(const uint16_t* from) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from))), 16));
+}
+__attribute__((target("avx2"), always_inline)) inline __m256 gradient_8(const float* g) {
+  return _mm256_loadu_ps(g);
+}
+__attribute__((target("avx2"), always_inline)) inline __m256 gradient_8(const uint16_t* g) {
+  return widen_bf16_8(g);
+}
+
+// kUnitBc2: sqrt(1 - beta2^t) has rounded to 1.0f, so sqrt(v) / bc2 is sqrt(v) exactly and
+// the division is left out (Note [A bias correction of one] in plugins/optim/adam8bit.cpp).
+template <typename G, bool kUnitBc2>
+__attribute__((target("arch=x86-64-v3"), always_inline)) inline void adamw_bf16_avx2_loop(
+    float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
+    uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
+  const __m256 w1 = _mm256_set1_ps(c.w1), b2 = _mm256_set1_ps(c.b2), w2 = _mm256_set1_ps(c.w2),
+               decay = _mm256_set1_ps(c.decay), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+               eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size);
+  const __m256i lo = _mm256_set1_epi32(static_cast<int>(key_lo)),
+                hi = _mm256_set1_epi32(static_cast<int>(key_hi)),
+                low16 = _mm256_set1_epi32(0xFFFF);
+  // Element k's index mod 2^32, as adamw_bf16::update takes it: first_index + uint32(k).
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first_index)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i eight = _mm256_set1_epi32(8);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    prefetch_bf16_run(p, g, m, v, i);
+    for (int64_t k = i; k < i + 32; k += 16) {
+      __m256i m_half[2], v_half[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = k + 8 * h;
+        const __m256 gi = gradient_8(g + at);
+        const __m256 m0 = widen_bf16_8(m + at), v0 = widen_bf16_8(v + at);
+        const __m256 mi = _mm256_add_ps(m0, _mm256_mul_ps(w1, _mm256_sub_ps(gi, m0)));
+        const __m256 vi =
+            _mm256_add_ps(_mm256_mul_ps(b2, v0), _mm256_mul_ps(_mm256_mul_ps(w2, gi), gi));
+        const __m256i x =
+            lowbias32_8(_mm256_xor_si256(lowbias32_8(_mm256_xor_si256(index, lo)), hi));
+        index = _mm256_add_epi32(index, eight);
+        m_half[h] = bf16_stochastic_8(mi, _mm256_and_si256(x, low16));
+        v_half[h] = bf16_stochastic_8(vi, _mm256_srli_epi32(x, 16));
+        const __m256 root = _mm256_sqrt_ps(vi);
+        const __m256 denom = _mm256_add_ps(kUnitBc2 ? root : _mm256_div_ps(root, bc2), eps);
+        _mm256_storeu_ps(p + at,
+                         _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + at), decay),
+                                       _mm256_mul_ps(step, _mm256_div_ps(mi, denom))));
+      }
+      store_bf16_16(m + k, m_half[0], m_half[1]);
+      store_bf16_16(v + k, v_half[0], v_half[1]);
+    }
+  }
+  for (; i < n; ++i) adamw_bf16::update(p, g, m, v, i, c, first_index, key_lo, key_hi);
+}
 template <typename G>
 __attribute__((target("arch=x86-64-v3"))) void adamw_bf16_avx2(
     float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWCoefficients c,
     uint32_t first_index, uint32_t key_lo, uint32_t key_hi) {
-  adamw_bf16_body(p, g, m, v, n, c, first_index, key_lo, key_hi);
+  if (c.bc2_sqrt == 1.0f)
+    adamw_bf16_avx2_loop<G, true>(p, g, m, v, n, c, first_index, key_lo, key_hi);
+  else
+    adamw_bf16_avx2_loop<G, false>(p, g, m, v, n, c, first_index, key_lo, key_hi);
 }
 #endif
 // The baseline: the scalar path (SSE2 at most, which the compiler may still use for it).

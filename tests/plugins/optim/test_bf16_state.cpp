@@ -6,6 +6,7 @@
 // test_optim.cpp's all_rules().
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 
@@ -64,7 +65,8 @@ constexpr double kLr = 3e-3, kWeightDecay = 0.1;
 // The rule over the pieces for every step; `strided` gives it parameters that are every other
 // element of a larger tensor, which the CPU kernel does not take (the tensor-op path, what runs
 // on GPUs).
-Result run_pieces(const UpdateRule& rule, const std::vector<Piece>& pieces, bool strided = false) {
+Result run_pieces(const UpdateRule& rule, const std::vector<Piece>& pieces, bool strided = false,
+                  int64_t first_step = 1) {
   std::vector<Segment> segments;
   std::vector<at::Tensor> storage;
   for (const Piece& p : pieces) {
@@ -86,7 +88,7 @@ Result run_pieces(const UpdateRule& rule, const std::vector<Piece>& pieces, bool
     for (size_t k = 0; k < pieces.size(); ++k) {
       segments[k].grad = pieces[k].grads[step];
       UpdateContext ctx;
-      ctx.step = static_cast<int64_t>(step) + 1;
+      ctx.step = static_cast<int64_t>(step) + first_step;
       ctx.lr = kLr;
       ctx.weight_decay = kWeightDecay;
       rule.update(segments[k], ctx);
@@ -237,6 +239,32 @@ TEST(OptimBf16State, IsaPathsAndTensorOpsGiveIdenticalBits) {
     expect_equal(run(isa), scalar, isa);
   }
   EXPECT_FALSE(at::equal(scalar.exp_avg_sq[2], pieces[2].exp_avg_sq));
+}
+
+// Late in a run sqrt(1 - beta2^t) rounds to 1.0f and the AVX2 kernel leaves out the division by
+// it (Note [bf16 moments in AVX2 by hand] in core/src/adamw.cpp): steps there give the scalar
+// kernel's bits, as do the steps just before, where the division is still made.
+TEST(OptimBf16State, LateStepsKeepTheBitsWithoutTheBiasDivision) {
+  const int64_t late = 20000;  // beta2 = 0.999: 0.999^20000 ~ 2e-9 < 2^-24
+  ASSERT_EQ(static_cast<float>(std::sqrt(1.0 - std::pow(0.999, double(late)))), 1.0f);
+  ASSERT_NE(static_cast<float>(std::sqrt(1.0 - std::pow(0.999, 100.0))), 1.0f);
+  const auto pieces = make_pieces(3);
+  auto rule = bf16_rule(8);
+  for (int64_t first : {int64_t{100}, late}) {
+    SCOPED_TRACE("from step " + std::to_string(first));
+    setenv("LOOM_KERNEL_ISA", "scalar", 1);
+    const Result scalar = run_pieces(*rule, pieces, false, first);
+    unsetenv("LOOM_KERNEL_ISA");
+    for (const char* isa : {"avx2", "avx512"}) {
+      const cpu::KernelIsa wanted =
+          std::string(isa) == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512;
+      if (cpu::cpu_kernel_isa() < wanted) continue;
+      setenv("LOOM_KERNEL_ISA", isa, 1);
+      const Result got = run_pieces(*rule, pieces, false, first);
+      unsetenv("LOOM_KERNEL_ISA");
+      expect_equal(got, scalar, isa);
+    }
+  }
 }
 
 // The optimizer file holds the moments as bf16 (half the bytes), the memory tracker sees 4 B
