@@ -191,9 +191,13 @@ __attribute__((target("arch=x86-64-v4"))) void adamw_bf16_avx512(
 // pack, four permutes to pack them), 0.46x torch's fused AdamW at one thread on the AVX2-only
 // AMD EPYC of issue 39. Written out here: the index in 32-bit lanes (it is taken mod 2^32
 // anyway), lowbias32 twice on 8 lanes, each moment's 16 results packed with one packus (they
-// are in [0, 65535], so it never saturates) and one permute. Every operation is the element
-// code's in its order (no FMA: this file has -ffp-contract=off, and intrinsics contract
-// nothing), so the bits are adamw_bf16::update's (OptimBf16State.IsaPathsAndTensorOpsGiveIdenticalBits).
+// are in [0, 65535], so it never saturates) and one permute: 0.68x at one thread, 1.22x at two
+// (docs/BENCHMARKS.md, "bf16 moments by hand"). Every operation is the element code's in its
+// order (no FMA: -ffp-contract=off holds for intrinsics too), and once sqrt(1 - beta2^t) has
+// rounded to 1 the division by it, exact then, is left out; so the bits are
+// adamw_bf16::update's (OptimBf16State.IsaPathsAndTensorOpsGiveIdenticalBits and
+// LateStepsKeepTheBitsWithoutTheBiasDivision; Bf16Masters.AdamwReadsBf16GradientsWithTheWidenedCopysBits
+// for bf16 gradients).
 __attribute__((target("avx2"), always_inline)) inline __m256i lowbias32_8(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7FEB352Du)));
