@@ -142,9 +142,11 @@ class TrackingAllocator final : public c10::Allocator {
   static constexpr size_t kHugePage = size_t{2} << 20, kSmallPage = 4096;
 
   // Note [Large blocks kept]: glibc maps every block above its largest mmap threshold (32 MiB)
-  // afresh and unmaps it when freed, so each step faults in and zeroes the same few large
-  // tensors again, page by page: an untied vocabulary's embedding and head gradients (98 MiB
-  // each at Llama ~124M) and the fused loss's logits buffer. 2.8 % of that step was page faults.
+  // afresh and unmaps it when freed (unless its heap's free top can hold it: with no trim and a
+  // top pad, as Note [Freed memory kept] sets them, it may carve the block from there, old
+  // bytes and all), so each step faults in and zeroes the same few large tensors again, page
+  // by page: an untied vocabulary's embedding and head gradients (98 MiB each at Llama ~124M)
+  // and the fused loss's logits buffer. 2.8 % of that step was page faults.
   // With a cap set (keep_large_cpu_blocks, CPU runs: Note [Freed memory kept] in device.h)
   // blocks of 32 MiB and more are mappings of their own, and a freed one is kept, up to the cap
   // in all, for the next request of exactly its size (its pages, 4 KiB-rounded); past the cap
