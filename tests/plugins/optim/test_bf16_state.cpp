@@ -102,6 +102,25 @@ Result run_pieces(const UpdateRule& rule, const std::vector<Piece>& pieces, bool
   return out;
 }
 
+// run_pieces with the kernel capped at `isa` (Note [Kernel ISA cap]), the cap lifted after.
+Result run_on(const char* isa, const UpdateRule& rule, const std::vector<Piece>& pieces,
+              bool strided = false, int64_t first_step = 1) {
+  setenv("LOOM_KERNEL_ISA", isa, 1);
+  Result out;
+  try {
+    out = run_pieces(rule, pieces, strided, first_step);
+  } catch (...) {
+    unsetenv("LOOM_KERNEL_ISA");
+    throw;
+  }
+  unsetenv("LOOM_KERNEL_ISA");
+  return out;
+}
+// Whether this CPU runs the kernel path `isa` ("avx2" or "avx512").
+bool cpu_has(const std::string& isa) {
+  return cpu::cpu_kernel_isa() >= (isa == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512);
+}
+
 std::unique_ptr<UpdateRule> bf16_rule(uint64_t seed) {
   auto rule = make_rule("adamw", {{"beta1", 0.9},
                                   {"beta2", 0.999},
@@ -215,28 +234,14 @@ TEST(OptimBf16State, RoundingIsUnbiased) {
 TEST(OptimBf16State, IsaPathsAndTensorOpsGiveIdenticalBits) {
   const auto pieces = make_pieces(5);
   auto rule = bf16_rule(5);
-  auto run = [&](const char* isa, bool strided = false) {
-    setenv("LOOM_KERNEL_ISA", isa, 1);
-    Result out;
-    try {
-      out = run_pieces(*rule, pieces, strided);
-    } catch (...) {
-      unsetenv("LOOM_KERNEL_ISA");
-      throw;
-    }
-    unsetenv("LOOM_KERNEL_ISA");
-    return out;
-  };
-  const Result scalar = run("scalar");
-  expect_equal(run("scalar", /*strided=*/true), scalar, "tensor ops");
+  const Result scalar = run_on("scalar", *rule, pieces);
+  expect_equal(run_on("scalar", *rule, pieces, /*strided=*/true), scalar, "tensor ops");
   for (const char* isa : {"avx2", "avx512"}) {
-    const cpu::KernelIsa wanted =
-        std::string(isa) == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512;
-    if (cpu::cpu_kernel_isa() < wanted) {
+    if (!cpu_has(isa)) {
       std::cout << "[ SKIPPED  ] " << isa << ": this CPU lacks it\n";
       continue;
     }
-    expect_equal(run(isa), scalar, isa);
+    expect_equal(run_on(isa, *rule, pieces), scalar, isa);
   }
   EXPECT_FALSE(at::equal(scalar.exp_avg_sq[2], pieces[2].exp_avg_sq));
 }
@@ -252,18 +257,9 @@ TEST(OptimBf16State, LateStepsKeepTheBitsWithoutTheBiasDivision) {
   auto rule = bf16_rule(8);
   for (int64_t first : {int64_t{100}, late}) {
     SCOPED_TRACE("from step " + std::to_string(first));
-    setenv("LOOM_KERNEL_ISA", "scalar", 1);
-    const Result scalar = run_pieces(*rule, pieces, false, first);
-    unsetenv("LOOM_KERNEL_ISA");
-    for (const char* isa : {"avx2", "avx512"}) {
-      const cpu::KernelIsa wanted =
-          std::string(isa) == "avx2" ? cpu::KernelIsa::avx2 : cpu::KernelIsa::avx512;
-      if (cpu::cpu_kernel_isa() < wanted) continue;
-      setenv("LOOM_KERNEL_ISA", isa, 1);
-      const Result got = run_pieces(*rule, pieces, false, first);
-      unsetenv("LOOM_KERNEL_ISA");
-      expect_equal(got, scalar, isa);
-    }
+    const Result scalar = run_on("scalar", *rule, pieces, false, first);
+    for (const char* isa : {"avx2", "avx512"})
+      if (cpu_has(isa)) expect_equal(run_on(isa, *rule, pieces, false, first), scalar, isa);
   }
 }
 
